@@ -1,0 +1,7 @@
+"""``python -m flowrl`` runs the CLI."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,150 @@
+"""Command-line interface: ``flowrl train | sample | rewards list | pretrain-digits``.
+
+User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
+line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, KeyError)
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """First non ``key=value`` positional is the config path; the rest are overrides."""
+    config, overrides = None, []
+    for arg in args:
+        if "=" in arg or config is not None:
+            overrides.append(arg)
+        else:
+            config = arg
+    return config, overrides
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from .config import load_config
+    from .recipe import Run
+
+    config, overrides = _split_config_args(ns.args)
+    cfg = load_config(config, overrides)
+    if ns.output:
+        cfg.output.dir = ns.output
+    run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
+    summary = run.execute()
+    start, end = summary["start"], summary["end"]
+    print(
+        f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s; "
+        f"eval reward {start.get('eval/reward_mean', float('nan')):.4f} -> {end.get('eval/reward_mean', float('nan')):.4f}; "
+        f"outputs in {cfg.output.dir}"
+    )
+    return 0
+
+
+def cmd_sample(ns: argparse.Namespace) -> int:
+    import torch
+
+    from .config import load_config
+    from .models import load_adapter
+    from .outputs import image_grid, save_png
+    from .prompts import load_prompts
+    from .rollouts import sample_images
+    from .runtime import configure_threads
+    from .samplers.schedules import make_sigmas
+
+    config, overrides = _split_config_args(ns.args)
+    cfg = load_config(config, overrides)
+    configure_threads(cfg.train.threads)
+    model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    if ns.lora:
+        lora = Path(ns.lora)
+        if lora.is_dir() and (lora / "lora").is_dir():
+            lora = lora / "lora"
+        if not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
+            raise FileNotFoundError(f"no LoRA at {ns.lora}; pass a run folder or its lora/ folder")
+        model.pipe.load_lora_weights(str(lora))
+    texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval)]
+    prompts = [t for t in texts for _ in range(ns.seeds)]
+    seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
+    res = cfg.model.resolution
+    resolution = (res, res) if res else tuple(model.default_resolution)
+    sigmas = make_sigmas(cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift)
+    with torch.no_grad():
+        images = sample_images(model, prompts, seeds, sigmas, resolution=resolution)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_png(image_grid(images, len(texts), scale=max(1, 64 // resolution[0])), out)
+    print(f"wrote {len(prompts)} samples ({len(texts)} prompts x {ns.seeds} seeds) to {out}")
+    return 0
+
+
+def cmd_rewards_list(ns: argparse.Namespace) -> int:
+    from .rewards import list_rewards
+
+    rows = list_rewards()
+    width = max(len(r.name) for r in rows)
+    print(f"{'name':<{width}}  {'source':<12} offline  description")
+    for r in rows:
+        print(f"{r.name:<{width}}  {r.source:<12} {'yes' if r.offline else 'no ':<7}  {r.description}")
+    return 0
+
+
+def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
+    from .models.digits_pretrain import main as pretrain_main
+
+    return pretrain_main(ns.args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train with a config (default: the embedded digits job)")
+    train.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    train.add_argument("--output", help="run folder (same as output.dir=...)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
+    train.add_argument("--resume", help="continue from a checkpoint folder (runs/X/checkpoints/iter-N)")
+    train.set_defaults(func=cmd_train)
+
+    sample = sub.add_parser("sample", help="sample an image grid (optionally with a trained LoRA)")
+    sample.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    sample.add_argument("--lora", help="a run folder or a folder with pytorch_lora_weights.safetensors")
+    sample.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's eval prompts")
+    sample.add_argument("--seeds", type=int, default=4, help="samples per prompt")
+    sample.add_argument("--seed", type=int, default=0, help="first seed")
+    sample.add_argument("--steps", type=int, help="ODE steps (default: sampler.num_steps)")
+    sample.add_argument("--out", default="samples.png", help="output PNG")
+    sample.set_defaults(func=cmd_sample)
+
+    rewards = sub.add_parser("rewards", help="reward registry")
+    rsub = rewards.add_subparsers(dest="rewards_command", required=True)
+    rlist = rsub.add_parser("list", help="list available rewards")
+    rlist.set_defaults(func=cmd_rewards_list)
+
+    pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
+    pre.add_argument("args", nargs=argparse.REMAINDER)
+    pre.set_defaults(func=cmd_pretrain_digits)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``flowrl`` console script."""
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except USER_ERRORS as err:
+        if os.environ.get("FLOWRL_DEBUG"):
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"flowrl: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flowrl: interrupted; checkpoints written so far are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Run configuration: typed dataclasses, YAML loading, ``key=value`` overrides and validation.
+
+A config file is a diff against the defaults below; the defaults are the embedded job. Every
+unknown key or bad value is reported as one :class:`ConfigError` line that names the key, the
+file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value (one line: key, file, what is allowed)."""
+
+
+def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> dict[str, Any]:
+    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+@dataclass
+class ModelConfig:
+    path: str = "flowrl-digits"  # "flowrl-digits" (embedded) or a local diffusers folder
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    resolution: int | None = None  # None = the model's default
+
+
+@dataclass
+class PromptConfig:
+    train: str = "digits-styles"  # built-in set name or a .txt / .jsonl file
+    eval: str = "digits-styles"
+    per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
+    group_size: int = field(default=8, metadata=_rng(2))  # samples per prompt (GRPO group K)
+
+
+@dataclass
+class SamplerConfig:
+    num_steps: int = field(default=10, metadata=_rng(1))
+    schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
+    shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
+    noise_level: float = field(default=0.7, metadata=_rng(0))
+    chunk_size: int = field(default=40, metadata=_rng(1))  # rollout micro-batch (also the train micro-batch)
+
+
+@dataclass
+class AdvantageConfig:
+    std: Literal["global", "group"] = "global"
+    clip: float = field(default=5.0, metadata=_rng(0, lo_open=True))
+    eps: float = field(default=1e-4, metadata=_rng(0))
+
+
+@dataclass
+class ObjectiveConfig:
+    name: Literal["flow_grpo"] = "flow_grpo"
+    clip_range: float = field(default=1e-4, metadata=_rng(0, lo_open=True))
+    kl_beta: float = field(default=0.0, metadata=_rng(0))
+    updates_per_iteration: int = field(default=1, metadata=_rng(1))
+
+
+@dataclass
+class LoraConfig:
+    rank: int = field(default=8, metadata=_rng(1))
+    alpha: float = field(default=16.0, metadata=_rng(0, lo_open=True))
+    targets: list[str] | None = None  # None = the model adapter's defaults
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=3e-4, metadata=_rng(0, lo_open=True))
+    weight_decay: float = field(default=1e-4, metadata=_rng(0))
+    beta1: float = field(default=0.9, metadata=_rng(0, 1))
+    beta2: float = field(default=0.999, metadata=_rng(0, 1))
+    eps: float = field(default=1e-8, metadata=_rng(0, lo_open=True))
+    max_grad_norm: float = field(default=1.0, metadata=_rng(0, lo_open=True))
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = field(default=100, metadata=_rng(1))
+    time_budget_s: float | None = None  # stop early after this many seconds of training
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2
+    eval_every: int = field(default=10, metadata=_rng(1))
+    eval_seeds: int = field(default=4, metadata=_rng(1))  # held-out seeds per eval prompt
+    save_every: int = field(default=50, metadata=_rng(1))
+    progress: bool = True
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/digits-bold-thin"
+    grid_seeds: int = field(default=4, metadata=_rng(1))  # columns per prompt in the before/after grid
+
+
+def _default_rewards() -> dict[str, dict[str, Any]]:
+    return {"ink": {"weight": 1.0, "target": "prompt"}, "digit_correctness": {"weight": 0.5}}
+
+
+@dataclass
+class Config:
+    """The whole run configuration; its defaults are the embedded bold/thin alignment job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    rewards: dict[str, dict[str, Any]] = field(default_factory=_default_rewards)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_coerce(v, item, key, where) for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: '{key}' must be {_type_name(tp)}; got {value!r}")
+
+
+def _check_range(value: Any, meta: dict[str, Any], key: str, where: str) -> None:
+    if value is None or "lo" not in meta:
+        return
+    lo, hi, lo_open = meta["lo"], meta["hi"], meta["lo_open"]
+    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
+    bad_hi = hi is not None and value > hi
+    if bad_lo or bad_hi:
+        low = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+        high = "" if hi is None else f"<= {hi}"
+        raise ConfigError(f"{where}: '{key}' must be {' and '.join(p for p in (low, high) if p)}; got {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and bad values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: '{prefix[:-1] or 'config'}' must be a mapping; got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            allowed = ", ".join(fields)
+            raise ConfigError(f"{where}: unknown key '{prefix}{key}'; allowed keys{' in ' + prefix[:-1] if prefix else ''}: {allowed}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], f"{prefix}{name}.", where)
+        else:
+            kwargs[name] = _coerce(data[name], tp, prefix + name, where)
+            _check_range(kwargs[name], dict(f.metadata), prefix + name, where)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"command line: cannot set '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["sampler.noise_level=0.5", ...]`` -> nested dict (values parsed as YAML scalars)."""
+    data: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: override {item!r} must look like key=value, e.g. train.iterations=50")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"command line: value of '{key}' is not valid YAML: {raw!r}") from err
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "rewards":
+            out[key] = _merge(out[key], value)
+        elif key == "rewards" and isinstance(value, dict) and isinstance(out.get(key), dict):
+            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in out[key].items()}
+            for name, opts in value.items():
+                merged[name] = _merge(merged.get(name) or {}, opts) if isinstance(opts, dict) else opts
+            out[key] = merged
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; one-line ConfigError for a missing file or bad YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (model:, sampler:, ...)")
+    return data
+
+
+def validate_rewards(rewards: dict[str, Any], where: str) -> None:
+    """Each reward entry must be a mapping with a finite numeric weight."""
+    if not rewards:
+        raise ConfigError(f"{where}: 'rewards' is empty; name at least one reward (see `flowrl rewards list`)")
+    for name, opts in rewards.items():
+        if not isinstance(opts, dict):
+            raise ConfigError(f"{where}: 'rewards.{name}' must be a mapping like {{weight: 1.0}}; got {opts!r}")
+        weight = opts.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{where}: 'rewards.{name}.weight' must be a finite number; got {weight!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then ``key=value`` overrides, validated.
+
+    Args:
+        path: YAML file, or None for the embedded default job.
+        overrides: dotted ``key=value`` strings.
+
+    Returns:
+        A validated :class:`Config`.
+
+    Raises:
+        ConfigError: one line naming the key, the file and what is allowed.
+    """
+    where = str(path) if path else "default config"
+    data = read_yaml(path) if path else {}
+    if not isinstance(data.get("rewards", {}), dict):
+        raise ConfigError(f"{where}: 'rewards' must be a mapping of reward name -> options")
+    data.setdefault("rewards", _default_rewards())  # a file's rewards replace the defaults whole
+    if overrides:
+        extra = parse_overrides(overrides)
+        data = _merge(data, extra)
+        where = f"{where} + command line"
+    cfg = _build(Config, data, "", where)
+    validate_rewards(cfg.rewards, where)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (for the resolved config file)."""
+    return dataclasses.asdict(cfg)

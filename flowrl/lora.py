@@ -1,0 +1,78 @@
+"""LoRA on the denoiser through peft, saved in the layout diffusers' ``load_lora_weights`` reads."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequence[str]) -> list[nn.Parameter]:
+    """Attach a LoRA adapter (B initialised to zero, so outputs are unchanged) and freeze the rest.
+
+    Args:
+        transformer: a diffusers model with ``add_adapter`` (PeftAdapterMixin).
+        rank: LoRA rank r.
+        alpha: LoRA alpha (scale = alpha / r).
+        targets: module names to adapt, e.g. ("to_q", "to_k", "to_v", "to_out.0").
+
+    Returns:
+        The trainable LoRA parameters, in fp32.
+
+    References:
+        Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021.
+    """
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+    try:
+        transformer.add_adapter(config)
+    except ValueError as err:
+        raise ValueError(f"lora.targets {list(targets)} do not match modules of {type(transformer).__name__}: {err}") from err
+    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return params
+
+
+def lora_state_dict(transformer: nn.Module) -> dict[str, Tensor]:
+    """The adapter weights as a flat peft state dict (cloned, on CPU)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def load_lora_state(transformer: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load weights produced by :func:`lora_state_dict` into an attached adapter.
+
+    Raises:
+        ValueError: when keys are missing or unexpected (a checkpoint from another config).
+    """
+    from peft.utils import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(transformer, state)
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if missing or getattr(result, "unexpected_keys", []):
+        raise ValueError(
+            f"LoRA checkpoint does not match the model ({len(missing)} missing, "
+            f"{len(result.unexpected_keys)} unexpected keys); use the same lora.rank/targets as the run that wrote it"
+        )
+
+
+@contextmanager
+def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
+    """Run the base model (the KL reference) by switching the LoRA adapter off temporarily."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def count_parameters(params: Sequence[torch.nn.Parameter]) -> int:
+    """Total number of elements in a parameter list."""
+    return sum(p.numel() for p in params)

@@ -1,0 +1,62 @@
+"""Model adapters: one file per model family, all implementing :class:`ModelAdapter`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
+
+EMBEDDED = "flowrl-digits"
+
+__all__ = ["Cond", "EMBEDDED", "ModelAdapter", "load_adapter", "repeat_cond", "select_cond"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _pipeline_class(path: Path) -> str:
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"model folder {path} has no model_index.json; point model.path at a diffusers pipeline folder"
+        )
+    return json.loads(index.read_text()).get("_class_name", "")
+
+
+def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str = "cpu") -> ModelAdapter:
+    """Load a model adapter from a local diffusers folder, or the embedded model.
+
+    Args:
+        path: a diffusers pipeline folder, or None / "flowrl-digits" for the embedded model.
+        dtype: "float32", "bfloat16" or "float16".
+        device: torch device string.
+
+    Returns:
+        A :class:`ModelAdapter`.
+
+    Raises:
+        FileNotFoundError: the folder or its weights are missing (the message says how to fix it).
+        ValueError: the folder holds a pipeline class flowrl has no adapter for.
+    """
+    from .sd3 import SD3Adapter
+
+    if path in (None, EMBEDDED):
+        from .digits import DIGITS_DIR
+
+        if not (DIGITS_DIR / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"embedded model weights are missing at {DIGITS_DIR}; rebuild them with `flowrl pretrain-digits`"
+            )
+        path = str(DIGITS_DIR)
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"model folder {folder} does not exist; download the weights (e.g. `huggingface-cli download "
+            f"<repo> --local-dir {folder}`) and set model.path to it"
+        )
+    cls_name = _pipeline_class(folder)
+    if cls_name == "StableDiffusion3Pipeline":
+        return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
+    raise ValueError(f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline")

@@ -1,0 +1,130 @@
+"""Adapter for Stable Diffusion 3 / 3.5 pipelines (and the embedded flowrl-digits model).
+
+Wraps the parts of a diffusers ``StableDiffusion3Pipeline``: the CLIP (+ optional T5) text
+encoders through the pipeline's own ``encode_prompt``, the ``SD3Transformer2DModel`` as the
+velocity model, and the ``AutoencoderKL`` for decoding.
+
+References:
+    Esser et al., "Scaling Rectified Flow Transformers for High-Resolution Image Synthesis", 2024.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .adapter import Cond
+
+SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+MODEL_CARD = "flowrl.json"
+
+
+def read_model_card(path: str | Path) -> dict[str, Any]:
+    """Read the optional ``flowrl.json`` sampling defaults shipped next to a diffusers folder."""
+    card = Path(path) / MODEL_CARD
+    if not card.is_file():
+        return {}
+    try:
+        return json.loads(card.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"model card {card} is not valid JSON ({err}); fix or delete it") from err
+
+
+class SD3Adapter:
+    """Model adapter over a ``StableDiffusion3Pipeline``.
+
+    Args:
+        pipe: a loaded ``StableDiffusion3Pipeline``.
+        max_sequence_length: T5 token length (zeros of this length when there is no T5).
+        resolution: default (height, width).
+    """
+
+    lora_target_modules = SD3_LORA_TARGETS
+
+    def __init__(self, pipe: Any, *, max_sequence_length: int = 256, resolution: tuple[int, int] | None = None):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.max_sequence_length = max_sequence_length
+        self.dtype = self.transformer.dtype
+        size = self.transformer.config.sample_size * pipe.vae_scale_factor
+        self.default_resolution = tuple(resolution) if resolution else (size, size)
+        for module in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            if module is not None:
+                module.requires_grad_(False)
+                module.eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "SD3Adapter":
+        """Load a local diffusers folder (or hub id) holding a ``StableDiffusion3Pipeline``."""
+        from diffusers import StableDiffusion3Pipeline
+
+        card = read_model_card(path) if Path(path).is_dir() else {}
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        res = card.get("resolution")
+        return cls(
+            pipe,
+            max_sequence_length=int(card.get("max_sequence_length", 256)),
+            resolution=(res, res) if isinstance(res, int) else res,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @torch.no_grad()
+    def encode_prompt(self, prompts: Sequence[str]) -> Cond:
+        """Encode prompts with the pipeline's CLIP/T5 encoders.
+
+        Returns:
+            ``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``.
+        """
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"encoder_hidden_states": embeds.to(self.dtype), "pooled_projections": pooled.to(self.dtype)}
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """Velocity (B, C, H, W); SD3 takes ``timestep = 1000 * sigma``."""
+        out = self.transformer(
+            hidden_states=x.to(self.dtype),
+            timestep=(sigma * 1000).to(self.dtype),
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            pooled_projections=cond["pooled_projections"],
+            return_dict=False,
+        )[0]
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
+        cfg = self.vae.config
+        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        images = self.vae.decode(z, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """(C, H / f, W / f) where f is the VAE's downsampling factor."""
+        factor = self.pipe.vae_scale_factor * self.transformer.config.patch_size
+        if height % factor or width % factor:
+            raise ValueError(f"SD3 resolution must be a multiple of {factor}; got {height}x{width}")
+        f = self.pipe.vae_scale_factor
+        return (self.transformer.config.in_channels, height // f, width // f)
+
+    def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
+        """Write a LoRA in the layout ``pipe.load_lora_weights(directory)`` reads."""
+        from diffusers import StableDiffusion3Pipeline
+
+        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state)
+        return Path(directory) / "pytorch_lora_weights.safetensors"

@@ -1,0 +1,136 @@
+"""Run-folder outputs: resolved config, metrics (JSONL + TensorBoard), reward curve, image grids."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
+
+
+def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
+    """Create the run folder, refusing one that already holds a run unless ``overwrite``.
+
+    Raises:
+        FileExistsError: the folder holds a run and overwrite is False.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"output path {path} is a file; set output.dir to a folder")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file and rename, so a crash never leaves a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsLogger:
+    """Append-only JSONL metrics plus TensorBoard scalars.
+
+    Args:
+        run_dir: the run folder (writes ``metrics.jsonl`` and ``tensorboard/``).
+    """
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.rows: list[dict[str, float]] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step" and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def save_reward_curve(rows: Sequence[dict[str, float]], path: Path, title: str = "reward") -> None:
+    """Plot training reward mean and eval reward (held-out seeds) against iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    train = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    if train:
+        ax.plot(*zip(*train), label="train reward (SDE rollouts)", alpha=0.7)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval reward (ODE, held-out seeds)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def image_grid(images: Tensor, rows: int, scale: int = 1, pad: int = 1) -> Tensor:
+    """Tile images (N, 3, H, W) in [0, 1] row-major into one (3, H', W') image (nearest upscaling)."""
+    n, c, h, w = images.shape
+    cols = math.ceil(n / rows)
+    if scale > 1:
+        images = images.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)
+        h, w = h * scale, w * scale
+    canvas = torch.full((c, rows * (h + pad) + pad, cols * (w + pad) + pad), 0.35)
+    for i in range(n):
+        r, k = divmod(i, cols)
+        canvas[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + k * (w + pad) : pad + k * (w + pad) + w] = images[i]
+    return canvas
+
+
+def save_png(image: Tensor, path: Path) -> None:
+    """Save a (3, H, W) image in [0, 1] as PNG (atomic)."""
+    from PIL import Image
+
+    array = (image.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    tmp = path.with_name(path.name + ".tmp.png")
+    Image.fromarray(array).save(tmp)
+    os.replace(tmp, path)
+
+
+def save_before_after(before: Tensor, after: Tensor, rows: int, path: Path, scale: int = 1) -> None:
+    """Side-by-side grid: left block = before training, right block = after (same prompts and seeds).
+
+    Args:
+        before: (N, 3, H, W) images, N = rows * columns, one prompt per row.
+        after: (N, 3, H, W) images for the same prompts/seeds.
+        rows: number of prompts.
+        path: PNG path.
+        scale: nearest-neighbour upscaling for tiny images.
+    """
+    left, right = image_grid(before, rows, scale), image_grid(after, rows, scale)
+    gap = torch.ones(3, left.shape[1], max(4, scale * 2))
+    save_png(torch.cat([left, gap, right], dim=2), path)

@@ -1,0 +1,152 @@
+"""The training recipe: config -> model -> rewards -> Trainer loop -> run folder.
+
+Run folder contents::
+
+    config.yaml                       resolved config
+    metrics.jsonl, tensorboard/       per-iteration metrics
+    lora/pytorch_lora_weights.safetensors   final LoRA (diffusers ``load_lora_weights`` layout)
+    checkpoints/iter-XXXXXX/          full trainer state (resume)
+    reward_curve.png                  train and eval reward against iteration
+    grid_before_after.png             fixed prompts x seeds, before | after
+    summary.json                      start/end eval figures, wall time
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config, to_dict
+from .models import EMBEDDED, load_adapter
+from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
+from .prompts import Prompt, load_prompts
+from .runtime import configure_threads
+from .trainer import Trainer
+
+GRID_SEED_BASE = 2_000_000
+GRID_MAX_PROMPTS = 20
+
+
+def build_reward(cfg: Config) -> Any:
+    """The weighted multi-reward from the config's ``rewards`` section."""
+    from .rewards import build_multi_reward
+
+    return build_multi_reward(cfg.rewards)
+
+
+def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[int]]:
+    chosen = prompts[:GRID_MAX_PROMPTS]
+    return [p for p in chosen for _ in range(seeds)], [GRID_SEED_BASE + j for _ in chosen for j in range(seeds)]
+
+
+def _digits_report(trainer: Trainer) -> dict[str, float]:
+    """Independent-classifier accuracy and ink for the embedded model (held-out seeds)."""
+    from .models.digits_eval import style_report
+
+    return style_report(trainer.sample)
+
+
+class Run:
+    """One training run, set up and validated before anything is written.
+
+    Args:
+        cfg: validated config.
+        overwrite: replace an existing run folder.
+        resume: a checkpoint folder to continue from.
+        echo: where progress lines go.
+    """
+
+    def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None, echo: Callable[[str], None] = print):
+        self.cfg, self.echo = cfg, echo
+        self.out = Path(cfg.output.dir)
+        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
+            raise FileExistsError(f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>")
+        self.overwrite = overwrite
+        self.threads = configure_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        train_prompts, eval_prompts = load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval)
+        reward = build_reward(cfg)
+        model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+        self.trainer = Trainer(cfg, model, reward, train_prompts, eval_prompts)
+        self.resume_state = load_checkpoint(resume) if resume else None
+        self.is_digits = cfg.model.path == EMBEDDED
+
+    def _grid(self) -> torch.Tensor:
+        prompts, seeds = _grid_inputs(self.trainer.eval_prompts, self.cfg.output.grid_seeds)
+        return self.trainer.sample(prompts, seeds)
+
+    def _evaluate(self) -> dict[str, float]:
+        metrics = self.trainer.evaluate()
+        if self.is_digits:
+            metrics.update({f"eval/{k}": v for k, v in _digits_report(self.trainer).items()})
+        return metrics
+
+    def execute(self) -> dict[str, Any]:
+        """Train, writing the run folder; returns the summary dict."""
+        cfg, trainer = self.cfg, self.trainer
+        before = self._grid()
+        start_eval = self._evaluate()  # also probes every reward before the folder is touched
+        if self.resume_state is not None:
+            trainer.load_state_dict(self.resume_state)
+        out = prepare_run_dir(self.out, self.overwrite) if self.resume_state is None else self.out
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        logger = MetricsLogger(out)
+        logger.log(trainer.iteration, start_eval)
+        t0 = time.perf_counter()
+        try:
+            end_eval = self._loop(logger, t0)
+        finally:
+            logger.close()
+        wall = time.perf_counter() - t0
+        return self._finish(out, logger, before, start_eval, end_eval, wall)
+
+    def _loop(self, logger: MetricsLogger, t0: float) -> dict[str, float]:
+        from tqdm import tqdm
+
+        cfg, trainer = self.cfg, self.trainer
+        budget = cfg.train.time_budget_s
+        bar = tqdm(total=cfg.train.iterations, initial=trainer.iteration, disable=not cfg.train.progress, unit="it", dynamic_ncols=True)
+        end_eval: dict[str, float] = {}
+        while trainer.iteration < cfg.train.iterations:
+            metrics = trainer.train_step()
+            done = trainer.iteration >= cfg.train.iterations or (budget is not None and time.perf_counter() - t0 >= budget)
+            if trainer.iteration % cfg.train.eval_every == 0 or done:
+                end_eval = self._evaluate()
+                metrics.update(end_eval)
+            logger.log(trainer.iteration, metrics)
+            if trainer.iteration % cfg.train.save_every == 0 or done:
+                save_checkpoint(trainer.state_dict(), self.out / "checkpoints" / f"iter-{trainer.iteration:06d}")
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", s_per_it=f"{metrics['time/iteration_s']:.2f}")
+            bar.update(1)
+            if done:
+                break
+        bar.close()
+        return end_eval
+
+    def _finish(self, out: Path, logger: MetricsLogger, before: torch.Tensor, start: dict, end: dict, wall: float) -> dict[str, Any]:
+        trainer = self.trainer
+        from .lora import lora_state_dict
+
+        (out / "lora").mkdir(exist_ok=True)
+        trainer.model.save_lora(out / "lora", lora_state_dict(trainer.model.transformer))
+        after = self._grid()
+        rows = min(len(trainer.eval_prompts), GRID_MAX_PROMPTS)
+        scale = max(1, 64 // trainer.resolution[0])
+        save_before_after(before, after, rows, out / "grid_before_after.png", scale=scale)
+        save_reward_curve(logger.rows, out / "reward_curve.png", title=f"{self.cfg.objective.name} on {self.cfg.model.path}")
+        summary = {
+            "iterations": trainer.iteration,
+            "samples_seen": trainer.samples_seen,
+            "train_wall_s": round(wall, 2),
+            "threads": self.threads,
+            "start": start,
+            "end": end,
+        }
+        write_json(out / "summary.json", summary)
+        return summary

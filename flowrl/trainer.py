@@ -1,0 +1,175 @@
+"""The single online-RL training loop: sample -> score -> advantages -> objective -> LoRA update.
+
+The loop is written once; the algorithm-specific part is an :class:`~flowrl.objectives.Objective`.
+Its whole state (LoRA weights, optimizer, RNGs, counters) round-trips through
+:meth:`Trainer.state_dict`, so a run can be checkpointed and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .advantages import group_advantages
+from .config import Config
+from .lora import add_lora, lora_state_dict, load_lora_state
+from .models.adapter import ModelAdapter
+from .objectives import OBJECTIVES, Objective, RolloutBatch
+from .prompts import Prompt, collate, sample_groups
+from .rollouts import chunked_rollout, sample_images
+from .samplers.rollout import sde_noise_levels
+from .samplers.schedules import make_sigmas
+
+EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
+
+
+def build_objective(cfg: Config) -> Objective:
+    """Instantiate the configured objective."""
+    o = cfg.objective
+    return OBJECTIVES[o.name](clip_range=o.clip_range, kl_beta=o.kl_beta, updates_per_iteration=o.updates_per_iteration)
+
+
+class Trainer:
+    """Online RL on a model adapter with a LoRA policy.
+
+    Args:
+        cfg: validated run config.
+        model: model adapter (the LoRA is attached to ``model.transformer`` here).
+        reward: a reward callable returning ``(total (B,), components)`` (``MultiReward``).
+        train_prompts: prompts to sample groups from.
+        eval_prompts: prompts for held-out-seed evaluation.
+    """
+
+    def __init__(self, cfg: Config, model: ModelAdapter, reward: Any, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
+        self.cfg, self.model, self.reward = cfg, model, reward
+        self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
+        res = cfg.model.resolution
+        self.resolution = (res, res) if res else tuple(model.default_resolution)
+        latent = model.latent_shape(*self.resolution)
+        s = cfg.sampler
+        self.sigmas = make_sigmas(s.schedule, s.num_steps, shift=s.shift, image_seq_len=math.prod(latent[1:]) // 4)
+        self.noise_levels = sde_noise_levels(s.num_steps, s.noise_level)
+        targets = cfg.lora.targets or list(model.lora_target_modules)
+        self.params = add_lora(model.transformer, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.objective = build_objective(cfg)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.iteration = 0
+        self.samples_seen = 0
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def collect(self) -> tuple[RolloutBatch, dict[str, Tensor]]:
+        """Sample groups, roll out with SDE noise, decode, score and compute advantages."""
+        p = self.cfg.prompts
+        prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
+        cond = self.model.encode_prompt(prompts.texts)
+        shape = (len(prompts.texts), *self.model.latent_shape(*self.resolution))
+        x_init = torch.randn(shape, generator=self.generator)
+        traj = chunked_rollout(
+            self.model, cond, x_init, self.sigmas, self.noise_levels,
+            chunk_size=self.cfg.sampler.chunk_size, generator=self.generator,
+        )
+        images = self.model.decode(traj.latents[:, -1])
+        scored = self.reward(images, prompts.texts, **prompts.metadata)
+        a = self.cfg.advantage
+        adv, keep, stats = group_advantages(scored.total, prompts.group_ids, std=a.std, eps=a.eps, clip=a.clip)
+        batch = RolloutBatch(prompts.texts, prompts.group_ids, cond, traj, images, scored.total, adv, keep, self.cfg.sampler.chunk_size)
+        info = {"zero_std_groups": torch.tensor(float(stats.zero_std_groups)), **{f"reward/{k}": v for k, v in scored.components.items()}}
+        return batch, info
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Run the objective's plan: one optimizer step per planned group of micro-batches."""
+        totals: dict[str, float] = {}
+        count = 0
+        first_ratio = None
+        for group in self.objective.plan(batch, self.generator):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in group:
+                loss, stats = self.objective.loss(self.model, batch, mb)
+                if not torch.isfinite(loss):
+                    raise ValueError(
+                        f"non-finite loss at iteration {self.iteration} (objective {self.objective.name}); "
+                        "lower optim.lr or check the rewards for extreme values"
+                    )
+                (loss / len(group)).backward()
+                first_ratio = stats["ratio"] if first_ratio is None else first_ratio
+                for k, v in {"loss": float(loss.detach()), **stats}.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                count += 1
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(group)
+            self.optimizer.step()
+        out = {k: v / max(count, 1) for k, v in totals.items()}
+        if first_ratio is not None:
+            out["first_ratio"] = first_ratio
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        """One iteration; returns scalar metrics."""
+        start = time.perf_counter()
+        batch, info = self.collect()
+        t_sample = time.perf_counter() - start
+        stats = self.update(batch)
+        self.iteration += 1
+        self.samples_seen += len(batch.prompts)
+        metrics = {
+            "iteration": float(self.iteration),
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std(unbiased=False)),
+            **{k: float(v.float().nanmean()) if v.numel() > 1 else float(v) for k, v in info.items()},
+            **{f"train/{k}": v for k, v in stats.items()},
+            "time/sample_s": t_sample,
+            "time/iteration_s": time.perf_counter() - start,
+        }
+        return metrics
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
+        """ODE samples (no noise) for prompt/seed pairs: images (B, 3, H, W)."""
+        batch = collate(prompts)
+        return sample_images(
+            self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Reward of ODE samples on the eval prompts with held-out seeds."""
+        k = self.cfg.train.eval_seeds
+        prompts = [p for p in self.eval_prompts for _ in range(k)]
+        seeds = [EVAL_SEED_BASE + j for _ in self.eval_prompts for j in range(k)]
+        images = self.sample(prompts, seeds)
+        batch = collate(prompts)
+        scored = self.reward(images, batch.texts, **batch.metadata)
+        out = {"eval/reward_mean": float(scored.total.mean())}
+        for name, value in scored.components.items():
+            out[f"eval/{name}"] = float(value.float().nanmean())
+        return out
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters."""
+        return {
+            "lora": lora_state_dict(self.model.transformer),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "iteration": self.iteration,
+            "samples_seen": self.samples_seen,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        load_lora_state(self.model.transformer, state["lora"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.iteration = int(state["iteration"])
+        self.samples_seen = int(state["samples_seen"])

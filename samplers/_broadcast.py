@@ -1,0 +1,34 @@
+"""Shape helpers shared by the samplers (private)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def expand_like(value: Tensor | float, x: Tensor) -> Tensor:
+    """Broadcast a per-sample value against a latent of any rank.
+
+    Args:
+        value: a Python float, a 0-d tensor or a tensor of shape (B,).
+        x: latent of shape (B, ...) (rank 3, 4 or 5: tokens, images or video).
+
+    Returns:
+        A tensor of shape (B, 1, ..., 1) (or 0-d for scalars) on x's device, in x's dtype.
+
+    Raises:
+        ValueError: if a 1-d value does not have B entries.
+    """
+    value = torch.as_tensor(value, device=x.device, dtype=x.dtype)
+    if value.ndim == 0:
+        return value
+    if value.ndim != 1 or value.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"per-sample sigma/noise must have shape ({x.shape[0]},) to match the latent batch; got {tuple(value.shape)}"
+        )
+    return value.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype SDE means and log-probs are computed in: fp32, or fp64 if any input is fp64."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -1,0 +1,110 @@
+"""Flow-GRPO's SDE step: the reverse-time SDE with the same marginals as the flow ODE.
+
+With ``Delta = sigma_next - sigma < 0``, diffusion ``s = a * sqrt(sigma / (1 - sigma))`` and the
+implied score ``-(x + (1 - sigma) v) / sigma``, the Euler–Maruyama transition is
+
+    mean = x + [v + s^2 / (2 sigma) * (x + (1 - sigma) v)] * Delta
+    x'   = mean + s * sqrt(-Delta) * z,    z ~ N(0, I).
+
+At ``sigma = 1`` the ratio ``sigma / (1 - sigma)`` is infinite; as in the reference
+implementation the sigma under the square root is replaced by the next sigma of the grid.
+Means and log-probs are computed in fp32 (fp64 when the inputs are fp64).
+
+References:
+    Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", 2025, eq. (8)–(9).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._broadcast import compute_dtype, expand_like
+from .gaussian import Reduction, gaussian_log_prob
+
+
+class SDEStep(NamedTuple):
+    """Result of one stochastic step.
+
+    Attributes:
+        sample: (B, ...) the next latent x' (compute dtype).
+        mean: (B, ...) the transition mean (compute dtype).
+        std: (B, 1, ..., 1) the transition std ``s * sqrt(-Delta)``.
+        log_prob: (B,) log-density of ``sample`` under N(mean, std^2), reduced over elements.
+    """
+
+    sample: Tensor
+    mean: Tensor
+    std: Tensor
+    log_prob: Tensor
+
+
+def flow_sde_diffusion(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor | float) -> Tensor:
+    """Diffusion coefficient ``s = a * sqrt(sigma~ / (1 - sigma~))``.
+
+    ``sigma~`` is sigma, or sigma_next where sigma >= 1 (the reference's substitute at pure noise).
+
+    Args:
+        sigma: (B, 1, ...) or scalar tensor, current sigma.
+        sigma_next: same shape, next sigma.
+        noise_level: the ``a`` knob (0 gives the ODE).
+
+    Returns:
+        Tensor broadcastable to the latent.
+    """
+    safe = torch.where(sigma >= 1, sigma_next, sigma)
+    return noise_level * torch.sqrt(safe / (1 - safe))
+
+
+def flow_sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Tensor) -> Tensor:
+    """Transition mean ``x + [v + s^2/(2 sigma) (x + (1 - sigma) v)] (sigma_next - sigma)``."""
+    dt = sigma_next - sigma
+    return x + (v + s**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+
+
+def flow_sde_step(
+    x: Tensor,
+    v: Tensor,
+    sigma: Tensor | float,
+    sigma_next: Tensor | float,
+    noise_level: Tensor | float,
+    *,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: Tensor | None = None,
+    reduce: Reduction = "mean",
+) -> SDEStep:
+    """One Flow-SDE step, or the log-prob of a stored step.
+
+    Args:
+        x: latent (B, ...) at sigma (rank 3, 4 or 5).
+        v: velocity (B, ...) at (x, sigma).
+        sigma: scalar or (B,), in (0, 1].
+        sigma_next: scalar or (B,), in [0, sigma).
+        noise_level: the ``a`` knob, scalar or (B,); 0 reproduces the Euler ODE step.
+        noise: optional standard normal (B, ...) to use instead of drawing one.
+        generator: RNG for drawing the noise when ``noise`` is None.
+        prev_sample: if given, no noise is drawn: the step scores this stored x' instead
+            (training-time recomputation of the rollout's log-prob).
+        reduce: "mean" (Flow-GRPO) or "sum" over latent elements for the log-prob.
+
+    Returns:
+        SDEStep with sample, mean, std and log_prob.
+    """
+    dtype = compute_dtype(x, v)
+    x32, v32 = x.to(dtype), v.to(dtype)
+    sig, sig_next = expand_like(sigma, x32), expand_like(sigma_next, x32)
+    a = expand_like(noise_level, x32)
+    s = flow_sde_diffusion(sig, sig_next, a)
+    mean = flow_sde_mean(x32, v32, sig, sig_next, s)
+    std = s * torch.sqrt(sig - sig_next)
+    if std.ndim == 0:
+        std = std.expand(x.shape[0]).reshape(-1, *([1] * (x.ndim - 1)))
+    if prev_sample is None:
+        if noise is None:
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        prev_sample = mean + std * noise.to(dtype)
+    prev_sample = prev_sample.to(dtype)
+    return SDEStep(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std, reduce))

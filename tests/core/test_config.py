@@ -1,0 +1,77 @@
+"""Config loading: defaults, YAML diffs, overrides and one-line errors."""
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_embedded_job():
+    cfg = load_config()
+    assert cfg.model.path == "flowrl-digits"
+    assert cfg.objective.name == "flow_grpo"
+    assert set(cfg.rewards) == {"ink", "digit_correctness"}
+
+
+def test_overrides_merge_into_sections_and_rewards():
+    cfg = load_config(None, ["sampler.noise_level=0.5", "rewards.ink.weight=2", "train.threads=null"])
+    assert cfg.sampler.noise_level == 0.5
+    assert cfg.rewards["ink"] == {"weight": 2, "target": "prompt"}
+    assert "digit_correctness" in cfg.rewards
+    assert cfg.train.threads is None
+
+
+def test_int_accepted_for_float():
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["sampler.nois=1"], "unknown key 'sampler.nois'; allowed keys in sampler:"),
+        (["bogus=1"], "unknown key 'bogus'"),
+        (["sampler.noise_level=abc"], "'sampler.noise_level' must be float; got 'abc'"),
+        (["train.iterations=0"], "'train.iterations' must be >= 1; got 0"),
+        (["model.dtype=fp8"], "'model.dtype' must be one of 'float32', 'bfloat16', 'float16'"),
+        (["rewards.ink.weight=nan"], "'rewards.ink.weight' must be a finite number"),
+        (["optim.beta1=1.5"], "'optim.beta1' must be >= 0 and <= 1"),
+        (["sampler"], "must look like key=value"),
+        (["sampler=3"], "'sampler' must be a mapping"),
+    ],
+)
+def test_bad_values_give_one_line_errors(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override)
+    message = str(err.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert "command line" in message
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampler:\n  noise_levl: 0.5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'sampler.noise_levl'"):
+        load_config(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("sampler: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml line \d+: invalid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_a_files_rewards_replace_the_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rewards:\n  jpeg_compressibility: {weight: 1.0}\n")
+    assert set(load_config(path).rewards) == {"jpeg_compressibility"}
+
+
+def test_every_shipped_config_validates():
+    files = sorted((REPO / "configs").rglob("*.yaml"))
+    assert files, "configs/ must hold at least the embedded default"
+    for path in files:
+        load_config(path)

@@ -7,7 +7,7 @@ implied score ``-(x + (1 - sigma) v) / sigma``, the Euler–Maruyama transition 
     x'   = mean + s * sqrt(-Delta) * z,    z ~ N(0, I).
 
 At ``sigma = 1`` the ratio ``sigma / (1 - sigma)`` is infinite; as in the reference
-implementation the sigma under the square root is replaced by the next sigma of the grid.
+implementation the sigma in the denominator is replaced by the next sigma of the grid.
 Means and log-probs are computed in fp32 (fp64 when the inputs are fp64).
 
 References:
@@ -42,9 +42,10 @@ class SDEStep(NamedTuple):
 
 
 def flow_sde_diffusion(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor | float) -> Tensor:
-    """Diffusion coefficient ``s = a * sqrt(sigma~ / (1 - sigma~))``.
+    """Diffusion coefficient ``s = a * sqrt(sigma / (1 - sigma~))``.
 
-    ``sigma~`` is sigma, or sigma_next where sigma >= 1 (the reference's substitute at pure noise).
+    ``sigma~`` is sigma, or sigma_next where sigma >= 1: at pure noise the reference replaces
+    only the denominator's sigma by the next grid value.
 
     Args:
         sigma: (B, 1, ...) or scalar tensor, current sigma.
@@ -55,7 +56,7 @@ def flow_sde_diffusion(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor | 
         Tensor broadcastable to the latent.
     """
     safe = torch.where(sigma >= 1, sigma_next, sigma)
-    return noise_level * torch.sqrt(safe / (1 - safe))
+    return noise_level * torch.sqrt(sigma / (1 - safe))
 
 
 def flow_sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Tensor) -> Tensor:

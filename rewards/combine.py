@@ -1,0 +1,88 @@
+"""Weighted sum of several rewards, keeping each component for logging."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from .contract import RewardFn, check_images, score_reward
+
+
+class RewardOutput(NamedTuple):
+    """Scores of a :class:`MultiReward` call.
+
+    Attributes:
+        total: (B,) float32 weighted sum, NaN components counted as 0.
+        components: reward name -> (B,) float32 raw (unweighted) scores, NaN kept.
+    """
+
+    total: Tensor
+    components: dict[str, Tensor]
+
+
+def check_weight(name: str, weight: object) -> float:
+    """A reward weight as float; ValueError unless it is a finite real number (bools rejected)."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"weight of reward {name!r} must be a finite number; got {weight!r}")
+    return float(weight)
+
+
+class MultiReward:
+    """Weighted sum ``total = sum_k w_k * r_k`` of named rewards.
+
+    Each component ``r_k`` is scored with :func:`~flowrl.rewards.contract.score_reward`, so a
+    failing reward is named in the error. A NaN component (only possible for rewards declaring
+    ``allows_nan = True``, meaning "not applicable") contributes 0 to the total for that sample;
+    the component itself is returned with its NaN so a trainer can log a nan-mean.
+    """
+
+    allows_nan = False
+
+    def __init__(self, rewards: Mapping[str, tuple[RewardFn, float]]) -> None:
+        """Args:
+        rewards: name -> (reward callable, weight); at least one entry.
+        """
+        if not rewards:
+            raise ValueError("MultiReward needs at least one reward; pass {name: (reward_fn, weight)}")
+        self.rewards: dict[str, tuple[RewardFn, float]] = {}
+        for name, entry in rewards.items():
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise ValueError(f"reward {name!r} must be given as (reward_fn, weight); got {entry!r}")
+            fn, weight = entry
+            if not callable(fn):
+                raise TypeError(f"reward {name!r} is not callable ({type(fn).__name__}); pass a reward built by its factory")
+            self.rewards[str(name)] = (fn, check_weight(name, weight))
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Reward name -> weight."""
+        return {name: weight for name, (_, weight) in self.rewards.items()}
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> RewardOutput:
+        """Score a batch with every reward.
+
+        Args:
+            images: (B, 3, H, W) float in [0, 1].
+            prompts: B prompts.
+            **metadata: per-sample lists passed to every reward.
+
+        Returns:
+            :class:`RewardOutput` with ``total`` (B,) float32 and each component (B,) float32.
+        """
+        check_images(images)
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images; pass one prompt per image")
+        components: dict[str, Tensor] = {}
+        total = torch.zeros(images.shape[0], dtype=torch.float32, device=images.device)
+        for name, (fn, weight) in self.rewards.items():
+            scores = score_reward(name, fn, images, prompts, metadata)
+            components[name] = scores
+            total = total + weight * torch.nan_to_num(scores.to(total.device), nan=0.0)
+        return RewardOutput(total, components)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}: {weight:g}" for name, weight in self.weights.items())
+        return f"MultiReward({inner})"

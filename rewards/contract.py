@@ -1,0 +1,165 @@
+"""The reward contract: ``reward(images, prompts, **metadata) -> Tensor (B,) float32``.
+
+A reward is a callable built by a factory (``factory(**options) -> RewardFn``). It receives
+images as float tensors (B, 3, H, W) in [0, 1], the B prompts, and optional per-sample metadata,
+and returns one float32 score per image. A reward may set ``allows_nan = True`` on itself to
+declare that NaN means "not applicable to this sample" (e.g. a style reward for a style-less prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+_RANGE_TOL = 1e-3
+
+
+class RewardError(ValueError):
+    """A reward failed or returned something that breaks the reward contract."""
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Callable scoring a batch: ``(images (B, 3, H, W) in [0, 1], prompts (B,), **metadata) -> (B,) float32``."""
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor: ...
+
+
+def reward_allows_nan(fn: object) -> bool:
+    """Whether a reward declares NaN as "not applicable" via ``allows_nan = True``."""
+    return bool(getattr(fn, "allows_nan", False))
+
+
+def _where(name: str, batch_index: int | None) -> str:
+    return f"reward {name!r}" + ("" if batch_index is None else f" (batch {batch_index})")
+
+
+def check_reward_output(
+    name: str,
+    output: object,
+    batch_size: int,
+    *,
+    allow_nan: bool = False,
+    batch_index: int | None = None,
+) -> Tensor:
+    """Validate a reward's output against the contract and return it unchanged.
+
+    Args:
+        name: reward name, used in error messages.
+        output: what the reward returned; must be a float32 Tensor of shape (batch_size,).
+        batch_size: B, the number of images scored.
+        allow_nan: accept NaN entries ("not applicable"); an all-NaN output is still rejected.
+        batch_index: optional index of the batch, added to error messages.
+
+    Returns:
+        ``output`` (B,) float32, never cast or copied.
+
+    Raises:
+        RewardError: one line naming the reward and the fix.
+    """
+    where = _where(name, batch_index)
+    if not isinstance(output, Tensor):
+        raise RewardError(
+            f"{where} returned {type(output).__name__}, expected a torch.Tensor of shape ({batch_size},); "
+            "return torch.tensor(scores, dtype=torch.float32)"
+        )
+    if tuple(output.shape) != (batch_size,):
+        raise RewardError(
+            f"{where} returned shape {tuple(output.shape)}, expected ({batch_size},) with one score per image; "
+            "reduce to one value per sample"
+        )
+    if output.dtype != torch.float32:
+        raise RewardError(
+            f"{where} returned dtype {output.dtype}, expected torch.float32; "
+            "convert inside the reward with .float()"
+        )
+    if torch.isinf(output).any():
+        bad = torch.isinf(output).nonzero().flatten().tolist()
+        raise RewardError(f"{where} returned inf at samples {bad}; clamp or fix the reward so scores are finite")
+    nan = torch.isnan(output)
+    if nan.any():
+        bad = nan.nonzero().flatten().tolist()
+        if not allow_nan:
+            raise RewardError(
+                f"{where} returned NaN at samples {bad}; fix the reward, or set allows_nan = True on it "
+                "if NaN means 'not applicable'"
+            )
+        if bool(nan.all()):
+            raise RewardError(
+                f"{where} returned NaN for every sample (not applicable to the whole batch); "
+                "check the prompts match what the reward expects"
+            )
+    return output
+
+
+def check_images(images: object) -> Tensor:
+    """Validate a batch of images for rewards and return it.
+
+    Args:
+        images: float tensor (B, 3, H, W) with values in [0, 1] (tolerance 1e-3).
+
+    Returns:
+        ``images`` unchanged.
+
+    Raises:
+        TypeError: not a tensor, or not floating point.
+        ValueError: wrong rank, not 3 channels, or values outside [0, 1].
+    """
+    if not isinstance(images, Tensor):
+        raise TypeError(f"images must be a torch.Tensor (B, 3, H, W), got {type(images).__name__}; convert with torch.as_tensor")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be a float tensor in [0, 1], got dtype {images.dtype}; use images.float() / 255")
+    if images.ndim != 4:
+        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}; add the batch/channel dims")
+    if images.shape[1] != 3:
+        raise ValueError(
+            f"images must have 3 channels (B, 3, H, W), got {images.shape[1]}; "
+            "replicate grayscale with images.expand(-1, 3, -1, -1)"
+        )
+    if images.numel() > 0:
+        lo, hi = float(images.min()), float(images.max())
+        if not (lo >= -_RANGE_TOL and hi <= 1 + _RANGE_TOL):
+            raise ValueError(
+                f"images must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]; "
+                "map [-1, 1] outputs with (x + 1) / 2 and clamp(0, 1)"
+            )
+    return images
+
+
+def score_reward(
+    name: str,
+    fn: RewardFn,
+    images: Tensor,
+    prompts: Sequence[str],
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    batch_index: int | None = None,
+) -> Tensor:
+    """Call a reward, wrapping its failures, and check its output.
+
+    Args:
+        name: reward name for error messages.
+        fn: the reward callable; ``fn.allows_nan`` enables NaN as "not applicable".
+        images: (B, 3, H, W) float in [0, 1].
+        prompts: B prompts.
+        metadata: per-sample extras passed as keyword arguments.
+        batch_index: optional batch index for error messages.
+
+    Returns:
+        Scores (B,) float32.
+
+    Raises:
+        RewardError: the reward raised (chained with ``from``) or broke the contract.
+    """
+    try:
+        output = fn(images, prompts, **dict(metadata or {}))
+    except RewardError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure inside a reward is re-raised with its name
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise RewardError(f"{_where(name, batch_index)} raised {type(err).__name__}: {message}") from err
+    return check_reward_output(
+        name, output, int(images.shape[0]), allow_nan=reward_allows_nan(fn), batch_index=batch_index
+    )

@@ -1,0 +1,254 @@
+"""Reward registry: names -> factories, plugins, and building rewards from config.
+
+A reward name resolves, in order, to:
+
+1. a factory registered with :func:`register_reward` or a built-in (``digit_correctness``,
+   ``ink``, ``jpeg_compressibility``, ``jpeg_incompressibility``);
+2. a dotted path ``"package.module:factory"``;
+3. an installed entry point in the group ``flowrl.rewards``, e.g. in a plugin's pyproject.toml::
+
+       [project.entry-points."flowrl.rewards"]
+       aesthetic = "my_plugin.rewards:aesthetic"
+
+A factory may set ``factory.offline = True`` to declare that it needs no download; factories
+that do not say so are listed as not offline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib import metadata as importlib_metadata
+from typing import Any, Callable, Mapping, NamedTuple
+
+from .combine import MultiReward, check_weight
+from .contract import RewardError, RewardFn
+
+ENTRY_POINT_GROUP = "flowrl.rewards"
+BUILTIN_SOURCE = "flowrl"
+
+RewardFactory = Callable[..., RewardFn]
+
+_BUILTINS: dict[str, str] = {
+    "digit_correctness": "flowrl.rewards.digits:digit_correctness",
+    "ink": "flowrl.rewards.digits:ink",
+    "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
+    "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
+}
+_REGISTERED: dict[str, RewardFactory] = {}
+
+
+class RewardInfo(NamedTuple):
+    """One available reward.
+
+    Attributes:
+        name: registry name.
+        source: "flowrl" for built-ins, the distribution name for entry points, the module for
+            factories registered with :func:`register_reward`.
+        offline: True when the reward needs no download (declared by ``factory.offline``).
+        description: first line of the factory's docstring.
+        error: why the factory could not be loaded (None when it loads).
+    """
+
+    name: str
+    source: str
+    offline: bool
+    description: str
+    error: str | None = None
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator registering a reward factory under ``name``.
+
+    Args:
+        name: registry name (a non-empty string without ':').
+        overwrite: allow replacing an existing registration or built-in.
+
+    Returns:
+        The decorator; it returns the factory unchanged.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':'; got {name!r}")
+
+    def decorator(factory: RewardFactory) -> RewardFactory:
+        if not callable(factory):
+            raise TypeError(f"register_reward({name!r}) needs a callable factory; got {type(factory).__name__}")
+        if not overwrite and (name in _REGISTERED or name in _BUILTINS):
+            raise ValueError(f"reward {name!r} is already registered; pick another name or pass overwrite=True")
+        _REGISTERED[name] = factory
+        return factory
+
+    return decorator
+
+
+def _load_path(name: str, path: str) -> RewardFactory:
+    """Import the factory named by ``"package.module:attr"``."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward path {path!r} must look like 'package.module:factory'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - a broken plugin must be reported by name
+        raise RewardError(f"reward {name!r} failed to import {module_name!r} ({_one_line(err)}); install or fix that module") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}; check the path {path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward {name!r}: {path!r} is {type(obj).__name__}, not a callable factory; point to a factory function")
+    return obj
+
+
+def _entry_points() -> dict[str, importlib_metadata.EntryPoint]:
+    """Installed ``flowrl.rewards`` entry points by name (first one wins)."""
+    found: dict[str, importlib_metadata.EntryPoint] = {}
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def _entry_point_source(ep: importlib_metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else "unknown"
+
+
+def _load_entry_point(ep: importlib_metadata.EntryPoint) -> RewardFactory:
+    try:
+        factory = ep.load()
+    except Exception as err:  # noqa: BLE001 - a broken plugin must be reported by name
+        raise RewardError(
+            f"reward {ep.name!r} from {_entry_point_source(ep)} failed to load {ep.value!r} ({_one_line(err)}); "
+            "reinstall or fix the plugin"
+        ) from err
+    if not callable(factory):
+        raise RewardError(f"reward {ep.name!r}: entry point {ep.value!r} is not a callable factory; fix the plugin")
+    return factory
+
+
+def known_reward_names() -> list[str]:
+    """Sorted names of built-in, registered and entry-point rewards."""
+    try:
+        plugins = list(_entry_points())
+    except Exception:  # noqa: BLE001 - broken metadata must not hide the built-ins
+        plugins = []
+    return sorted({*_BUILTINS, *_REGISTERED, *plugins})
+
+
+def resolve_factory(name: str) -> RewardFactory:
+    """The factory for a registry name, dotted path or entry point.
+
+    Raises:
+        ValueError: unknown name (lists the known names).
+        RewardError: the factory's module could not be imported.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty string; got {name!r}")
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in _BUILTINS:
+        return _load_path(name, _BUILTINS[name])
+    if ":" in name:
+        return _load_path(name, name)
+    ep = _entry_points().get(name)
+    if ep is not None:
+        return _load_entry_point(ep)
+    raise ValueError(
+        f"unknown reward {name!r}; known: {', '.join(known_reward_names())} "
+        "(or give a 'package.module:factory' path)"
+    )
+
+
+def build_reward(name: str, **options: Any) -> RewardFn:
+    """Build a reward by name with factory options.
+
+    Args:
+        name: registry name, ``"package.module:factory"`` path or entry-point name.
+        **options: keyword arguments for the factory.
+
+    Returns:
+        The reward callable ``(images (B, 3, H, W), prompts, **metadata) -> (B,) float32``.
+
+    Raises:
+        ValueError: unknown name.
+        RewardError: the factory failed to import, raised, or returned a non-callable.
+    """
+    factory = resolve_factory(name)
+    try:
+        reward = factory(**options)
+    except Exception as err:  # noqa: BLE001 - any factory failure is re-raised with the reward's name
+        raise RewardError(f"reward {name!r} could not be built with options {options!r}: {_one_line(err)}") from err
+    if not callable(reward):
+        raise RewardError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward; fix the factory")
+    return reward
+
+
+def build_multi_reward(spec: Mapping[str, Mapping[str, Any] | None]) -> MultiReward:
+    """Build the weighted :class:`~flowrl.rewards.combine.MultiReward` of a config ``rewards:`` section.
+
+    Args:
+        spec: ``{name: {"weight": float, **factory_options}}``. ``weight`` defaults to 1.0. An
+            optional ``"reward"`` key names the factory when the entry's key is only a label, e.g.
+            ``{"ink_bold": {"reward": "ink", "target": "bold", "weight": 0.5}}``.
+
+    Returns:
+        The MultiReward whose components are keyed by the spec's names.
+
+    Raises:
+        ValueError: empty spec, an entry that is not a mapping, or a non-finite weight.
+        RewardError: a reward failed to build.
+    """
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(f"rewards spec must be a non-empty mapping {{name: {{weight: 1.0, ...}}}}; got {spec!r}")
+    rewards: dict[str, tuple[RewardFn, float]] = {}
+    for label, entry in spec.items():
+        if entry is None:
+            entry = {}
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"rewards.{label} must be a mapping like {{weight: 1.0}}; got {entry!r}")
+        options = dict(entry)
+        weight = check_weight(str(label), options.pop("weight", 1.0))
+        factory_name = options.pop("reward", label)
+        rewards[str(label)] = (build_reward(factory_name, **options), weight)
+    return MultiReward(rewards)
+
+
+def _describe(factory: Any) -> str:
+    doc = inspect.getdoc(factory) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def _info(name: str, source: str, load: Callable[[], RewardFactory]) -> RewardInfo:
+    try:
+        factory = load()
+    except Exception as err:  # noqa: BLE001 - one broken reward must not hide the others
+        cause = err.__cause__ if isinstance(err, RewardError) and err.__cause__ is not None else err
+        return RewardInfo(name, source, False, "", _one_line(cause))
+    return RewardInfo(name, source, bool(getattr(factory, "offline", False)), _describe(factory))
+
+
+def list_rewards() -> list[RewardInfo]:
+    """Every available reward, sorted by name; plugins that fail to load carry an ``error``."""
+    infos: dict[str, RewardInfo] = {}
+    for name, path in _BUILTINS.items():
+        infos[name] = _info(name, BUILTIN_SOURCE, lambda name=name, path=path: _load_path(name, path))
+    for name, factory in _REGISTERED.items():
+        infos[name] = _info(name, getattr(factory, "__module__", "unknown") or "unknown", lambda f=factory: f)
+    try:
+        plugins = _entry_points()
+    except Exception as err:  # noqa: BLE001 - broken metadata must not hide the built-ins
+        infos["<entry points>"] = RewardInfo("<entry points>", "unknown", False, "", _one_line(err))
+        plugins = {}
+    for name, ep in plugins.items():
+        source = _entry_point_source(ep)
+        if name in infos:
+            infos[f"{name} ({source})"] = RewardInfo(
+                name, source, False, "", f"shadowed by the {infos[name].source} reward {name!r}; rename the entry point"
+            )
+            continue
+        infos[name] = _info(name, source, lambda ep=ep: _load_entry_point(ep))
+    return [infos[key] for key in sorted(infos)]

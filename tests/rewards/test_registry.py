@@ -1,0 +1,253 @@
+"""Reward registry: built-ins, dotted paths, entry-point plugins, MultiReward and build_multi_reward."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.rewards import (
+    MultiReward,
+    RewardError,
+    RewardOutput,
+    build_multi_reward,
+    build_reward,
+    ink,
+    ink_amount,
+    list_rewards,
+    register_reward,
+)
+from flowrl.rewards import registry
+from flowrl.rewards.digits import DigitCorrectness, Ink
+from flowrl.rewards.jpeg import JpegSize
+
+BUILTINS = {"digit_correctness", "ink", "jpeg_compressibility", "jpeg_incompressibility"}
+
+PLUGIN_SOURCE = '''
+"""Test plugin rewards."""
+import torch
+
+
+def constant(value: float = 1.0):
+    """Constant reward for tests."""
+    def reward(images, prompts, **metadata):
+        return torch.full((images.shape[0],), float(value))
+    return reward
+
+
+constant.offline = True
+
+
+def exploding(**options):
+    """Factory that always fails."""
+    raise RuntimeError("no model here")
+'''
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert message and "\n" not in message
+    return message
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A module and an installed-looking distribution exposing flowrl.rewards entry points."""
+    (tmp_path / "flowrl_test_plugin_mod.py").write_text(PLUGIN_SOURCE)
+    dist = tmp_path / "flowrl_test_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowrl-test-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [flowrl.rewards]
+        plugin_constant = flowrl_test_plugin_mod:constant
+        plugin_broken = flowrl_test_plugin_missing_mod:factory
+        ink = flowrl_test_plugin_mod:constant
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def clean_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+
+
+def test_build_builtins_by_name() -> None:
+    assert isinstance(build_reward("digit_correctness"), DigitCorrectness)
+    thin = build_reward("ink", target="thin")
+    assert isinstance(thin, Ink) and thin.target == "thin"
+    assert isinstance(build_reward("jpeg_compressibility", quality=90), JpegSize)
+    assert build_reward("jpeg_incompressibility").sign == 1.0
+
+
+def test_build_by_dotted_path(plugin_dir: Path) -> None:
+    bold = build_reward("flowrl.rewards.digits:ink", target="bold")
+    assert isinstance(bold, Ink) and bold.target == "bold"
+    const = build_reward("flowrl_test_plugin_mod:constant", value=2.5)
+    assert const(torch.zeros(3, 3, 8, 8), ["a", "b", "c"]).tolist() == [2.5] * 3
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("flowrl_no_such_module_xyz:factory", "ModuleNotFoundError"),
+        ("flowrl.rewards.digits:no_such_factory", "no attribute"),
+        ("flowrl.rewards.digits:INK_TARGETS", "not a callable"),
+    ],
+)
+def test_bad_dotted_paths(path: str, needle: str) -> None:
+    with pytest.raises(RewardError) as exc:
+        build_reward(path)
+    message = one_line(exc)
+    assert repr(path) in message and needle in message
+
+
+def test_unknown_name_lists_known_names() -> None:
+    with pytest.raises(ValueError) as exc:
+        build_reward("aesthetics_typo")
+    message = one_line(exc)
+    assert "'aesthetics_typo'" in message and all(name in message for name in BUILTINS)
+
+
+def test_factory_errors_name_the_reward(plugin_dir: Path) -> None:
+    with pytest.raises(RewardError) as exc:
+        build_reward("ink", target="fat")
+    assert "'ink'" in one_line(exc) and "'fat'" in str(exc.value)
+    with pytest.raises(RewardError) as exc:
+        build_reward("ink", colour="red")
+    assert "'ink'" in one_line(exc) and "colour" in str(exc.value)
+    with pytest.raises(RewardError) as exc:
+        build_reward("flowrl_test_plugin_mod:exploding")
+    assert "no model here" in one_line(exc) and isinstance(exc.value.__cause__, RuntimeError)
+
+
+def test_register_reward_decorator(clean_registry: None) -> None:
+    @register_reward("half")
+    def half(scale: float = 0.5):
+        """Half of everything."""
+        return lambda images, prompts, **metadata: torch.full((images.shape[0],), scale)
+
+    assert build_reward("half")(torch.zeros(1, 3, 8, 8), ["x"]).tolist() == [0.5]
+    info = {i.name: i for i in list_rewards()}["half"]
+    assert info.description == "Half of everything." and info.offline is False and info.error is None
+    assert info.source == __name__
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("half")(half)
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("ink")(half)
+    with pytest.raises(ValueError, match="':'"):
+        register_reward("a:b")
+
+
+def test_list_rewards_builtins() -> None:
+    infos = {info.name: info for info in list_rewards()}
+    assert BUILTINS <= infos.keys()
+    for name in BUILTINS:
+        info = infos[name]
+        assert info.source == "flowrl" and info.offline is True and info.error is None
+        assert info.description and "\n" not in info.description
+    assert "DDPO" in infos["jpeg_compressibility"].description
+
+
+def test_entry_point_plugins(plugin_dir: Path) -> None:
+    infos = list_rewards()
+    by_name = {}
+    for info in infos:
+        by_name.setdefault(info.name, []).append(info)
+    good = by_name["plugin_constant"][0]
+    assert good.source == "flowrl-test-plugin" and good.offline is True
+    assert good.description == "Constant reward for tests." and good.error is None
+    broken = by_name["plugin_broken"][0]
+    assert broken.source == "flowrl-test-plugin" and "ModuleNotFoundError" in broken.error
+    assert all(info.error is None for info in infos if info.name in BUILTINS and info.source == "flowrl")
+    shadowed = [info for info in by_name["ink"] if info.source == "flowrl-test-plugin"]
+    assert shadowed and "shadowed" in shadowed[0].error
+    assert build_reward("plugin_constant", value=3)(torch.zeros(2, 3, 8, 8), ["a", "b"]).tolist() == [3.0, 3.0]
+    assert isinstance(build_reward("ink"), Ink)  # the built-in wins
+    with pytest.raises(RewardError) as exc:
+        build_reward("plugin_broken")
+    assert "'plugin_broken'" in one_line(exc) and "flowrl-test-plugin" in str(exc.value)
+
+
+def constant_reward(values: list[float], allows_nan: bool = False):
+    def reward(images, prompts, **metadata):
+        return torch.tensor(values, dtype=torch.float32)
+
+    reward.allows_nan = allows_nan
+    return reward
+
+
+def test_multi_reward_total_by_hand() -> None:
+    multi = MultiReward({
+        "a": (constant_reward([1.0, 2.0]), 2.0),
+        "b": (constant_reward([math.nan, 3.0], allows_nan=True), 0.5),
+        "c": (constant_reward([-1.0, 0.0]), -1.0),
+    })
+    out = multi(torch.rand(2, 3, 8, 8), ["p", "q"])
+    assert isinstance(out, RewardOutput) and out.total.dtype == torch.float32
+    torch.testing.assert_close(out.total, torch.tensor([2.0 + 0.0 + 1.0, 4.0 + 1.5 + 0.0]))
+    assert list(out.components) == ["a", "b", "c"]
+    assert math.isnan(float(out.components["b"][0])) and float(out.components["b"][1]) == 3.0
+    assert multi.weights == {"a": 2.0, "b": 0.5, "c": -1.0}
+
+
+def test_multi_reward_names_the_failing_component() -> None:
+    multi = MultiReward({
+        "fine": (constant_reward([1.0, 2.0]), 1.0),
+        "nanny": (constant_reward([math.nan, 1.0]), 1.0),
+    })
+    with pytest.raises(RewardError) as exc:
+        multi(torch.rand(2, 3, 8, 8), ["p", "q"])
+    assert "'nanny'" in one_line(exc)
+    with pytest.raises(ValueError, match="weight of reward 'x'"):
+        MultiReward({"x": (constant_reward([1.0]), math.inf)})
+    with pytest.raises(ValueError, match="at least one"):
+        MultiReward({})
+    with pytest.raises(ValueError, match="prompt"):
+        multi(torch.rand(2, 3, 8, 8), ["only one"])
+
+
+def test_multi_reward_batch_of_one() -> None:
+    multi = MultiReward({"one": (constant_reward([0.25]), 4.0)})
+    out = multi(torch.rand(1, 3, 8, 8), ["p"])
+    assert out.total.shape == (1,) and out.total.tolist() == [1.0]
+
+
+def test_build_multi_reward_matches_components() -> None:
+    multi = build_multi_reward({
+        "ink": {"weight": 1.0, "target": "prompt"},
+        "digit_correctness": {"weight": 0.5},
+        "ink_bold": {"reward": "ink", "target": "bold", "weight": 0.25},
+        "jpeg_compressibility": None,
+    })
+    images = torch.rand(3, 3, 8, 8)
+    prompts = ["a bold handwritten 1", "a thin handwritten 2", "a handwritten 3"]
+    out = multi(images, prompts)
+    amount = ink_amount(images)
+    torch.testing.assert_close(out.components["ink_bold"], amount)
+    prompt_ink = ink("prompt")(images, prompts)
+    expected = (torch.nan_to_num(prompt_ink) + 0.5 * out.components["digit_correctness"]
+                + 0.25 * amount + out.components["jpeg_compressibility"])
+    torch.testing.assert_close(out.total, expected)
+    assert multi.weights["jpeg_compressibility"] == 1.0
+
+
+@pytest.mark.parametrize("weight", ["heavy", math.nan, math.inf, True, None, [1.0]])
+def test_build_multi_reward_rejects_bad_weights(weight) -> None:
+    with pytest.raises(ValueError) as exc:
+        build_multi_reward({"ink": {"weight": weight}})
+    assert "'ink'" in one_line(exc) and "finite number" in str(exc.value)
+
+
+def test_build_multi_reward_bad_specs() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        build_multi_reward({})
+    with pytest.raises(ValueError, match="rewards.ink must be a mapping"):
+        build_multi_reward({"ink": 1.0})
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        build_multi_reward({"nope": {"weight": 1.0}})
+    with pytest.raises(RewardError, match="'ink'"):
+        build_multi_reward({"ink": {"weight": 1.0, "target": "huge"}})

@@ -88,7 +88,8 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
     width = max(len(r.name) for r in rows)
     print(f"{'name':<{width}}  {'source':<12} offline  description")
     for r in rows:
-        print(f"{r.name:<{width}}  {r.source:<12} {'yes' if r.offline else 'no ':<7}  {r.description}")
+        note = f"(failed to load: {r.error})" if getattr(r, "error", None) else r.description
+        print(f"{r.name:<{width}}  {r.source:<12} {'yes' if r.offline else 'no ':<7}  {note}")
     return 0
 
 

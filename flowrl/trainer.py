@@ -7,6 +7,7 @@ Its whole state (LoRA weights, optimizer, RNGs, counters) round-trips through
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -158,7 +159,7 @@ class Trainer:
         """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters."""
         return {
             "lora": lora_state_dict(self.model.transformer),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # detach from live tensors
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "iteration": self.iteration,

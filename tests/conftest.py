@@ -13,26 +13,15 @@ import torch
 torch.set_num_threads(1)
 
 
-def byte_level_clip_tokenizer(max_length: int = 8):
-    """A real CLIPTokenizer over the 256 byte-level symbols (no merges), built offline."""
-    from transformers import CLIPTokenizer
-
-    printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
-    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": i + len(chars) for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
 def tiny_sd3_pipeline(seed: int = 0):
     """A random-init StableDiffusion3Pipeline: 8x8 images, 4 latent channels, 1 transformer layer."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
+    from flowrl.models.digits import build_digits_tokenizer
+
     torch.manual_seed(seed)
-    tok = byte_level_clip_tokenizer()
+    tok = build_digits_tokenizer()
     text_cfg = CLIPTextConfig(
         vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         max_position_embeddings=8, projection_dim=16, bos_token_id=len(tok) - 2, eos_token_id=len(tok) - 1, pad_token_id=len(tok) - 1,
@@ -49,7 +38,7 @@ def tiny_sd3_pipeline(seed: int = 0):
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
         text_encoder=CLIPTextModelWithProjection(text_cfg), tokenizer=tok,
-        text_encoder_2=CLIPTextModelWithProjection(text_cfg), tokenizer_2=byte_level_clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(text_cfg), tokenizer_2=build_digits_tokenizer(),
         text_encoder_3=None, tokenizer_3=None,
     )
 

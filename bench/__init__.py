@@ -1,0 +1,1 @@
+"""Benchmarks: each module prints a table; results go to docs/benchmarks.md."""

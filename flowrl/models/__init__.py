@@ -25,6 +25,17 @@ def _pipeline_class(path: Path) -> str:
     return json.loads(index.read_text()).get("_class_name", "")
 
 
+def _quiet_hub_libraries() -> None:
+    """Hide per-shard loading bars and info logs; warnings and errors still show."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str = "cpu") -> ModelAdapter:
     """Load a model adapter from a local diffusers folder, or the embedded model.
 
@@ -41,6 +52,8 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
         ValueError: the folder holds a pipeline class flowrl has no adapter for.
     """
     from .sd3 import SD3Adapter
+
+    _quiet_hub_libraries()
 
     if path in (None, EMBEDDED):
         from .digits import DIGITS_DIR

@@ -34,6 +34,15 @@ def read_model_card(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"model card {card} is not valid JSON ({err}); fix or delete it") from err
 
 
+def _missing_optional_parts(path: str | Path) -> dict[str, None]:
+    """SD3 may ship without T5 (text_encoder_3/tokenizer_3); tell diffusers they are absent."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return {}
+    listed = json.loads(index.read_text())
+    return {k: None for k in ("text_encoder_3", "tokenizer_3") if listed.get(k, [None])[0] is None}
+
+
 class SD3Adapter:
     """Model adapter over a ``StableDiffusion3Pipeline``.
 
@@ -64,7 +73,8 @@ class SD3Adapter:
         from diffusers import StableDiffusion3Pipeline
 
         card = read_model_card(path) if Path(path).is_dir() else {}
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype).to(device)
+        optional = _missing_optional_parts(path)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, **optional).to(device)
         pipe.set_progress_bar_config(disable=True)
         res = card.get("resolution")
         return cls(
@@ -123,8 +133,16 @@ class SD3Adapter:
         return (self.transformer.config.in_channels, height // f, width // f)
 
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
-        """Write a LoRA in the layout ``pipe.load_lora_weights(directory)`` reads."""
+        """Write a LoRA in the layout ``pipe.load_lora_weights(directory)`` reads.
+
+        The peft config (rank, alpha, targets) goes into the safetensors metadata, so diffusers
+        restores the same ``alpha / r`` scale.
+        """
         from diffusers import StableDiffusion3Pipeline
 
-        StableDiffusion3Pipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state)
+        config = self.transformer.peft_config["default"].to_dict()
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        StableDiffusion3Pipeline.save_lora_weights(
+            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
+        )
         return Path(directory) / "pytorch_lora_weights.safetensors"

@@ -1,0 +1,114 @@
+"""The CLI as a user runs it: end-to-end training into a temp folder, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_sd3_pipeline
+
+FAST = [
+    "prompts.per_iteration=2", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=3",
+    "train.iterations=2", "train.eval_every=1", "train.eval_seeds=1", "output.grid_seeds=2",
+]
+
+
+def flowrl(*args: str, cwd: Path, extra_path: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if extra_path:
+        env["PYTHONPATH"] = str(extra_path)
+    return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    tiny_sd3_pipeline().save_pretrained(str(path))
+    return path
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("flowrl: error:")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_train_writes_every_output(tiny_folder, tmp_path):
+    out = tmp_path / "run"
+    result = flowrl("train", f"model.path={tiny_folder}", *FAST, f"output.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "grid_before_after.png", "summary.json",
+                 "lora/pytorch_lora_weights.safetensors", "checkpoints/iter-000002/trainer.json"):
+        assert (out / name).is_file(), name
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/reward_mean" in rows[0] and "reward_mean" in rows[1]
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 2
+    # a second run into the same folder is refused, and --overwrite replaces it
+    again = flowrl("train", f"model.path={tiny_folder}", *FAST, f"output.dir={out}", cwd=tmp_path)
+    assert_one_line_error(again, "already holds files", "--overwrite")
+    resumed = flowrl("train", f"model.path={tiny_folder}", *FAST, "train.iterations=3", f"output.dir={out}",
+                     "--resume", str(out / "checkpoints/iter-000002"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "checkpoints/iter-000003/trainer.json").is_file()
+    sample = flowrl("sample", f"model.path={tiny_folder}", "--lora", str(out), "--prompt", "a bold handwritten 3",
+                    "--seeds", "2", "--out", str(tmp_path / "s.png"), cwd=tmp_path)
+    assert sample.returncode == 0 and (tmp_path / "s.png").is_file(), sample.stderr[-2000:]
+
+
+def test_unknown_config_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sampler:\n  noise_levle: 0.7\n")
+    assert_one_line_error(flowrl("train", str(cfg), cwd=tmp_path), "c.yaml", "'sampler.noise_levle'", "allowed keys")
+
+
+def test_bad_override_value(tmp_path):
+    assert_one_line_error(flowrl("train", "optim.lr=-1", cwd=tmp_path), "'optim.lr' must be > 0")
+
+
+def test_malformed_prompt_file(tiny_folder, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a bold handwritten 1"}\nnot json\n')
+    result = flowrl("train", f"model.path={tiny_folder}", f"prompts.train={prompts}", f"output.dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert_one_line_error(result, "p.jsonl line 2")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ("return torch.full((images.shape[0],), float('nan'))", "NaN"),
+        ("return torch.zeros(images.shape[0], 2)", "shape"),
+        ("return torch.zeros(images.shape[0], dtype=torch.float64)", "float64"),
+    ],
+)
+def test_bad_reward_is_named_and_nothing_is_written(tiny_folder, tmp_path, body, fragment):
+    (tmp_path / "myrewards.py").write_text(
+        "import torch\n\ndef factory():\n    def bad_reward(images, prompts, **metadata):\n        " + body + "\n    return bad_reward\n"
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tiny_folder}}}\nrewards:\n  'myrewards:factory': {{weight: 1.0}}\noutput: {{dir: {tmp_path / 'r'}}}\n")
+    result = flowrl("train", str(cfg), *FAST[:-1], cwd=tmp_path, extra_path=tmp_path)
+    assert_one_line_error(result, "myrewards:factory", fragment)
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_model_weights(tmp_path):
+    result = flowrl("train", f"model.path={tmp_path / 'nowhere'}", cwd=tmp_path)
+    assert_one_line_error(result, "nowhere", "download")
+
+
+def test_rewards_list(tmp_path):
+    result = flowrl("rewards", "list", cwd=tmp_path)
+    assert result.returncode == 0
+    for name in ("digit_correctness", "ink", "jpeg_compressibility", "jpeg_incompressibility"):
+        assert name in result.stdout

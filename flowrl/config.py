@@ -160,6 +160,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:

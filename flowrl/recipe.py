@@ -46,7 +46,7 @@ def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[
 
 def _digits_report(trainer: Trainer) -> dict[str, float]:
     """Independent-classifier accuracy and ink for the embedded model (held-out seeds)."""
-    from .models.digits_eval import style_report
+    from .models.digits_report import style_report
 
     return style_report(trainer.sample)
 

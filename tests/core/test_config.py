@@ -24,8 +24,9 @@ def test_overrides_merge_into_sections_and_rewards():
     assert cfg.train.threads is None
 
 
-def test_int_accepted_for_float():
+def test_int_and_exponent_strings_accepted_for_float():
     assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    assert load_config(None, ["optim.lr=1e-3"]).optim.lr == 1e-3  # YAML 1.1 reads this as a string
 
 
 @pytest.mark.parametrize(

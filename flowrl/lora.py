@@ -73,6 +73,64 @@ def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
         transformer.enable_adapters()
 
 
+def add_frozen_copy(transformer: nn.Module, name: str, source: str = "default") -> None:
+    """Add a second, frozen LoRA adapter ``name`` with ``source``'s config and weights.
+
+    Used for DiffusionNFT's sampling ("old") policy and the EMA adapters: one transformer, several
+    adapters, no second copy of the base weights.
+    """
+    import copy
+
+    transformer.add_adapter(copy.deepcopy(transformer.peft_config[source]), adapter_name=name)
+    transformer.set_adapter(source)
+    with torch.no_grad():
+        dst = adapter_parameters(transformer, name)
+        for key, param in adapter_parameters(transformer, source).items():
+            dst[key].copy_(param)
+    for param in adapter_parameters(transformer, name).values():
+        param.requires_grad_(False)
+
+
+def adapter_parameters(transformer: nn.Module, name: str) -> dict[str, nn.Parameter]:
+    """LoRA parameters of one adapter, keyed by their name with the adapter name removed."""
+    tag = f".{name}."
+    return {n.replace(tag, "."): p for n, p in transformer.named_parameters() if "lora_" in n and tag in n}
+
+
+@torch.no_grad()
+def soft_update(transformer: nn.Module, target: str, source: str = "default", keep: float = 0.0) -> None:
+    """``theta_target <- keep * theta_target + (1 - keep) * theta_source`` (keep = 0 copies).
+
+    Raises:
+        ValueError: keep outside [0, 1].
+    """
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"soft-update keep factor must be in [0, 1]; got {keep}")
+    dst = adapter_parameters(transformer, target)
+    for key, param in adapter_parameters(transformer, source).items():
+        dst[key].mul_(keep).add_(param.detach().to(dst[key].dtype), alpha=1.0 - keep)
+
+
+@contextmanager
+def use_adapter(transformer: nn.Module, name: str) -> Iterator[None]:
+    """Run with LoRA adapter ``name`` active, then switch back to "default".
+
+    peft flips ``requires_grad`` when the active adapter changes; the flags are restored on exit.
+    """
+    if name == "default":
+        yield
+        return
+    flags = {n: p.requires_grad for n, p in transformer.named_parameters() if "lora_" in n}
+    transformer.set_adapter(name)
+    try:
+        yield
+    finally:
+        transformer.set_adapter("default")
+        for n, p in transformer.named_parameters():
+            if n in flags:
+                p.requires_grad_(flags[n])
+
+
 def count_parameters(params: Sequence[torch.nn.Parameter]) -> int:
     """Total number of elements in a parameter list."""
     return sum(p.numel() for p in params)

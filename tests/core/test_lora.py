@@ -52,3 +52,29 @@ def test_state_round_trip_and_mismatch_error(tiny_sd3):
         assert "same lora.rank/targets" in str(err)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_frozen_copy_soft_update_and_switch(tiny_sd3):
+    from flowrl.lora import add_frozen_copy, adapter_parameters, soft_update, use_adapter
+
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    for p in params:
+        p.data.normal_(0, 0.1)
+    add_frozen_copy(tiny_sd3.transformer, "old")
+    x, s, c = _inputs(tiny_sd3)
+    v_default = tiny_sd3.velocity(x, s, c)
+    with use_adapter(tiny_sd3.transformer, "old"):
+        torch.testing.assert_close(tiny_sd3.velocity(x, s, c), v_default, rtol=0, atol=0)
+    assert all(p.requires_grad for p in params)
+    assert not any(p.requires_grad for p in adapter_parameters(tiny_sd3.transformer, "old").values())
+    old = {k: v.clone() for k, v in adapter_parameters(tiny_sd3.transformer, "old").items()}
+    for p in params:
+        p.data.add_(1.0)
+    soft_update(tiny_sd3.transformer, "old", keep=0.25)
+    new = adapter_parameters(tiny_sd3.transformer, "default")
+    for key, value in adapter_parameters(tiny_sd3.transformer, "old").items():
+        torch.testing.assert_close(value, 0.25 * old[key] + 0.75 * new[key])
+    with use_adapter(tiny_sd3.transformer, "old"):
+        v_old = tiny_sd3.velocity(x, s, c)
+    assert not torch.allclose(v_old, tiny_sd3.velocity(x, s, c))
+    assert tiny_sd3.transformer.active_adapters() == ["default"]

@@ -6,12 +6,14 @@ Layout of a checkpoint folder::
     optimizer.safetensors   optimizer tensors, keys "state.<param>.<name>"
     rng.safetensors         "generator" and "torch_rng" byte states
     trainer.json            counters and optimizer param groups
+    adapter-<name>.safetensors   extra LoRA adapters (e.g. DiffusionNFT's "old" and "ema")
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +67,15 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path) -> Path:
     tmp = directory.with_name(directory.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state["lora"].items()}, str(tmp / "lora.safetensors"))
+    for name, weights in state.get("adapters", {}).items():
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / f"adapter-{name}.safetensors"))
     opt_tensors, opt_meta = _flatten_optimizer(state["optimizer"])
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"generator": state["generator"], "torch_rng": state["torch_rng"]}, str(tmp / "rng.safetensors"))
     meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "optimizer": opt_meta}
     _atomic_json(tmp / "trainer.json", meta)
     if directory.exists():
-        for name in FILES:
-            (directory / name).unlink(missing_ok=True)
-        directory.rmdir()
+        shutil.rmtree(directory)
     os.replace(tmp, directory)
     return directory
 
@@ -93,10 +95,12 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         opt = load_file(str(directory / "optimizer.safetensors"))
         rng = load_file(str(directory / "rng.safetensors"))
         meta = json.loads((directory / "trainer.json").read_text())
+        adapters = {p.stem.removeprefix("adapter-"): load_file(str(p)) for p in sorted(directory.glob("adapter-*.safetensors"))}
     except (SafetensorError, OSError, json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"checkpoint {directory} is corrupt ({err}); resume from another checkpoint") from None
     return {
         "lora": lora,
+        "adapters": adapters,
         "optimizer": _unflatten_optimizer(opt, meta["optimizer"]),
         "generator": rng["generator"],
         "torch_rng": rng["torch_rng"],

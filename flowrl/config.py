@@ -48,6 +48,9 @@ class SamplerConfig:
     schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
+    # rollouts of solver-based objectives (DiffusionNFT, AWM); Flow-GRPO always uses the Flow-SDE
+    solver: Literal["euler", "heun", "dpmpp_2m", "sde_window"] = "dpmpp_2m"
+    sde_window: list[float] = field(default_factory=lambda: [0.3, 0.9])  # sigma range with noise, for "sde_window"
     chunk_size: int = field(default=40, metadata=_rng(1))  # rollout micro-batch (also the train micro-batch)
 
 
@@ -58,12 +61,8 @@ class AdvantageConfig:
     eps: float = field(default=1e-4, metadata=_rng(0))
 
 
-@dataclass
-class ObjectiveConfig:
-    name: Literal["flow_grpo"] = "flow_grpo"
-    clip_range: float = field(default=1e-4, metadata=_rng(0, lo_open=True))
-    kl_beta: float = field(default=0.0, metadata=_rng(0))
-    updates_per_iteration: int = field(default=1, metadata=_rng(1))
+def _default_objective() -> dict[str, Any]:
+    return {"name": "flow_grpo"}  # the objective's own dataclass holds its defaults
 
 
 @dataclass
@@ -114,7 +113,7 @@ class Config:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     rewards: dict[str, dict[str, Any]] = field(default_factory=_default_rewards)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: dict[str, Any] = field(default_factory=_default_objective)  # validated per objective
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -302,7 +301,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = f"{where} + command line"
     cfg = _build(Config, data, "", where)
     validate_rewards(cfg.rewards, where)
+    cfg.objective = validate_objective(cfg.objective, where)
     return cfg
+
+
+def validate_objective(section: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check the ``objective`` section against the chosen objective's own fields."""
+    from .objectives import OBJECTIVES
+
+    name = section.get("name", "flow_grpo")
+    if name not in OBJECTIVES:
+        raise ConfigError(f"{where}: 'objective.name' must be one of {', '.join(map(repr, OBJECTIVES))}; got {name!r}")
+    try:
+        built = _build(OBJECTIVES[name], {**section, "name": name}, "objective.", where)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)}
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -39,14 +39,20 @@ def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequen
     return params
 
 
-def lora_state_dict(transformer: nn.Module) -> dict[str, Tensor]:
-    """The adapter weights as a flat peft state dict (cloned, on CPU)."""
+def lora_state_dict(transformer: nn.Module, adapter: str = "default") -> dict[str, Tensor]:
+    """One adapter's weights as a flat peft state dict (cloned, on CPU)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+    weights = get_peft_model_state_dict(transformer, adapter_name=adapter)
+    return {k: v.detach().cpu().clone() for k, v in weights.items()}
 
 
-def load_lora_state(transformer: nn.Module, state: dict[str, Tensor]) -> None:
+def adapter_names(transformer: nn.Module) -> list[str]:
+    """Names of the LoRA adapters attached to a model."""
+    return list(getattr(transformer, "peft_config", {}))
+
+
+def load_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: str = "default") -> None:
     """Load weights produced by :func:`lora_state_dict` into an attached adapter.
 
     Raises:
@@ -54,7 +60,7 @@ def load_lora_state(transformer: nn.Module, state: dict[str, Tensor]) -> None:
     """
     from peft.utils import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(transformer, state)
+    result = set_peft_model_state_dict(transformer, state, adapter_name=adapter)
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
     if missing or getattr(result, "unexpected_keys", []):
         raise ValueError(

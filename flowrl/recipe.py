@@ -134,12 +134,13 @@ class Run:
         from .lora import lora_state_dict
 
         (out / "lora").mkdir(exist_ok=True)
-        trainer.model.save_lora(out / "lora", lora_state_dict(trainer.model.transformer))
+        eval_adapter = trainer.objective.eval_adapter  # e.g. DiffusionNFT ships its EMA weights
+        trainer.model.save_lora(out / "lora", lora_state_dict(trainer.model.transformer, eval_adapter))
         after = self._grid()
         rows = min(len(trainer.eval_prompts), GRID_MAX_PROMPTS)
         scale = max(1, 64 // trainer.resolution[0])
         save_before_after(before, after, rows, out / "grid_before_after.png", scale=scale)
-        save_reward_curve(logger.rows, out / "reward_curve.png", title=f"{self.cfg.objective.name} on {self.cfg.model.path}")
+        save_reward_curve(logger.rows, out / "reward_curve.png", title=f"{self.cfg.objective['name']} on {self.cfg.model.path}")
         summary = {
             "iterations": trainer.iteration,
             "samples_seen": trainer.samples_seen,

@@ -53,6 +53,65 @@ def chunked_rollout(
     )
 
 
+def sigma_window_levels(sigmas: Tensor, noise_level: float, lo: float, hi: float) -> Tensor:
+    """Noise level per step: ``noise_level`` where the step starts at lo <= sigma <= hi, else 0.
+
+    Args:
+        sigmas: (T + 1,) grid.
+        noise_level: the Flow-SDE ``a`` inside the window.
+        lo, hi: sigma range of the window (AWM's SA-solver setting uses [0.3, 0.9]).
+
+    Returns:
+        (T,) float64.
+    """
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"sampler.sde_window must be [lo, hi] with 0 <= lo <= hi <= 1; got [{lo}, {hi}]")
+    start = sigmas[:-1]
+    return torch.where((start >= lo) & (start <= hi), noise_level, 0.0).double()
+
+
+@torch.no_grad()
+def chunked_solve(
+    model: ModelAdapter,
+    cond: Cond,
+    x_init: Tensor,
+    sigmas: Tensor,
+    *,
+    solver: str,
+    chunk_size: int,
+    noise_levels: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Clean samples from a black-box solver, chunk by chunk (no log-probs kept).
+
+    Args:
+        model: the sampling policy.
+        cond: conditioning for B samples.
+        x_init: (B, ...) initial noise.
+        sigmas: (T + 1,) grid.
+        solver: "euler", "heun", "dpmpp_2m" (deterministic) or "sde_window" (Flow-SDE steps
+            where ``noise_levels`` > 0, Euler elsewhere).
+        chunk_size: samples per model call.
+        noise_levels: (T,) for "sde_window".
+        generator: RNG for SDE noise.
+
+    Returns:
+        (B, ...) final latents, fp32.
+    """
+    from .samplers.ode_solve import ode_solve
+
+    parts = []
+    for start in range(0, x_init.shape[0], chunk_size):
+        idx = slice(start, start + chunk_size)
+        c = select_cond(cond, idx)
+        fn = lambda x, s, c=c: model.velocity(x, s, c)  # noqa: E731
+        if solver == "sde_window":
+            parts.append(rollout(fn, x_init[idx], sigmas, noise_levels, generator=generator).latents[:, -1])
+        else:
+            parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
+    return torch.cat(parts)
+
+
 @torch.no_grad()
 def sample_images(
     model: ModelAdapter,

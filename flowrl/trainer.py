@@ -17,11 +17,11 @@ from torch import Tensor
 
 from .advantages import group_advantages
 from .config import Config
-from .lora import add_lora, lora_state_dict, load_lora_state
+from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import ModelAdapter
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .prompts import Prompt, collate, sample_groups
-from .rollouts import chunked_rollout, sample_images
+from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
 from .samplers.schedules import make_sigmas
 
@@ -30,8 +30,7 @@ EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run'
 
 def build_objective(cfg: Config) -> Objective:
     """Instantiate the configured objective."""
-    o = cfg.objective
-    return OBJECTIVES[o.name](clip_range=o.clip_range, kl_beta=o.kl_beta, updates_per_iteration=o.updates_per_iteration)
+    return OBJECTIVES[cfg.objective["name"]](**cfg.objective)
 
 
 class Trainer:
@@ -59,6 +58,8 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
         self.objective = build_objective(cfg)
+        self.objective.setup(model)
+        self.window_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
@@ -72,17 +73,29 @@ class Trainer:
         cond = self.model.encode_prompt(prompts.texts)
         shape = (len(prompts.texts), *self.model.latent_shape(*self.resolution))
         x_init = torch.randn(shape, generator=self.generator)
-        traj = chunked_rollout(
-            self.model, cond, x_init, self.sigmas, self.noise_levels,
-            chunk_size=self.cfg.sampler.chunk_size, generator=self.generator,
-        )
-        images = self.model.decode(traj.latents[:, -1])
+        samples, traj = self._rollout(cond, x_init)
+        images = self.model.decode(samples)
         scored = self.reward(images, prompts.texts, **prompts.metadata)
         a = self.cfg.advantage
         adv, keep, stats = group_advantages(scored.total, prompts.group_ids, std=a.std, eps=a.eps, clip=a.clip)
-        batch = RolloutBatch(prompts.texts, prompts.group_ids, cond, traj, images, scored.total, adv, keep, self.cfg.sampler.chunk_size)
+        batch = RolloutBatch(
+            prompts.texts, prompts.group_ids, cond, samples, traj, self.sigmas, images, scored.total, adv, keep, self.cfg.sampler.chunk_size
+        )
         info = {"zero_std_groups": torch.tensor(float(stats.zero_std_groups)), **{f"reward/{k}": v for k, v in scored.components.items()}}
         return batch, info
+
+    def _rollout(self, cond: dict[str, Tensor], x_init: Tensor) -> tuple[Tensor, Any]:
+        """Sample with the objective's adapter: stored SDE transitions, or a black-box solver."""
+        s, chunk = self.cfg.sampler, self.cfg.sampler.chunk_size
+        with use_adapter(self.model.transformer, self.objective.sampling_adapter):
+            if self.objective.rollout == "sde":
+                traj = chunked_rollout(self.model, cond, x_init, self.sigmas, self.noise_levels, chunk_size=chunk, generator=self.generator)
+                return traj.latents[:, -1], traj
+            samples = chunked_solve(
+                self.model, cond, x_init, self.sigmas, solver=s.solver, chunk_size=chunk,
+                noise_levels=self.window_levels, generator=self.generator,
+            )
+        return samples, None
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Run the objective's plan: one optimizer step per planned group of micro-batches."""
@@ -118,6 +131,7 @@ class Trainer:
         t_sample = time.perf_counter() - start
         stats = self.update(batch)
         self.iteration += 1
+        stats.update(self.objective.after_iteration(self.model, self.iteration))
         self.samples_seen += len(batch.prompts)
         metrics = {
             "iteration": float(self.iteration),
@@ -135,9 +149,10 @@ class Trainer:
     def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
         """ODE samples (no noise) for prompt/seed pairs: images (B, 3, H, W)."""
         batch = collate(prompts)
-        return sample_images(
-            self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
-        )
+        with use_adapter(self.model.transformer, self.objective.eval_adapter):
+            return sample_images(
+                self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -159,6 +174,7 @@ class Trainer:
         """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters."""
         return {
             "lora": lora_state_dict(self.model.transformer),
+            "adapters": {n: lora_state_dict(self.model.transformer, n) for n in adapter_names(self.model.transformer) if n != "default"},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # detach from live tensors
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -169,6 +185,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
         load_lora_state(self.model.transformer, state["lora"])
+        for name, weights in state.get("adapters", {}).items():
+            load_lora_state(self.model.transformer, weights, name)
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])

@@ -1,11 +1,15 @@
 """Training objectives: the algorithm-specific part of the single training loop."""
 
+from .awm import AWM
 from .base import Microbatch, Objective, RolloutBatch, chunk_indices, split_even
+from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO, clipped_policy_loss, gaussian_mean_kl
 
-OBJECTIVES = {"flow_grpo": FlowGRPO}
+OBJECTIVES = {"flow_grpo": FlowGRPO, "diffusion_nft": DiffusionNFT, "awm": AWM}
 
 __all__ = [
+    "AWM",
+    "DiffusionNFT",
     "FlowGRPO",
     "Microbatch",
     "OBJECTIVES",

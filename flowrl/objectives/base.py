@@ -24,7 +24,11 @@ class RolloutBatch(NamedTuple):
         prompts: B prompt strings.
         group_ids: (B,) prompt-group index per sample.
         cond: conditioning for the B samples.
-        trajectory: latents (B, T + 1, ...) and log_probs (B, T).
+        samples: (B, ...) clean final latents (all a forward-process objective needs).
+        trajectory: latents (B, T + 1, ...) and log_probs (B, T) for SDE rollouts; None when
+            the rollout used a black-box solver.
+        sigmas: (T + 1,) the rollout's sigma grid (forward-process objectives draw their
+            training sigmas from it).
         images: (B, 3, H, W) decoded final samples in [0, 1].
         rewards: (B,) combined reward.
         advantages: (B,) float32.
@@ -36,7 +40,9 @@ class RolloutBatch(NamedTuple):
     prompts: list[str]
     group_ids: Tensor
     cond: Cond
-    trajectory: Trajectory
+    samples: Tensor
+    trajectory: Trajectory | None
+    sigmas: Tensor
     images: Tensor
     rewards: Tensor
     advantages: Tensor
@@ -45,16 +51,38 @@ class RolloutBatch(NamedTuple):
 
 
 class Microbatch(NamedTuple):
-    """Sample indices (b,) and the trajectory step to train (or -1 for step-free objectives)."""
+    """Sample indices (b,), the step of the sigma grid to train at, and optional fresh noise.
+
+    ``noise`` (b, ...) is drawn in ``plan`` by forward-process objectives, so ``loss`` stays a
+    pure function of its inputs.
+    """
 
     index: Tensor
     step: int
+    noise: Tensor | None = None
 
 
 class Objective(Protocol):
-    """An RL objective plugged into the training loop."""
+    """An RL objective plugged into the training loop.
+
+    Attributes:
+        name: registry name.
+        rollout: "sde" (stored transitions with log-probs, e.g. Flow-GRPO) or "solver"
+            (clean samples from a black-box ODE/SDE solver, e.g. DiffusionNFT, AWM).
+        sampling_adapter: the LoRA adapter that samples rollouts ("default" or e.g. "old").
+        eval_adapter: the adapter used for evaluation and the saved LoRA ("default" or "ema").
+    """
 
     name: str
+    rollout: str
+    sampling_adapter: str
+    eval_adapter: str
+
+    def setup(self, model: ModelAdapter) -> None:
+        """Create extra adapters once the trainable LoRA exists."""
+
+    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
+        """Soft-update auxiliary adapters after an iteration's optimizer steps."""
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Micro-batches grouped per optimizer step, in the order they run."""

@@ -56,21 +56,27 @@ class FlowGRPO:
         clip_range: PPO epsilon (reference default 1e-4).
         kl_beta: weight of the KL to the base model (0 disables the reference pass).
         updates_per_iteration: optimizer steps per iteration (the reference does 2).
-        train_steps: which trajectory steps to train; None = every stochastic step.
     """
 
     clip_range: float = 1e-4
     kl_beta: float = 0.0
     updates_per_iteration: int = 1
-    train_steps: tuple[int, ...] | None = None
     name: str = "flow_grpo"
+    rollout = "sde"
+    sampling_adapter = "default"
+    eval_adapter = "default"
+
+    def setup(self, model: ModelAdapter) -> None:
+        """Flow-GRPO needs no extra adapter (the KL reference is the adapter switched off)."""
+
+    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
+        """Nothing to update between iterations."""
+        return {}
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""
         levels = batch.trajectory.noise_levels
         steps = [j for j in range(len(levels)) if levels[j] > 0]
-        if self.train_steps is not None:
-            steps = [j for j in steps if j in self.train_steps]
         chunks = [c for c in chunk_indices(len(batch.prompts), batch.chunk_size) if batch.keep[c].any()]
         order = torch.randperm(len(chunks), generator=generator).tolist()
         mbs = []

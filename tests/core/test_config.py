@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_defaults_are_the_embedded_job():
     cfg = load_config()
     assert cfg.model.path == "flowrl-digits"
-    assert cfg.objective.name == "flow_grpo"
+    assert cfg.objective["name"] == "flow_grpo"
     assert set(cfg.rewards) == {"ink", "digit_correctness"}
 
 

@@ -49,7 +49,7 @@ def _rollout_batch(model, chunk=3, groups=2, k=3, steps=4):
     adv = torch.randn(len(prompts), generator=gen)
     keep = torch.ones(len(prompts), dtype=torch.bool)
     ids = torch.arange(groups).repeat_interleave(k)
-    return RolloutBatch(prompts, ids, cond, traj, traj.latents[:, -1], adv, adv, keep, chunk)
+    return RolloutBatch(prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk)
 
 
 def test_ratio_is_exactly_one_before_the_first_update(tiny_sd3):

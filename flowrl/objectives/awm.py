@@ -1,0 +1,141 @@
+"""AWM: advantage-weighted matching, the pretraining flow-matching loss weighted by advantages.
+
+For a clean rollout sample x0, fresh noise eps and a sigma t drawn from the rollout schedule,
+``x_t = (1 - t) x0 + t eps`` and ``mse = mean (v_theta(x_t) - (eps - x0))^2``. With the
+power transform (p > 0) the per-sample "log-likelihood" is
+
+    lp = -(t / p) ((mse + 1e-10)^p - (1e-10)^p)          (p = None: lp = -mse)
+    L  = -A lp + kl_beta * mean (v_theta - v_ref)^2 + ema_beta * mean (v_theta - v_ema)^2
+
+with ``A = clip(A_hat, -c, c) / c`` in [-1, 1]. The reference writes the policy term as a PPO
+ratio ``exp(lp - sg(lp))`` with an inactive clip; on-policy that ratio is 1 and its gradient
+equals the gradient of ``-A lp`` used here. All of an iteration's micro-batches accumulate into
+one optimizer step. The "ema" adapter follows ``theta_ema <- d theta_ema + (1 - d) theta``,
+``d = min(ema_decay_rate * iteration, ema_decay_max)``.
+
+References:
+    Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion Models", 2025.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
+from ..models.adapter import ModelAdapter, select_cond
+from .base import Microbatch, RolloutBatch, chunk_indices
+
+
+def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
+    """``lp = -(t/p)((mse + 1e-10)^p - 1e-10^p)``, or ``-mse`` when power is None. (b,) fp64."""
+    mse = mse.double()
+    if power is None:
+        return -mse
+    eps = 1e-10
+    return -(sigma.double() / power) * ((mse + eps) ** power - eps**power)
+
+
+def stratified_steps(num_steps: int, count: int, fraction: float, generator: torch.Generator, skip_first: bool = True) -> list[int]:
+    """One step index per stratum of ``[first, int(num_steps * fraction)]`` (AWM "discrete_wo_init").
+
+    Args:
+        num_steps: rollout steps T (indices 0..T-1 address sigmas[0..T-1]).
+        count: number of strata / training sigmas.
+        fraction: the last usable index is ``int(T * fraction)``.
+        generator: RNG.
+        skip_first: skip index 0 (sigma = 1, pure noise).
+
+    Returns:
+        ``count`` sorted step indices (fewer if the range is shorter).
+    """
+    lo = 1 if skip_first else 0
+    hi = max(lo, min(num_steps - 1, int(num_steps * fraction)))
+    edges = torch.linspace(lo, hi + 1, count + 1)
+    steps = []
+    for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        a, b = int(a), max(int(a) + 1, int(b))
+        steps.append(int(torch.randint(a, b, (1,), generator=generator)))
+    return sorted(set(steps))
+
+
+@dataclass
+class AWM:
+    """Advantage-weighted matching (reference defaults in parentheses).
+
+    Args:
+        power: generalised-Huber power p (0.25); None switches the transform off.
+        kl_beta: velocity-space KL weight to the base model (1e-3).
+        ema_beta: velocity-space penalty weight to the EMA adapter (1.0).
+        adv_clip: advantage clip c (5).
+        num_timesteps: training sigmas per sample (6).
+        timestep_fraction: last usable rollout step fraction (0.9).
+        ema_decay_rate, ema_decay_max: ``d = min(rate * iteration, max)`` (0.001, 0.3).
+    """
+
+    power: float | None = 0.25
+    kl_beta: float = 1e-3
+    ema_beta: float = 1.0
+    adv_clip: float = 5.0
+    num_timesteps: int = 6
+    timestep_fraction: float = 0.9
+    ema_decay_rate: float = 0.001
+    ema_decay_max: float = 0.3
+    name: str = "awm"
+    rollout = "solver"
+    sampling_adapter = "default"
+    eval_adapter = "default"
+
+    def setup(self, model: ModelAdapter) -> None:
+        """Add the frozen "ema" adapter (the trust-region anchor)."""
+        add_frozen_copy(model.transformer, "ema")
+
+    def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
+        """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all."""
+        steps = stratified_steps(len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator)
+        mbs = []
+        for idx in chunk_indices(len(batch.prompts), batch.chunk_size):
+            if not batch.keep[idx].any():
+                continue
+            for j in steps:
+                mbs.append(Microbatch(idx, j, torch.randn(batch.samples[idx].shape, generator=generator)))
+        return [mbs] if mbs else []
+
+    def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
+        """Advantage-weighted flow-matching loss on one chunk at one sigma."""
+        idx = mb.index
+        x0 = batch.samples[idx].float()
+        sigma = batch.sigmas[mb.step].float().expand(len(idx))
+        t = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1 - t) * x0 + t * mb.noise
+        cond = select_cond(batch.cond, idx)
+        v_theta = model.velocity(x_t, sigma, cond)
+        dims = tuple(range(1, x0.ndim))
+        mse = ((v_theta.double() - (mb.noise - x0).double()) ** 2).mean(dim=dims)
+        lp = weighted_log_likelihood(mse, sigma, self.power)
+        adv = batch.advantages[idx].double().clamp(-self.adv_clip, self.adv_clip) / self.adv_clip
+        keep = batch.keep[idx].double()
+        denom = keep.sum().clamp(min=1.0)
+        loss = (-adv * lp * keep).sum() / denom
+        stats = {"policy_loss": float(loss.detach()), "fm_mse": float(mse.detach().mean())}
+        if self.kl_beta > 0:
+            with torch.no_grad(), adapters_disabled(model.transformer):
+                v_ref = model.velocity(x_t, sigma, cond)
+            kl = ((v_theta.double() - v_ref.double()) ** 2).mean()
+            loss = loss + self.kl_beta * kl
+            stats["kl"] = float(kl.detach())
+        if self.ema_beta > 0:
+            with torch.no_grad(), use_adapter(model.transformer, "ema"):
+                v_ema = model.velocity(x_t, sigma, cond)
+            ema_kl = ((v_theta.double() - v_ema.double()) ** 2).mean()
+            loss = loss + self.ema_beta * ema_kl
+            stats["ema_kl"] = float(ema_kl.detach())
+        return loss.float(), stats
+
+    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
+        """Move the EMA anchor toward the current policy."""
+        decay = min(self.ema_decay_rate * iteration, self.ema_decay_max)
+        soft_update(model.transformer, "ema", keep=decay)
+        return {"ema_decay": decay}

@@ -134,8 +134,12 @@ class AWM:
             stats["ema_kl"] = float(ema_kl.detach())
         return loss.float(), stats
 
+    def ema_decay(self, iteration: int) -> float:
+        """``d = min(ema_decay_rate * iteration, ema_decay_max)``."""
+        return min(self.ema_decay_rate * iteration, self.ema_decay_max)
+
     def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
         """Move the EMA anchor toward the current policy."""
-        decay = min(self.ema_decay_rate * iteration, self.ema_decay_max)
+        decay = self.ema_decay(iteration)
         soft_update(model.transformer, "ema", keep=decay)
         return {"ema_decay": decay}

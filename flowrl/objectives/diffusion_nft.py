@@ -44,6 +44,11 @@ def adaptive_x0_loss(x0_pred: Tensor, x0: Tensor) -> Tensor:
     return (diff**2).mean(dim=dims) / scale
 
 
+def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """``v+ = beta v_theta + (1 - beta) v_old`` and ``v- = (1 + beta) v_old - beta v_theta``."""
+    return beta * v_theta + (1 - beta) * v_old, (1 + beta) * v_old - beta * v_theta
+
+
 def nft_policy_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sigma: Tensor, r: Tensor, beta: float, clip: float) -> Tensor:
     """Per-sample NFT policy loss ``clip (r L+ + (1 - r) L-) / beta`` (b,), fp64.
 
@@ -58,8 +63,7 @@ def nft_policy_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sig
         clip: advantage clip c (scales the loss as in the reference).
     """
     t = sigma.double().reshape(-1, *([1] * (x0.ndim - 1)))
-    v_pos = beta * v_theta.double() + (1 - beta) * v_old.double()
-    v_neg = (1 + beta) * v_old.double() - beta * v_theta.double()
+    v_pos, v_neg = implicit_policies(v_theta.double(), v_old.double(), beta)
     loss_pos = adaptive_x0_loss(x_t.double() - t * v_pos, x0)
     loss_neg = adaptive_x0_loss(x_t.double() - t * v_neg, x0)
     r = r.double()

@@ -72,7 +72,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path) -> Path:
     opt_tensors, opt_meta = _flatten_optimizer(state["optimizer"])
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"generator": state["generator"], "torch_rng": state["torch_rng"]}, str(tmp / "rng.safetensors"))
-    meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "optimizer": opt_meta}
+    meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "nfe": state.get("nfe", 0), "optimizer": opt_meta}
     _atomic_json(tmp / "trainer.json", meta)
     if directory.exists():
         shutil.rmtree(directory)
@@ -106,4 +106,5 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "torch_rng": rng["torch_rng"],
         "iteration": meta["iteration"],
         "samples_seen": meta["samples_seen"],
+        "nfe": meta.get("nfe", 0),
     }

@@ -18,7 +18,7 @@ from torch import Tensor
 from .advantages import group_advantages
 from .config import Config
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
-from .models.adapter import ModelAdapter
+from .models.adapter import CountingAdapter, ModelAdapter
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
@@ -45,7 +45,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, model: ModelAdapter, reward: Any, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
-        self.cfg, self.model, self.reward = cfg, model, reward
+        self.cfg, self.reward = cfg, reward
+        self.model = model if isinstance(model, CountingAdapter) else CountingAdapter(model)
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         res = cfg.model.resolution
         self.resolution = (res, res) if res else tuple(model.default_resolution)
@@ -139,6 +140,7 @@ class Trainer:
             "reward_std": float(batch.rewards.std(unbiased=False)),
             **{k: float(v.float().nanmean()) if v.numel() > 1 else float(v) for k, v in info.items()},
             **{f"train/{k}": v for k, v in stats.items()},
+            "nfe": float(self.model.nfe),
             "time/sample_s": t_sample,
             "time/iteration_s": time.perf_counter() - start,
         }
@@ -147,12 +149,18 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
 
     def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
-        """ODE samples (no noise) for prompt/seed pairs: images (B, 3, H, W)."""
-        batch = collate(prompts)
-        with use_adapter(self.model.transformer, self.objective.eval_adapter):
-            return sample_images(
-                self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
-            )
+        """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W).
+
+        Evaluation is not counted in the training NFE.
+        """
+        batch, nfe = collate(prompts), self.model.nfe
+        try:
+            with use_adapter(self.model.transformer, self.objective.eval_adapter):
+                return sample_images(
+                    self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
+                )
+        finally:
+            self.model.nfe = nfe
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -180,6 +188,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "iteration": self.iteration,
             "samples_seen": self.samples_seen,
+            "nfe": self.model.nfe,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -192,3 +201,4 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.iteration = int(state["iteration"])
         self.samples_seen = int(state["samples_seen"])
+        self.model.nfe = int(state.get("nfe", 0))

@@ -53,3 +53,22 @@ def select_cond(cond: Cond, index: Tensor | slice) -> Cond:
 def repeat_cond(cond: Cond, repeats: int) -> Cond:
     """Repeat each row ``repeats`` times consecutively: (B, ...) -> (B * repeats, ...)."""
     return {key: value.repeat_interleave(repeats, dim=0) for key, value in cond.items()}
+
+
+class CountingAdapter:
+    """Wraps a model adapter and counts velocity evaluations per sample (NFE).
+
+    Everything but ``velocity`` is forwarded to the wrapped adapter unchanged.
+    """
+
+    def __init__(self, model: ModelAdapter):
+        self._model = model
+        self.nfe = 0
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """Count ``B`` evaluations, then call the wrapped model."""
+        self.nfe += x.shape[0]
+        return self._model.velocity(x, sigma, cond)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)

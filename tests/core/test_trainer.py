@@ -27,6 +27,8 @@ def test_one_iteration_updates_only_the_lora(tiny_sd3):
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
     assert metrics["iteration"] == 1.0 and trainer.samples_seen == 6
+    # NFE: rollout 6 samples x 3 steps + policy and KL-reference passes on 2 SDE steps x 6 samples
+    assert metrics["nfe"] == 6 * 3 + 2 * (6 * 2)
     for key in ("reward_mean", "reward/ink", "reward/digit_correctness", "train/loss", "train/grad_norm", "train/kl"):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
     for n, p in tiny_sd3.transformer.named_parameters():

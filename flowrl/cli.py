@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, KeyError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:

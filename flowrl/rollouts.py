@@ -98,8 +98,6 @@ def chunked_solve(
     Returns:
         (B, ...) final latents, fp32.
     """
-    from .samplers.ode_solve import ode_solve
-
     parts = []
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
@@ -108,6 +106,8 @@ def chunked_solve(
         if solver == "sde_window":
             parts.append(rollout(fn, x_init[idx], sigmas, noise_levels, generator=generator).latents[:, -1])
         else:
+            from .samplers.ode_solve import ode_solve
+
             parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
     return torch.cat(parts)
 

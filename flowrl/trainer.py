@@ -113,7 +113,7 @@ class Trainer:
                         "lower optim.lr or check the rewards for extreme values"
                     )
                 (loss / len(group)).backward()
-                first_ratio = stats["ratio"] if first_ratio is None else first_ratio
+                first_ratio = stats.get("ratio") if first_ratio is None else first_ratio
                 for k, v in {"loss": float(loss.detach()), **stats}.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1

@@ -62,7 +62,8 @@ class AdvantageConfig:
 
 
 def _default_objective() -> dict[str, Any]:
-    return {"name": "flow_grpo"}  # the objective's own dataclass holds its defaults
+    # the objective's own dataclass holds its defaults; the embedded job adds a KL guard
+    return {"name": "flow_grpo", "kl_beta": 0.04}
 
 
 @dataclass
@@ -74,7 +75,7 @@ class LoraConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = field(default=3e-4, metadata=_rng(0, lo_open=True))
+    lr: float = field(default=1e-3, metadata=_rng(0, lo_open=True))
     weight_decay: float = field(default=1e-4, metadata=_rng(0))
     beta1: float = field(default=0.9, metadata=_rng(0, 1))
     beta2: float = field(default=0.999, metadata=_rng(0, 1))
@@ -84,7 +85,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    iterations: int = field(default=100, metadata=_rng(1))
+    iterations: int = field(default=70, metadata=_rng(1))
     time_budget_s: float | None = None  # stop early after this many seconds of training
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2

@@ -112,3 +112,19 @@ def test_rewards_list(tmp_path):
     assert result.returncode == 0
     for name in ("digit_correctness", "ink", "jpeg_compressibility", "jpeg_incompressibility"):
         assert name in result.stdout
+
+
+def test_two_iterations_on_the_embedded_model(tmp_path):
+    out = tmp_path / "run"
+    small = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=16", "train.iterations=2",
+             "train.eval_every=1", "train.eval_seeds=1", "output.grid_seeds=1"]
+    result = flowrl("train", *small, f"output.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "grid_before_after.png", "summary.json",
+                 "lora/pytorch_lora_weights.safetensors", "checkpoints/iter-000002/lora.safetensors",
+                 "checkpoints/iter-000002/optimizer.safetensors", "checkpoints/iter-000002/rng.safetensors"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("eval/reward_mean", "eval/accuracy", "eval/ink_bold", "eval/ink_thin", "eval/ink_gap"):
+        assert key in summary["start"] and key in summary["end"], key
+    assert summary["start"]["eval/accuracy"] >= 0.9  # the shipped base model reads as the prompted digit

@@ -133,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowrl`` console script."""
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pretrain-digits"]:  # its own parser owns every option, --help included
+        ns = argparse.Namespace(func=cmd_pretrain_digits, args=argv[1:])
+    else:
+        ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
     except USER_ERRORS as err:

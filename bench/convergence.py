@@ -32,9 +32,9 @@ from flowrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
-    "flow_grpo": REPO / "configs/digits/flow_grpo.yaml",
-    "diffusion_nft": REPO / "configs/digits/diffusion_nft.yaml",
-    "awm": REPO / "configs/digits/awm.yaml",
+    "flow_grpo": REPO / "configs/grpo/digits.yaml",
+    "diffusion_nft": REPO / "configs/nft/digits.yaml",
+    "awm": REPO / "configs/awm/digits.yaml",
 }
 
 

@@ -17,10 +17,9 @@ import torch
 
 def _setup():
     from flowrl.lora import add_lora
-    from flowrl.models.digits import build_digits_pipeline
-    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.models import load_adapter
 
-    model = SD3Adapter(build_digits_pipeline(seed=0), max_sequence_length=1, resolution=(8, 8))
+    model = load_adapter("flowrl-digits")
     params = add_lora(model.transformer, rank=8, alpha=16, targets=model.lora_target_modules)
     return model, params
 

@@ -7,10 +7,28 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import socket
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+_real_connect = socket.socket.connect
+
+
+def _guarded_connect(sock, address):
+    """Tests must never reach the network: only loopback and unix sockets are allowed."""
+    host = address[0] if isinstance(address, tuple) else None
+    if host is not None and host not in ("127.0.0.1", "::1", "localhost"):
+        raise RuntimeError(f"test tried to open a network connection to {address}; tests must stay offline")
+    return _real_connect(sock, address)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Fail any test that opens a non-loopback connection (hub downloads included)."""
+    monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
 
 
 def tiny_sd3_pipeline(seed: int = 0):

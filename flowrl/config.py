@@ -56,7 +56,8 @@ class SamplerConfig:
 
 @dataclass
 class AdvantageConfig:
-    std: Literal["global", "group"] = "global"
+    method: Literal["sum", "gdpo", "median"] = "sum"  # weighted sum then GRPO | GDPO | MC-GRPO median
+    std: Literal["global", "group", "none"] = "global"
     clip: float = field(default=5.0, metadata=_rng(0, lo_open=True))
     eps: float = field(default=1e-4, metadata=_rng(0))
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantages import group_advantages
+from .advantages import compute_advantages
 from .config import Config
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import CountingAdapter, ModelAdapter
@@ -78,7 +78,9 @@ class Trainer:
         images = self.model.decode(samples)
         scored = self.reward(images, prompts.texts, **prompts.metadata)
         a = self.cfg.advantage
-        adv, keep, stats = group_advantages(scored.total, prompts.group_ids, std=a.std, eps=a.eps, clip=a.clip)
+        adv, keep, stats = compute_advantages(
+            scored.components, self.reward.weights, prompts.group_ids, method=a.method, std=a.std, eps=a.eps, clip=a.clip
+        )
         batch = RolloutBatch(
             prompts.texts, prompts.group_ids, cond, samples, traj, self.sigmas, images, scored.total, adv, keep, self.cfg.sampler.chunk_size
         )

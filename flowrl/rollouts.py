@@ -66,8 +66,9 @@ def sigma_window_levels(sigmas: Tensor, noise_level: float, lo: float, hi: float
     """
     if not 0.0 <= lo <= hi <= 1.0:
         raise ValueError(f"sampler.sde_window must be [lo, hi] with 0 <= lo <= hi <= 1; got [{lo}, {hi}]")
-    start = sigmas[:-1]
-    return torch.where((start >= lo) & (start <= hi), noise_level, 0.0).double()
+    start = sigmas[:-1].double()
+    inside = (start >= lo) & (start <= hi)
+    return torch.where(inside, torch.full_like(start, noise_level), torch.zeros_like(start))
 
 
 @torch.no_grad()

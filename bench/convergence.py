@@ -127,7 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, out / "benchmarks-convergence.png")
     (out / "benchmarks-convergence.json").write_text(json.dumps(results, indent=1))
     command = "python -m bench.convergence " + " ".join(argv if argv is not None else os.sys.argv[1:])
-    print(report(results, args.budget, command.strip()))
+    section = report(results, args.budget, command.strip())
+    print(section)
+    update_docs(out / "benchmarks.md", section)
+
+
+def update_docs(path: Path, section: str) -> None:
+    """Replace the text between the convergence markers of docs/benchmarks.md (append if absent)."""
+    start, end = "<!-- convergence:start -->", "<!-- convergence:end -->"
+    block = f"{start}\n{section}\n\n![convergence](benchmarks-convergence.png)\n{end}"
+    text = path.read_text() if path.is_file() else "# Benchmarks\n"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n## Convergence: Flow-GRPO vs DiffusionNFT vs AWM\n\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

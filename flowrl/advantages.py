@@ -1,14 +1,19 @@
 """Group-relative advantages as pure functions: GRPO, GDPO, the MC-GRPO median baseline.
 
 A NaN reward means "not applicable to this sample": group statistics ignore it and the sample
-gets advantage 0 (and ``keep`` False when no reward applies to it). A group whose valid rewards
-are all equal (or that has fewer than two) carries no signal: it is counted and dropped.
+gets advantage 0 and ``keep`` False (for several rewards: when none applies to it). A group
+whose valid rewards are all equal, or that has fewer than two, carries no signal: it is counted
+as zero-variance and its samples are dropped (advantage 0, ``keep`` False). ``+-inf`` rewards
+are a bug in the reward and raise. The stateful DDPO per-prompt tracker lives in
+:mod:`flowrl.advantage_tracker`.
 
 References:
     Shao et al., "DeepSeekMath" (GRPO), 2024. Liu et al., "Flow-GRPO", 2025 (per-prompt mean,
-    global std). "GDPO: Group reward-Decoupled Normalization Policy Optimization", 2026 (normalise
-    each reward separately, then combine). "MC-GRPO: Median-Centered GRPO for Small-Rollout RL",
-    2026 (median baseline).
+    global std, adv clip 5). Liu et al., "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv 2601.05242, 2026 (normalise each
+    reward within its group, combine, renormalise over the batch). Kim, "MC-GRPO:
+    Median-Centered Group Relative Policy Optimization for Small-Rollout RL", arXiv 2601.22582,
+    2026 (median baseline, odd groups, the zero-advantage pivot is not trained).
 """
 
 from __future__ import annotations
@@ -20,21 +25,44 @@ from torch import Tensor
 
 Std = Literal["global", "group", "none"]
 Method = Literal["sum", "gdpo", "median"]
+METHODS: tuple[str, ...] = ("sum", "gdpo", "median")
+STDS: tuple[str, ...] = ("global", "group", "none")
 
 
 class AdvantageStats(NamedTuple):
-    """Bookkeeping for logs: groups seen, zero-variance groups dropped, std used."""
+    """Bookkeeping for logs.
+
+    Attributes:
+        num_groups: prompt groups in the batch.
+        zero_std_groups: groups dropped for carrying no signal (constant or < 2 valid rewards;
+            for GDPO: no signal in any reward).
+        std: the std used for logging: std of the finite (combined) rewards of the batch; for
+            GDPO the batch std of the combined advantage that the renormalisation divides by.
+        num_samples: B.
+        kept: samples with ``keep`` True.
+        not_applicable: samples with no applicable (finite) reward.
+        clipped: kept samples whose advantage hit the clip.
+    """
 
     num_groups: int
     zero_std_groups: int
     std: float
+    num_samples: int = 0
+    kept: int = 0
+    not_applicable: int = 0
+    clipped: int = 0
+
+    @property
+    def zero_std_ratio(self) -> float:
+        """Fraction of groups without signal (Flow-GRPO logs it as ``zero_std_ratio``)."""
+        return self.zero_std_groups / max(self.num_groups, 1)
 
 
 class GroupStats(NamedTuple):
     """Per-group statistics over the finite entries of a (B,) tensor.
 
     Attributes:
-        inverse: (B,) group index of each sample (0..G-1).
+        inverse: (B,) group index of each sample (0..G-1, in sorted order of the group ids).
         count: (G,) number of finite values per group.
         mean: (G,) mean of the finite values (0 where none).
         var: (G,) population variance of the finite values (0 where none).
@@ -46,83 +74,146 @@ class GroupStats(NamedTuple):
     var: Tensor
 
 
+def _check(values: Tensor, group_ids: Tensor) -> None:
+    """Raise ValueError on shape mismatch or infinite values."""
+    if values.shape != group_ids.shape or values.ndim != 1:
+        raise ValueError(f"rewards and group_ids must both be (B,); got {tuple(values.shape)}, {tuple(group_ids.shape)}")
+    if torch.isinf(values).any():
+        raise ValueError("rewards contain +-inf; return NaN for 'not applicable' and finite values otherwise")
+
+
 def group_stats(values: Tensor, group_ids: Tensor) -> GroupStats:
-    """NaN-aware group count, mean and variance (float64).
+    """NaN-aware group count, mean and population variance (float64).
 
     Args:
         values: (B,) values, NaN = not applicable.
-        group_ids: (B,) int64 group index per sample.
+        group_ids: (B,) integer group index per sample (any labels; groups are their unique values).
+
+    Returns:
+        :class:`GroupStats` with (B,) ``inverse`` and (G,) float64 ``count``, ``mean``, ``var``.
+
+    Raises:
+        ValueError: shapes are not both (B,), or a value is infinite.
     """
-    if values.shape != group_ids.shape or values.ndim != 1:
-        raise ValueError(f"rewards and group_ids must both be (B,); got {tuple(values.shape)}, {tuple(group_ids.shape)}")
+    _check(values, group_ids)
     v = values.double()
-    valid = torch.isfinite(v)
+    valid = ~torch.isnan(v)
     _, inverse = torch.unique(group_ids, return_inverse=True)
-    groups = int(inverse.max()) + 1 if len(inverse) else 0
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    zeros = torch.zeros(groups, dtype=torch.float64, device=v.device)
     filled = torch.where(valid, v, torch.zeros_like(v))
-    count = torch.zeros(groups, dtype=v.dtype).index_add_(0, inverse, valid.double())
-    mean = torch.zeros(groups, dtype=v.dtype).index_add_(0, inverse, filled) / count.clamp(min=1)
+    count = zeros.index_add(0, inverse, valid.double())
+    mean = zeros.index_add(0, inverse, filled) / count.clamp(min=1)
     centred = torch.where(valid, v - mean[inverse], torch.zeros_like(v))
-    var = torch.zeros(groups, dtype=v.dtype).index_add_(0, inverse, centred**2) / count.clamp(min=1)
+    var = zeros.index_add(0, inverse, centred**2) / count.clamp(min=1)
     return GroupStats(inverse, count, mean, var)
 
 
-def _zero_groups(stats: GroupStats) -> Tensor:
-    """(G,) True for groups with < 2 valid values or (numerically) constant values."""
+def zero_variance_groups(stats: GroupStats) -> Tensor:
+    """(G,) bool: groups with fewer than 2 valid values or (numerically) constant values."""
     return (stats.count < 2) | (stats.var <= 1e-12 * (1 + stats.mean**2))
 
 
-def _scale(values: Tensor, stats: GroupStats, std: Std) -> Tensor:
-    """(B,) divisor: the std of all finite values, the group std, or 1."""
+def group_medians(values: Tensor, stats: GroupStats) -> tuple[Tensor, Tensor]:
+    """Median of the finite values of each group, and the pivot sample of odd-sized groups.
+
+    Even valid counts take the midpoint of the two middle values (a lower median would make
+    G = 2 push only upwards); odd counts take the middle value, whose sample is the pivot.
+
+    Args:
+        values: (B,) values, NaN = not applicable.
+        stats: :func:`group_stats` of ``values``.
+
+    Returns:
+        (medians (G,) float64, 0 where a group has no valid value; pivot (B,) bool, True for
+        one sample per group with an odd valid count, the first in sorted order among ties).
+    """
+    v = values.double()
+    if not len(v):
+        return torch.zeros(0, dtype=torch.float64, device=v.device), torch.zeros(0, dtype=torch.bool, device=v.device)
+    key = torch.where(torch.isnan(v), torch.full_like(v, float("inf")), v)
+    order = torch.sort(key, stable=True).indices
+    order = order[torch.sort(stats.inverse[order], stable=True).indices]  # by group, ascending, NaN last
+    size = torch.bincount(stats.inverse, minlength=len(stats.count))
+    start = torch.cumsum(size, 0) - size
+    n = stats.count.long()
+    lo, hi = start + (n - 1).clamp(min=0) // 2, start + n // 2
+    medians = torch.where(n > 0, (v[order[lo]] + v[order[hi]]) / 2, torch.zeros_like(stats.mean))
+    pivot = torch.zeros(len(v), dtype=torch.bool, device=v.device)
+    pivot[order[lo[n % 2 == 1]]] = True
+    return medians, pivot
+
+
+def _scale(values: Tensor, stats: GroupStats, std: str) -> Tensor:
+    """(B,) divisor: the std of all finite values ("global"), the group std ("group"), or 1."""
     if std == "global":
-        finite = values.double()[torch.isfinite(values)]
-        return (finite.std(unbiased=False) if finite.numel() else torch.tensor(0.0, dtype=torch.float64)).expand(len(values))
+        return _finite_std(values).expand(len(values))
     if std == "group":
         return stats.var.sqrt()[stats.inverse]
     if std == "none":
-        return torch.ones(len(values), dtype=torch.float64)
-    raise ValueError(f"advantage std must be 'global', 'group' or 'none'; got {std!r}")
+        return torch.ones(len(values), dtype=torch.float64, device=values.device)
+    raise ValueError(f"advantage std must be one of {STDS}; got {std!r}")
 
 
-def _finish(adv: Tensor, values: Tensor, stats: GroupStats, clip: float | None) -> tuple[Tensor, Tensor, AdvantageStats]:
-    zero = _zero_groups(stats)
-    keep = ~zero[stats.inverse] & torch.isfinite(values)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    adv = torch.where(keep, adv, torch.zeros_like(adv))
+def _finite_std(values: Tensor) -> Tensor:
+    """() float64 population std of the finite entries (0 when there are none)."""
     finite = values.double()[torch.isfinite(values)]
-    spread = float(finite.std(unbiased=False)) if finite.numel() else 0.0
-    return adv.float(), keep, AdvantageStats(len(stats.count), int(zero.sum()), spread)
+    return finite.std(unbiased=False) if finite.numel() else torch.zeros((), dtype=torch.float64, device=values.device)
+
+
+def clip_advantages(advantages: Tensor, clip: float) -> Tensor:
+    """Clip advantages to ``[-clip, clip]`` (Flow-GRPO/DDPO use 5).
+
+    Args:
+        advantages: (B,) advantages.
+        clip: positive bound.
+
+    Returns:
+        (B,) clipped advantages, same dtype.
+
+    Raises:
+        ValueError: ``clip <= 0``.
+    """
+    if not clip > 0:
+        raise ValueError(f"advantage clip must be > 0; got {clip}")
+    return advantages.clamp(-clip, clip)
+
+
+def _finish(
+    adv: Tensor, keep: Tensor, not_applicable: Tensor, zero: Tensor, std: float, clip: float | None
+) -> tuple[Tensor, Tensor, AdvantageStats]:
+    """Clip, zero the dropped samples, cast to float32 and count."""
+    clipped = 0
+    if clip is not None:
+        clipped = int(((adv.abs() > clip) & keep).sum())
+        adv = clip_advantages(adv, clip)
+    adv = torch.where(keep, adv, torch.zeros_like(adv))
+    stats = AdvantageStats(len(zero), int(zero.sum()), std, len(adv), int(keep.sum()), int(not_applicable.sum()), clipped)
+    return adv.float(), keep, stats
 
 
 def group_advantages(
     rewards: Tensor, group_ids: Tensor, *, std: Std = "global", eps: float = 1e-4, clip: float | None = None
 ) -> tuple[Tensor, Tensor, AdvantageStats]:
-    """Per-prompt advantages ``A_i = (r_i - mean_group(r)) / (std + eps)``.
+    """GRPO / Flow-GRPO per-prompt advantages ``A_i = (r_i - mean_group(r)) / (std + eps)``.
 
     Args:
         rewards: (B,) rewards (NaN = not applicable).
-        group_ids: (B,) int64 prompt-group index per sample.
-        std: "global" (all rewards of the batch, as Flow-GRPO), "group" or "none".
+        group_ids: (B,) integer prompt-group index per sample.
+        std: "global" (std of all finite rewards of the batch, as Flow-GRPO), "group"
+            (per-prompt std, as DanceGRPO) or "none" (mean-centred only, as Dr. GRPO).
         eps: added to the std.
         clip: if given, advantages are clipped to [-clip, clip].
 
     Returns:
-        (advantages (B,) float32, keep (B,) bool, AdvantageStats).
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats). Dropped samples (NaN reward,
+        zero-variance group) have advantage 0 and keep False.
     """
     stats = group_stats(rewards, group_ids)
     adv = (rewards.double() - stats.mean[stats.inverse]) / (_scale(rewards, stats, std) + eps)
-    return _finish(adv, rewards, stats, clip)
-
-
-def group_medians(values: Tensor, stats: GroupStats) -> Tensor:
-    """(G,) lower median of the finite values of each group (0 where none)."""
-    medians = torch.zeros(len(stats.count), dtype=torch.float64)
-    for g in range(len(stats.count)):
-        vals = values.double()[(stats.inverse == g) & torch.isfinite(values)]
-        if vals.numel():
-            medians[g] = vals.median()
-    return medians
+    zero = zero_variance_groups(stats)
+    nan = torch.isnan(rewards)
+    return _finish(adv, ~zero[stats.inverse] & ~nan, nan, zero, float(_finite_std(rewards)), clip)
 
 
 def median_advantages(
@@ -130,15 +221,83 @@ def median_advantages(
 ) -> tuple[Tensor, Tensor, AdvantageStats]:
     """MC-GRPO: ``A_i = (r_i - median_group(r)) / (std + eps)``, robust for small groups.
 
-    With an odd group size the median sample is the zero-advantage pivot.
+    The median is far less sensitive than the mean to one outlier reward, which avoids advantage
+    sign flips at G = 2..8. Use an odd group size (G + 1 rollouts): the median sample is then the
+    zero-advantage pivot and gets ``keep`` False, so the update costs G samples as in the paper.
+    Even groups use the midpoint of the two middle rewards and keep every sample. The paper
+    divides by the group MAD; here ``std`` picks the same divisors as :func:`group_advantages`.
+
+    Args:
+        rewards: (B,) rewards (NaN = not applicable).
+        group_ids: (B,) integer prompt-group index per sample.
+        std: "global", "group" (the group's population std) or "none".
+        eps: added to the std.
+        clip: if given, advantages are clipped to [-clip, clip].
+
+    Returns:
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats).
     """
     stats = group_stats(rewards, group_ids)
-    adv = (rewards.double() - group_medians(rewards, stats)[stats.inverse]) / (_scale(rewards, stats, std) + eps)
-    return _finish(adv, rewards, stats, clip)
+    medians, pivot = group_medians(rewards, stats)
+    adv = (rewards.double() - medians[stats.inverse]) / (_scale(rewards, stats, std) + eps)
+    zero = zero_variance_groups(stats)
+    nan = torch.isnan(rewards)
+    return _finish(adv, ~zero[stats.inverse] & ~nan & ~pivot, nan, zero, float(_finite_std(rewards)), clip)
+
+
+def _check_weights(rewards: dict[str, Tensor], weights: dict[str, float]) -> None:
+    """Raise ValueError unless every reward has a weight and vice versa."""
+    if not rewards:
+        raise ValueError("advantages need at least one reward; got an empty dict")
+    if set(rewards) != set(weights):
+        raise ValueError(f"need a weight for every reward; rewards {sorted(rewards)} vs weights {sorted(weights)}")
+
+
+def weighted_sum(rewards: dict[str, Tensor], weights: dict[str, float]) -> Tensor:
+    """``total = sum_k w_k r_k`` with NaN components counted as 0 (as ``flowrl.rewards.combine``).
+
+    Args:
+        rewards: reward name -> (B,) values (NaN = not applicable).
+        weights: reward name -> weight (same names).
+
+    Returns:
+        (B,) float64 total; NaN where no reward applies to the sample.
+    """
+    _check_weights(rewards, weights)
+    shapes = {name: tuple(v.shape) for name, v in rewards.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+        raise ValueError(f"every reward must be the same (B,) shape; got {shapes}")
+    values = torch.stack([v.double() for v in rewards.values()])
+    w = torch.tensor([weights[k] for k in rewards], dtype=torch.float64, device=values.device)
+    total = (w[:, None] * torch.nan_to_num(values, nan=0.0)).sum(dim=0)
+    return torch.where(torch.isnan(values).all(dim=0), torch.full_like(total, float("nan")), total)
+
+
+def weighted_sum_advantages(
+    rewards: dict[str, Tensor],
+    weights: dict[str, float],
+    group_ids: Tensor,
+    *,
+    std: Std = "global",
+    eps: float = 1e-4,
+    clip: float | None = None,
+) -> tuple[Tensor, Tensor, AdvantageStats]:
+    """The default multi-reward path (Flow-GRPO, DiffusionNFT): weighted sum, then GRPO.
+
+    Args:
+        rewards: reward name -> (B,) values (NaN = not applicable, counts 0 in the sum).
+        weights: reward name -> weight.
+        group_ids: (B,) integer prompt-group index per sample.
+        std, eps, clip: as :func:`group_advantages`.
+
+    Returns:
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats).
+    """
+    return group_advantages(weighted_sum(rewards, weights), group_ids, std=std, eps=eps, clip=clip)
 
 
 def gdpo_advantages(
-    components: dict[str, Tensor],
+    rewards: dict[str, Tensor],
     weights: dict[str, float],
     group_ids: Tensor,
     *,
@@ -148,46 +307,49 @@ def gdpo_advantages(
 ) -> tuple[Tensor, Tensor, AdvantageStats, dict[str, Tensor]]:
     """GDPO: z-score each reward within its group, weight and sum, then renormalise over the batch.
 
+    ``A_k,i = (r_k,i - mean_group(r_k)) / (std_group(r_k) + eps)`` (0 where r_k is NaN or its
+    group has no signal in r_k), ``A_i = sum_k w_k A_k,i``, and with ``renormalize``
+    ``A_i <- (A_i - mean_kept(A)) / (std_kept(A) + eps)`` over the kept samples of the batch, so
+    the scale does not grow with the number of rewards (the kept mean is already 0 up to rounding,
+    since each per-reward advantage sums to 0 within its group). Unlike the weighted sum, distinct reward
+    combinations keep distinct advantages.
+
     Args:
-        components: reward name -> (B,) values (NaN = not applicable).
+        rewards: reward name -> (B,) values (NaN = not applicable).
         weights: reward name -> weight.
-        group_ids: (B,) group index.
+        group_ids: (B,) integer prompt-group index per sample.
         eps: added to each std.
-        renormalize: divide the combined advantage by its batch std (+ eps).
-        clip: optional final clip.
+        renormalize: apply the batch-wise normalisation of the combined advantage.
+        clip: if given, the final advantages are clipped to [-clip, clip].
 
     Returns:
-        (advantages (B,), keep (B,), AdvantageStats, per-reward advantages {name: (B,)}).
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats, per-reward group-normalised
+        advantages {name: (B,) float32} for logging). A sample is kept when at least one reward
+        gives it signal.
     """
-    if set(components) != set(weights):
-        raise ValueError(f"GDPO needs a weight for every reward; rewards {sorted(components)} vs weights {sorted(weights)}")
-    total = torch.zeros(len(group_ids), dtype=torch.float64)
-    applicable = torch.zeros(len(group_ids), dtype=torch.bool)
-    per_reward, zero_all = {}, None
-    for name, values in components.items():
+    _check_weights(rewards, weights)
+    b = len(group_ids)
+    total = torch.zeros(b, dtype=torch.float64, device=group_ids.device)
+    keep = torch.zeros(b, dtype=torch.bool, device=group_ids.device)
+    nan = torch.ones(b, dtype=torch.bool, device=group_ids.device)
+    per_reward: dict[str, Tensor] = {}
+    zero_all: Tensor | None = None
+    for name, values in rewards.items():
         stats = group_stats(values, group_ids)
+        zero = zero_variance_groups(stats)
+        live = ~zero[stats.inverse] & ~torch.isnan(values)
         adv = (values.double() - stats.mean[stats.inverse]) / (stats.var.sqrt()[stats.inverse] + eps)
-        live = ~_zero_groups(stats)[stats.inverse] & torch.isfinite(values)
         adv = torch.where(live, adv, torch.zeros_like(adv))
         per_reward[name] = adv.float()
-        total += weights[name] * adv
-        applicable |= live
-        zero = _zero_groups(stats)
+        total = total + weights[name] * adv
+        keep |= live
+        nan &= torch.isnan(values)
         zero_all = zero if zero_all is None else zero_all & zero
-    if renormalize and applicable.any():
-        total = total / (total[applicable].std(unbiased=False) + eps)
-    if clip is not None:
-        total = total.clamp(-clip, clip)
-    total = torch.where(applicable, total, torch.zeros_like(total))
-    stats = AdvantageStats(len(zero_all), int(zero_all.sum()), float(total.std(unbiased=False)))
-    return total.float(), applicable, stats, per_reward
-
-
-def clip_advantages(advantages: Tensor, clip: float) -> Tensor:
-    """Clip to [-clip, clip]."""
-    if clip <= 0:
-        raise ValueError(f"advantage clip must be > 0; got {clip}")
-    return advantages.clamp(-clip, clip)
+    spread = float(total[keep].std(unbiased=False)) if keep.any() else 0.0
+    if renormalize and keep.any():
+        total = (total - total[keep].mean()) / (spread + eps)
+    adv, keep, stats = _finish(total, keep, nan, zero_all, spread, clip)
+    return adv, keep, stats, per_reward
 
 
 def compute_advantages(
@@ -200,65 +362,34 @@ def compute_advantages(
     eps: float = 1e-4,
     clip: float | None = None,
 ) -> tuple[Tensor, Tensor, AdvantageStats]:
-    """The trainer's entry point: combine rewards and normalise by the configured method.
+    """The trainer's entry point: combine the rewards and normalise by the configured method.
 
-    "sum": weighted sum of the rewards (NaN counts 0), then :func:`group_advantages`.
-    "median": weighted sum, then :func:`median_advantages`. "gdpo": :func:`gdpo_advantages`.
+    "sum": :func:`weighted_sum_advantages`. "median": weighted sum, then
+    :func:`median_advantages`. "gdpo": :func:`gdpo_advantages` (per-reward group std, so
+    ``std`` is not used).
+
+    Args:
+        components: reward name -> (B,) values (NaN = not applicable).
+        weights: reward name -> weight.
+        group_ids: (B,) integer prompt-group index per sample.
+        method: "sum", "gdpo" or "median".
+        std: "global", "group" or "none" (sum and median).
+        eps: added to the std(s).
+        clip: if given, advantages are clipped to [-clip, clip].
+
+    Returns:
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats).
+
+    Raises:
+        ValueError: unknown method or std, missing weights, bad shapes, infinite rewards.
     """
+    if method not in METHODS:
+        raise ValueError(f"advantage.method must be one of {METHODS}; got {method!r}")
+    if std not in STDS:
+        raise ValueError(f"advantage.std must be one of {STDS}; got {std!r}")
     if method == "gdpo":
         adv, keep, stats, _ = gdpo_advantages(components, weights, group_ids, eps=eps, clip=clip)
         return adv, keep, stats
-    stacked = torch.stack([weights[n] * torch.nan_to_num(v.double(), nan=0.0) for n, v in components.items()])
-    all_nan = torch.stack([torch.isnan(v) for v in components.values()]).all(dim=0)
-    total = torch.where(all_nan, torch.full_like(stacked[0], float("nan")), stacked.sum(dim=0))
-    if method == "sum":
-        return group_advantages(total, group_ids, std=std, eps=eps, clip=clip)
     if method == "median":
-        return median_advantages(total, group_ids, std=std, eps=eps, clip=clip)
-    raise ValueError(f"advantage.method must be 'sum', 'gdpo' or 'median'; got {method!r}")
-
-
-class StatTracker:
-    """DDPO-style per-prompt reward history (for recipes that normalise against past rewards).
-
-    Args:
-        buffer_size: rewards kept per prompt.
-        min_count: below this many rewards for a prompt, the batch mean/std is used instead.
-        eps: added to the std.
-    """
-
-    def __init__(self, buffer_size: int = 32, min_count: int = 16, eps: float = 1e-6):
-        if buffer_size < 1 or min_count < 1:
-            raise ValueError(f"buffer_size and min_count must be >= 1; got {buffer_size}, {min_count}")
-        self.buffer_size, self.min_count, self.eps = buffer_size, min_count, eps
-        self.history: dict[str, list[float]] = {}
-
-    def update(self, prompts: list[str], rewards: Tensor) -> Tensor:
-        """Add this batch to the history and return advantages (B,) float32."""
-        r = rewards.double()
-        batch_mean, batch_std = r.mean(), r.std(unbiased=False)
-        adv = torch.empty_like(r)
-        for prompt in dict.fromkeys(prompts):
-            idx = torch.tensor([i for i, p in enumerate(prompts) if p == prompt])
-            buf = (self.history.get(prompt, []) + r[idx].tolist())[-self.buffer_size :]
-            self.history[prompt] = buf
-            if len(buf) < self.min_count:
-                mean, std = batch_mean, batch_std
-            else:
-                hist = torch.tensor(buf, dtype=torch.float64)
-                mean, std = hist.mean(), hist.std(unbiased=False)
-            adv[idx] = (r[idx] - mean) / (std + self.eps)
-        return adv.float()
-
-    def clear(self) -> None:
-        """Forget all history."""
-        self.history.clear()
-
-    def state_dict(self) -> dict:
-        """JSON-able state."""
-        return {"buffer_size": self.buffer_size, "min_count": self.min_count, "eps": self.eps, "history": dict(self.history)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        self.buffer_size, self.min_count, self.eps = state["buffer_size"], state["min_count"], state["eps"]
-        self.history = {k: list(v) for k, v in state["history"].items()}
+        return median_advantages(weighted_sum(components, weights), group_ids, std=std, eps=eps, clip=clip)
+    return weighted_sum_advantages(components, weights, group_ids, std=std, eps=eps, clip=clip)

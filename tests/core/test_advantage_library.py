@@ -1,81 +1,221 @@
-"""GDPO, median baseline, NaN handling and the stat tracker against hand-computed values."""
+"""GDPO, median baseline, NaN handling, clipping and the stat tracker against hand-computed values.
 
+Inputs are float64; the library returns float32 advantages (the objectives' contract), so values
+are compared after ``.double()`` with a float32-sized tolerance. Every expected number is derived
+by hand in the comments (sqrt written out), never by calling the library.
+"""
+
+from __future__ import annotations
+
+import json
 import math
 
 import pytest
 import torch
 
-from flowrl.advantages import StatTracker, clip_advantages, compute_advantages, gdpo_advantages, group_advantages, median_advantages
+from flowrl.advantage_tracker import StatTracker
+from flowrl.advantages import (
+    clip_advantages,
+    compute_advantages,
+    gdpo_advantages,
+    group_advantages,
+    group_stats,
+    median_advantages,
+    weighted_sum,
+    weighted_sum_advantages,
+)
 
-F64 = torch.float64
+NAN = math.nan
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def close(actual: torch.Tensor, expected: list[float]) -> None:
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=2e-6)
+
+
+# -- GDPO -------------------------------------------------------------------------------------------
 
 
 def test_gdpo_by_hand():
-    components = {"r1": torch.tensor([1.0, 3.0, 0.0, 0.0]), "r2": torch.tensor([2.0, 2.0, 1.0, 5.0])}
-    weights = {"r1": 1.0, "r2": 0.5}
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    rewards = {"a": t(0, 1, 1, 2, 4, NAN), "b": t(1, 1, 4, 3, 3, 3)}
+    weights = {"a": 1.0, "b": 0.5}
+    adv, keep, stats, per = gdpo_advantages(rewards, weights, groups, eps=0.0, renormalize=False)
+    # a, group 0: mean 2/3, var 2/9, std sqrt(2)/3 -> (-sqrt2, 1/sqrt2, 1/sqrt2); group 1: (2, 4) -> (-1, 1), NaN -> 0
+    close(per["a"], [-1.4142136, 0.7071068, 0.7071068, -1.0, 1.0, 0.0])
+    # b, group 0: mean 2, var 2, std sqrt2 -> (-1/sqrt2, -1/sqrt2, sqrt2); group 1 constant -> 0
+    close(per["b"], [-0.7071068, -0.7071068, 1.4142136, 0.0, 0.0, 0.0])
+    # a + b/2: (-5/4 sqrt2, sqrt2/4, sqrt2, -1, 1, 0); sample 5 has no signal in either reward
+    close(adv, [-1.7677670, 0.3535534, 1.4142136, -1.0, 1.0, 0.0])
+    assert keep.tolist() == [True, True, True, True, True, False]
+    assert stats.num_groups == 2 and stats.zero_std_groups == 0 and stats.not_applicable == 0 and stats.kept == 5
+    # renormalised: kept mean 0; population std sqrt((25/8 + 1/8 + 2 + 1 + 1) / 5) = sqrt(1.45) = 1.2041595
+    adv, keep, stats, _ = gdpo_advantages(rewards, weights, groups, eps=0.0)
+    close(adv, [-1.4680505, 0.2936101, 1.1744404, -0.8304548, 0.8304548, 0.0])
+    assert math.isclose(stats.std, 1.2041595, abs_tol=1e-6)
+
+
+def test_gdpo_keeps_combinations_that_the_sum_collapses():
+    # binary rewards, groups of 2: group 0 has sums (0, 1), group 1 has sums (0, 2)
     groups = torch.tensor([0, 0, 1, 1])
-    adv, keep, stats, per = gdpo_advantages(components, weights, groups, eps=0.0)
-    # r1: group 0 -> (-1, 1), group 1 constant -> 0; r2: group 0 constant -> 0, group 1 -> (-1, 1)
-    torch.testing.assert_close(per["r1"], torch.tensor([-1.0, 1.0, 0.0, 0.0]))
-    torch.testing.assert_close(per["r2"], torch.tensor([0.0, 0.0, -1.0, 1.0]))
-    # combined (-1, 1, -0.5, 0.5), renormalised by its population std sqrt(0.625)
-    torch.testing.assert_close(adv, torch.tensor([-1.2649111, 1.2649111, -0.6324555, 0.6324555]))
-    assert keep.all() and stats.zero_std_groups == 0
-    raw, _, _, _ = gdpo_advantages(components, weights, groups, eps=0.0, renormalize=False)
-    torch.testing.assert_close(raw, torch.tensor([-1.0, 1.0, -0.5, 0.5]))
+    rewards = {"r1": t(0, 1, 0, 1), "r2": t(0, 0, 0, 1)}
+    weights = {"r1": 1.0, "r2": 1.0}
+    summed, _, _ = weighted_sum_advantages(rewards, weights, groups, std="group", eps=0.0)
+    close(summed, [-1.0, 1.0, -1.0, 1.0])  # GRPO on the sum: both groups collapse to (-1, 1)
+    raw, _, _, _ = gdpo_advantages(rewards, weights, groups, eps=0.0, renormalize=False)
+    close(raw, [-1.0, 1.0, -2.0, 2.0])  # r1 gives (-1, 1) in both; r2 is constant in group 0, (-1, 1) in group 1
+    # population std of (-1, 1, -2, 2) is sqrt(10/4) = 1.5811388
+    adv, _, _, _ = gdpo_advantages(rewards, weights, groups, eps=0.0)
+    close(adv, [-0.6324555, 0.6324555, -1.2649111, 1.2649111])
 
 
 def test_gdpo_needs_every_weight():
     with pytest.raises(ValueError, match="weight for every reward"):
-        gdpo_advantages({"a": torch.zeros(2)}, {"b": 1.0}, torch.tensor([0, 0]))
+        gdpo_advantages({"a": t(0, 1)}, {"b": 1.0}, torch.tensor([0, 0]))
+
+
+# -- median baseline --------------------------------------------------------------------------------
 
 
 def test_median_baseline_by_hand():
-    r = torch.tensor([1.0, 2.0, 10.0, 4.0, 4.0, 5.0])
-    g = torch.tensor([0, 0, 0, 1, 1, 1])
-    adv, keep, _ = median_advantages(r, g, std="none", eps=0.0)
-    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 8.0, 0.0, 0.0, 1.0]))
+    r = t(1, 2, NAN, 10, 4, 6, 5, 9)
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    adv, keep, stats = median_advantages(r, g, std="none", eps=0.0)
+    # group 0 valid (1, 2, 10): median 2, pivot = sample 1; group 1 (4, 5, 6, 9): midpoint 5.5
+    close(adv, [-1.0, 0.0, 0.0, 8.0, -1.5, 0.5, -0.5, 3.5])
+    assert keep.tolist() == [True, False, False, True, True, True, True, True]
+    assert stats.kept == 6 and stats.not_applicable == 1
+    adv, _, _ = median_advantages(r, g, std="group", eps=0.0)
+    # group 0: mean 13/3, var 438/27, std 4.0276819; group 1: mean 6, var 3.5, std 1.8708287
+    close(adv, [-0.2482818, 0.0, 0.0, 1.9862541, -0.8017837, 0.2672612, -0.2672612, 1.8708287])
+
+
+def test_median_of_two_is_symmetric():
+    adv, keep, _ = median_advantages(t(0, 1), torch.tensor([3, 3]), std="none", eps=0.0)
+    close(adv, [-0.5, 0.5])
     assert keep.all()
 
 
+# -- NaN and zero variance ---------------------------------------------------------------------------
+
+
 def test_nan_means_not_applicable():
-    r = torch.tensor([1.0, math.nan, 3.0, 5.0, 5.0, math.nan, math.nan, math.nan])
+    r = t(1, NAN, 3, 5, NAN, NAN, NAN)
+    g = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    stats = group_stats(r, g)
+    close(stats.count, [2, 1, 0])
+    close(stats.mean, [2, 5, 0])
+    close(stats.var, [1, 0, 0])
+    adv, keep, s = group_advantages(r, g, std="none", eps=0.0)
+    close(adv, [-1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert keep.tolist() == [True, False, True, False, False, False, False]
+    # one-valid-reward group and all-NaN group are zero-variance
+    assert (s.num_groups, s.zero_std_groups, s.num_samples, s.kept, s.not_applicable) == (3, 2, 7, 2, 4)
+    # global std over the finite rewards (1, 3, 5) only: sqrt(8/3) = 1.6329932
+    adv, _, s = group_advantages(r, g, std="global", eps=0.0)
+    close(adv, [-0.6123724, 0.0, 0.6123724, 0.0, 0.0, 0.0, 0.0])
+    assert math.isclose(s.std, 1.6329932, abs_tol=1e-6)
+
+
+def test_zero_variance_counting():
+    r = t(2, 2, 2, 0, 1, 5, 0.3, 0.1 + 0.2)
     g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
     adv, keep, stats = group_advantages(r, g, std="none", eps=0.0)
-    torch.testing.assert_close(adv, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
-    assert keep.tolist() == [True, False, True, False, False, False, False, False]
-    assert stats.num_groups == 3 and stats.zero_std_groups == 2  # constant group and all-NaN group
+    assert (stats.num_groups, stats.zero_std_groups, stats.kept) == (3, 2, 3)
+    assert math.isclose(stats.zero_std_ratio, 2 / 3)
+    assert keep.tolist() == [False] * 3 + [True] * 3 + [False] * 2
+    close(adv, [0, 0, 0, -2, -1, 3, 0, 0])
 
 
-def test_compute_advantages_dispatch_and_nan_sum():
-    comps = {"a": torch.tensor([1.0, 3.0]), "b": torch.tensor([math.nan, 1.0])}
-    w = {"a": 1.0, "b": 2.0}
-    g = torch.tensor([0, 0])
-    adv, keep, _ = compute_advantages(comps, w, g, method="sum", std="none", eps=0.0)
-    # totals: 1 + 0 (NaN counts 0) = 1 and 3 + 2 = 5 -> mean 3 -> (-2, 2)
-    torch.testing.assert_close(adv, torch.tensor([-2.0, 2.0]))
-    median, _, _ = compute_advantages(comps, w, g, method="median", std="none", eps=0.0)
-    torch.testing.assert_close(median, torch.tensor([0.0, 4.0]))  # lower median of (1, 5) is 1
-    with pytest.raises(ValueError, match="advantage.method"):
-        compute_advantages(comps, w, g, method="mean")
+def test_infinite_reward_raises():
+    with pytest.raises(ValueError, match="inf"):
+        group_advantages(t(0, math.inf), torch.tensor([0, 0]))
+
+
+# -- clipping ---------------------------------------------------------------------------------------
 
 
 def test_clip():
-    torch.testing.assert_close(clip_advantages(torch.tensor([-9.0, 0.5, 9.0]), 5.0), torch.tensor([-5.0, 0.5, 5.0]))
-    with pytest.raises(ValueError):
-        clip_advantages(torch.zeros(1), 0.0)
+    close(clip_advantages(t(-9, 0.5, 9), 5.0), [-5.0, 0.5, 5.0])
+    assert clip_advantages(t(1.0), 5.0).dtype == torch.float64
+    for bad in (0.0, -1.0, NAN):
+        with pytest.raises(ValueError, match="clip"):
+            clip_advantages(t(1.0), bad)
+    adv, _, stats = group_advantages(t(0, 10, 0, 1), torch.tensor([0, 0, 1, 1]), std="none", eps=0.0, clip=2.0)
+    close(adv, [-2.0, 2.0, -0.5, 0.5])  # raw (-5, 5, -0.5, 0.5)
+    assert stats.clipped == 2
 
 
-def test_stat_tracker_history_and_state():
-    tracker = StatTracker(buffer_size=4, min_count=2, eps=0.0)
-    adv = tracker.update(["a", "a", "b"], torch.tensor([1.0, 3.0, 10.0]))
-    # "a" has 2 rewards -> its own mean 2, std 1; "b" has 1 < min_count -> batch mean 14/3, std 3.8586
-    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 1.3821]), atol=1e-4, rtol=0)
-    state = tracker.state_dict()
-    twin = StatTracker()
-    twin.load_state_dict(state)
-    assert twin.history == {"a": [1.0, 3.0], "b": [10.0]}
-    tracker.update(["a", "a", "a"], torch.tensor([5.0, 7.0, 9.0]))
-    assert tracker.history["a"] == [3.0, 5.0, 7.0, 9.0]  # buffer keeps the last 4
+# -- weighted sum and dispatch ----------------------------------------------------------------------
+
+
+def test_weighted_sum_counts_nan_as_zero():
+    total = weighted_sum({"a": t(1, NAN, NAN), "b": t(2, 3, NAN)}, {"a": 1.0, "b": -0.5})
+    assert total[:2].tolist() == [0.0, -1.5] and math.isnan(total[2])
+
+
+def test_compute_advantages_dispatch():
+    g = torch.tensor([0, 0, 0, 1])
+    comps = {"a": t(1, 3, NAN, 0), "b": t(NAN, 1, 4, 2)}
+    w = {"a": 1.0, "b": 2.0}
+    # totals (1, 5, 8, 4); group 1 has a single sample -> dropped
+    adv, keep, _ = compute_advantages(comps, w, g, method="sum", std="none", eps=0.0)
+    close(adv, [1 - 14 / 3, 5 - 14 / 3, 8 - 14 / 3, 0.0])
+    assert keep.tolist() == [True, True, True, False]
+    direct, _, _ = weighted_sum_advantages(comps, w, g, std="none", eps=0.0)
+    close(direct, adv.double().tolist())
+    adv, keep, _ = compute_advantages(comps, w, g, method="median", std="none", eps=0.0)
+    close(adv, [-4.0, 0.0, 3.0, 0.0])  # median 5, its sample is the pivot
+    assert keep.tolist() == [True, False, True, False]
+    # gdpo: a (1, 3, -) -> (-1, 1, 0); b (-, 1, 4) -> (0, -1, 1); a + 2b = (-1, -1, 2); batch std sqrt2
+    adv, keep, _ = compute_advantages(comps, w, g, method="gdpo", eps=0.0)
+    close(adv, [-0.7071068, -0.7071068, 1.4142136, 0.0])
+    assert keep.tolist() == [True, True, True, False]
+
+
+def test_compute_advantages_rejects_unknown_method_and_std():
+    comps, w, g = {"a": t(0, 1)}, {"a": 1.0}, torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="advantage.method") as err:
+        compute_advantages(comps, w, g, method="mean")  # type: ignore[arg-type]
+    assert "\n" not in str(err.value) and "'mean'" in str(err.value)
+    with pytest.raises(ValueError, match="advantage.std"):
+        compute_advantages(comps, w, g, std="batch")  # type: ignore[arg-type]
+
+
+# -- stat tracker -----------------------------------------------------------------------------------
+
+
+def test_stat_tracker_history_and_min_count_fallback():
+    tracker = StatTracker(buffer_size=3, min_count=2, eps=0.0)
+    adv = tracker.update(["a", "a", "b", "c"], t(1, 3, 10, NAN))
+    # a: own history (1, 3) -> mean 2, std 1; b: 1 < min_count -> batch (1, 3, 10): mean 14/3, std sqrt(134/9)
+    close(adv, [-1.0, 1.0, 1.3821895, 0.0])
+    assert tracker.history == {"a": [1.0, 3.0], "b": [10.0]}  # NaN is not recorded
+    adv = tracker.update(["b", "b", "a"], t(20, 30, 5))
+    # b: (10, 20, 30) mean 20 std sqrt(200/3); a: (1, 3, 5) mean 3 std sqrt(8/3)
+    close(adv, [0.0, 1.2247449, 1.2247449])
+    adv = tracker.update(["a"], t(7))
+    assert tracker.history["a"] == [3.0, 5.0, 7.0]  # the buffer keeps the last 3
+    close(adv, [1.2247449])  # (7 - 5) / sqrt(8/3)
     tracker.clear()
     assert tracker.history == {}
+
+
+def test_stat_tracker_state_round_trip():
+    tracker = StatTracker(buffer_size=4, min_count=2, eps=1e-6)
+    tracker.update(["x", "y", "x"], t(0.5, 2.0, 1.5))
+    state = json.loads(json.dumps(tracker.state_dict()))
+    twin = StatTracker()
+    twin.load_state_dict(state)
+    assert (twin.buffer_size, twin.min_count, twin.eps) == (4, 2, 1e-6)
+    assert twin.history == {"x": [0.5, 1.5], "y": [2.0]}
+    batch = (["y", "x", "y"], t(3, 4, 5))
+    torch.testing.assert_close(twin.update(*batch), tracker.update(*batch))
+    assert twin.history == tracker.history
+    with pytest.raises(ValueError, match="missing"):
+        twin.load_state_dict({"history": {}})
+    with pytest.raises(ValueError, match="min_count"):
+        StatTracker(buffer_size=2, min_count=3)

@@ -5,12 +5,17 @@ Convention: ``sigma`` in [0, 1] with 1 = noise, ``x = (1 - sigma) x0 + sigma eps
 """
 
 from .cfg import cfg
+from .cps import cps_log_prob_reference, cps_step
+from .dance_sde import dance_sde_step
 from .euler import euler_step
 from .flow_sde import SDEStep, flow_sde_diffusion, flow_sde_mean, flow_sde_step
 from .gaussian import gaussian_log_prob
 from .ode_solve import DPMState, dpmpp_2m_step, heun_step, log_snr, ode_solve
 from .rollout import Trajectory, VelocityFn, rollout, sde_noise_levels
+from .sage_sde import sage_sde_step, sage_sde_variance
 from .schedules import dynamic_shift_mu, dynamic_shift_sigmas, linear_sigmas, make_sigmas, shift_sigmas
+from .window_solve import sde_window_solve
+from .windows import progressive_window_start, random_window_start, window_noise_levels
 
 __all__ = [
     "DPMState",
@@ -22,6 +27,9 @@ __all__ = [
     "Trajectory",
     "VelocityFn",
     "cfg",
+    "cps_log_prob_reference",
+    "cps_step",
+    "dance_sde_step",
     "dynamic_shift_mu",
     "dynamic_shift_sigmas",
     "euler_step",
@@ -31,7 +39,13 @@ __all__ = [
     "gaussian_log_prob",
     "linear_sigmas",
     "make_sigmas",
+    "progressive_window_start",
+    "random_window_start",
     "rollout",
+    "sage_sde_step",
+    "sage_sde_variance",
     "sde_noise_levels",
+    "sde_window_solve",
     "shift_sigmas",
+    "window_noise_levels",
 ]

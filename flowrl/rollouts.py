@@ -105,7 +105,9 @@ def chunked_solve(
         c = select_cond(cond, idx)
         fn = lambda x, s, c=c: model.velocity(x, s, c)  # noqa: E731
         if solver == "sde_window":
-            parts.append(rollout(fn, x_init[idx], sigmas, noise_levels, generator=generator).latents[:, -1])
+            from .samplers.window_solve import sde_window_solve
+
+            parts.append(sde_window_solve(fn, x_init[idx].float(), sigmas, noise_levels, generator=generator).float())
         else:
             from .samplers.ode_solve import ode_solve
 

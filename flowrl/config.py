@@ -48,6 +48,12 @@ class SamplerConfig:
     schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
+    # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast): noise, storage and training only inside
+    window: Literal["none", "random", "progressive", "fixed"] = "none"
+    window_size: int = field(default=2, metadata=_rng(1))
+    window_start: int = field(default=0, metadata=_rng(0))  # "fixed"
+    window_range: list[int] = field(default_factory=lambda: [0, 9])  # "random": window inside [lo, hi)
+    window_shift_every: int = field(default=25, metadata=_rng(1))  # "progressive"
     # rollouts of solver-based objectives (DiffusionNFT, AWM); Flow-GRPO always uses the Flow-SDE
     solver: Literal["euler", "heun", "dpmpp_2m", "sde_window"] = "dpmpp_2m"
     sde_window: list[float] = field(default_factory=lambda: [0.3, 0.9])  # sigma range with noise, for "sde_window"

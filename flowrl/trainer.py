@@ -24,6 +24,7 @@ from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
 from .samplers.schedules import make_sigmas
+from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
@@ -87,12 +88,26 @@ class Trainer:
         info = {"zero_std_groups": torch.tensor(float(stats.zero_std_groups)), **{f"reward/{k}": v for k, v in scored.components.items()}}
         return batch, info
 
+    def sde_levels(self) -> Tensor:
+        """Per-step noise levels of this iteration's SDE rollout (T,): all steps but the last,
+        or only an SDE window (random, progressive or fixed; MixGRPO / Flow-GRPO-Fast)."""
+        s = self.cfg.sampler
+        if s.window == "none":
+            return self.noise_levels
+        if s.window == "fixed":
+            start = s.window_start
+        elif s.window == "random":
+            start = random_window_start(s.num_steps, s.window_size, *s.window_range, generator=self.generator)
+        else:
+            start = progressive_window_start(self.iteration, s.num_steps, s.window_size, s.window_shift_every)
+        return window_noise_levels(s.num_steps, s.noise_level, start, s.window_size)
+
     def _rollout(self, cond: dict[str, Tensor], x_init: Tensor) -> tuple[Tensor, Any]:
         """Sample with the objective's adapter: stored SDE transitions, or a black-box solver."""
         s, chunk = self.cfg.sampler, self.cfg.sampler.chunk_size
         with use_adapter(self.model.transformer, self.objective.sampling_adapter):
             if self.objective.rollout == "sde":
-                traj = chunked_rollout(self.model, cond, x_init, self.sigmas, self.noise_levels, chunk_size=chunk, generator=self.generator)
+                traj = chunked_rollout(self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator)
                 return traj.latents[:, -1], traj
             samples = chunked_solve(
                 self.model, cond, x_init, self.sigmas, solver=s.solver, chunk_size=chunk,

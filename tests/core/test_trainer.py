@@ -67,3 +67,23 @@ def test_nan_reward_is_named(tiny_sd3):
     trainer = Trainer(cfg, tiny_sd3, MultiReward({"broken_reward": (broken, 1.0)}), prompts, prompts[:2])
     with pytest.raises(RewardError, match="broken_reward"):
         trainer.train_step()
+
+
+@pytest.mark.parametrize("mode", ["fixed", "random", "progressive"])
+def test_sde_window_trains_only_window_steps(tiny_sd3, mode):
+    trainer = _trainer(tiny_sd3, "sampler.num_steps=4", f"sampler.window={mode}", "sampler.window_size=2",
+                       "sampler.window_start=1", "sampler.window_range=[0, 4]", "sampler.window_shift_every=1")
+    levels = trainer.sde_levels()
+    assert int((levels > 0).sum()) == 2
+    if mode == "fixed":
+        assert levels.tolist() == [0.0, 0.7, 0.7, 0.0]
+    if mode == "progressive":
+        assert levels.tolist() == [0.7, 0.7, 0.0, 0.0]
+        trainer.iteration = 1  # slides by one step every window_shift_every=1 iterations
+        assert trainer.sde_levels().tolist() == [0.0, 0.7, 0.7, 0.0]
+    batch, _ = trainer.collect()
+    stored = batch.trajectory.noise_levels
+    assert int((stored > 0).sum()) == 2
+    steps = {mb.step for group in trainer.objective.plan(batch, torch.Generator().manual_seed(0)) for mb in group}
+    assert steps == {j for j in range(4) if stored[j] > 0}  # only window steps are trained
+    assert (batch.trajectory.log_probs[:, stored == 0] == 0).all()  # ODE steps carry no density

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
-from ..models.adapter import ModelAdapter, select_cond
-from .base import Microbatch, RolloutBatch, chunk_indices
+from ..lora import add_frozen_copy, soft_update
+from ..models.adapter import ModelAdapter
+from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, velocity_penalty
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -106,32 +106,20 @@ class AWM:
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Advantage-weighted flow-matching loss on one chunk at one sigma."""
         idx = mb.index
-        x0 = batch.samples[idx].float()
-        sigma = batch.sigmas[mb.step].float().expand(len(idx))
-        t = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - t) * x0 + t * mb.noise
-        cond = select_cond(batch.cond, idx)
+        x0, sigma, x_t, cond = noised_microbatch(batch, mb)
         v_theta = model.velocity(x_t, sigma, cond)
         dims = tuple(range(1, x0.ndim))
         mse = ((v_theta.double() - (mb.noise - x0).double()) ** 2).mean(dim=dims)
         lp = weighted_log_likelihood(mse, sigma, self.power)
         adv = batch.advantages[idx].double().clamp(-self.adv_clip, self.adv_clip) / self.adv_clip
         keep = batch.keep[idx].double()
-        denom = keep.sum().clamp(min=1.0)
-        loss = (-adv * lp * keep).sum() / denom
+        loss = (-adv * lp * keep).sum() / keep.sum().clamp(min=1.0)
         stats = {"policy_loss": float(loss.detach()), "fm_mse": float(mse.detach().mean())}
-        if self.kl_beta > 0:
-            with torch.no_grad(), adapters_disabled(model.transformer):
-                v_ref = model.velocity(x_t, sigma, cond)
-            kl = ((v_theta.double() - v_ref.double()) ** 2).mean()
-            loss = loss + self.kl_beta * kl
-            stats["kl"] = float(kl.detach())
-        if self.ema_beta > 0:
-            with torch.no_grad(), use_adapter(model.transformer, "ema"):
-                v_ema = model.velocity(x_t, sigma, cond)
-            ema_kl = ((v_theta.double() - v_ema.double()) ** 2).mean()
-            loss = loss + self.ema_beta * ema_kl
-            stats["ema_kl"] = float(ema_kl.detach())
+        for name, weight, adapter in (("kl", self.kl_beta, None), ("ema_kl", self.ema_beta, "ema")):
+            if weight > 0:
+                penalty = velocity_penalty(model, x_t, sigma, cond, v_theta, adapter)
+                loss = loss + weight * penalty
+                stats[name] = float(penalty.detach())
         return loss.float(), stats
 
     def ema_decay(self, iteration: int) -> float:

@@ -13,7 +13,8 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ..models.adapter import Cond, ModelAdapter
+from ..lora import adapters_disabled, use_adapter
+from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.rollout import Trajectory
 
 
@@ -101,3 +102,26 @@ def split_even(items: list, parts: int) -> list[list]:
     parts = max(1, min(parts, len(items)))
     bounds = [round(i * len(items) / parts) for i in range(parts + 1)]
     return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def noised_microbatch(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tensor, Tensor, Cond]:
+    """Forward-process inputs of a micro-batch: ``x_t = (1 - t) x0 + t eps`` at the planned sigma.
+
+    Returns:
+        (x0 (b, ...) fp32, sigma (b,), x_t (b, ...), cond for the b samples).
+    """
+    x0 = batch.samples[mb.index].float()
+    sigma = batch.sigmas[mb.step].float().expand(len(mb.index))
+    t = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    return x0, sigma, (1 - t) * x0 + t * mb.noise, select_cond(batch.cond, mb.index)
+
+
+def velocity_penalty(model: ModelAdapter, x_t: Tensor, sigma: Tensor, cond: Cond, v_theta: Tensor, adapter: str | None) -> Tensor:
+    """``mean (v_theta - v_other)^2`` (fp64) against the base model (adapter None) or a named adapter.
+
+    The velocity-space "KL" used by DiffusionNFT and AWM; the other velocity carries no gradient.
+    """
+    switch = adapters_disabled(model.transformer) if adapter is None else use_adapter(model.transformer, adapter)
+    with torch.no_grad(), switch:
+        v_other = model.velocity(x_t, sigma, cond)
+    return ((v_theta.double() - v_other.double()) ** 2).mean()

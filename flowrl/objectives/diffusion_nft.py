@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
-from ..models.adapter import ModelAdapter, select_cond
-from .base import Microbatch, RolloutBatch, chunk_indices, split_even
+from ..lora import add_frozen_copy, soft_update, use_adapter
+from ..models.adapter import ModelAdapter
+from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
 def optimality_probability(advantages: Tensor, clip: float) -> Tensor:
@@ -123,24 +123,17 @@ class DiffusionNFT:
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """NFT loss on one chunk at one sigma."""
         idx = mb.index
-        x0 = batch.samples[idx].float()
-        sigma = batch.sigmas[mb.step].float().expand(len(idx))
-        t = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1 - t) * x0 + t * mb.noise
-        cond = select_cond(batch.cond, idx)
+        x0, sigma, x_t, cond = noised_microbatch(batch, mb)
         v_theta = model.velocity(x_t, sigma, cond)
         with torch.no_grad(), use_adapter(model.transformer, "old"):
             v_old = model.velocity(x_t, sigma, cond)
         r = optimality_probability(batch.advantages[idx], self.adv_clip)
         per_sample = nft_policy_loss(v_theta, v_old, x_t, x0, sigma, r, self.beta, self.adv_clip)
         keep = batch.keep[idx].double()
-        denom = keep.sum().clamp(min=1.0)
-        loss = (per_sample * keep).sum() / denom
+        loss = (per_sample * keep).sum() / keep.sum().clamp(min=1.0)
         stats = {"policy_loss": float(loss.detach()), "r_mean": float(r.mean())}
         if self.kl_beta > 0:
-            with torch.no_grad(), adapters_disabled(model.transformer):
-                v_ref = model.velocity(x_t, sigma, cond)
-            kl = ((v_theta.double() - v_ref.double()) ** 2).mean()
+            kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None)
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return loss.float(), stats

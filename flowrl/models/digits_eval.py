@@ -69,6 +69,26 @@ def digit_accuracy(images: Tensor, labels: Tensor | Sequence[int]) -> float:
     return float((classify_digits(images) == labels).float().mean())
 
 
+def class_diversity(images: Tensor, labels: Tensor) -> float:
+    """Mean within-class pairwise L2 distance on the SVC's 0..16 gray scale (real digits: about 35.7).
+
+    Args:
+        images: (B, 3, 8, 8) in [0, 1].
+        labels: (B,) digits.
+    """
+    features = images.detach().float().cpu().mean(dim=1).reshape(len(images), -1) * 16.0
+    labels = torch.as_tensor(labels).cpu()
+    means = []
+    for digit in labels.unique().tolist():
+        group = features[labels == digit]
+        if len(group) > 1:
+            dist = torch.cdist(group, group)
+            means.append(dist.sum() / (len(group) * (len(group) - 1)))
+    if not means:
+        raise ValueError("class_diversity needs at least two images of one class")
+    return float(torch.stack(means).mean())
+
+
 def ink(images: Tensor) -> Tensor:
     """Ink amount per image: mean intensity. (B, 3, H, W) -> (B,)."""
     return images.detach().float().mean(dim=(1, 2, 3))
@@ -123,7 +143,8 @@ def evaluate_base_model(pipe: Any, per_class: int = 50, steps: int = 10, seed: i
 
     Returns:
         ``{"accuracy", "per_class": {"0": acc, ...}, "accuracy_bold", "accuracy_thin", "ink_plain",
-        "ink_bold", "ink_thin", "data_ink": {"plain", "bold", "thin"}, "samples", "steps", "seconds"}``.
+        "ink_bold", "ink_thin", "diversity", "data_diversity", "data_ink": {"plain", "bold", "thin"},
+        "samples", "steps", "seconds"}``. Diversity is :func:`class_diversity` of the plain samples.
     """
     if per_class < 1:
         raise ValueError(f"per_class must be >= 1; got {per_class}")
@@ -140,10 +161,12 @@ def evaluate_base_model(pipe: Any, per_class: int = 50, steps: int = 10, seed: i
         if style is None:
             report["accuracy"] = float(correct.mean())
             report["per_class"] = {str(d): float(correct[labels == d].mean()) for d in range(10)}
+            report["diversity"] = class_diversity(images, labels)
         else:
             report[f"accuracy_{style}"] = float(correct.mean())
     report["seconds"] = time.perf_counter() - start
-    real, _, styles = load_digit_images()
+    real, real_labels, styles = load_digit_images()
+    report["data_diversity"] = class_diversity(real, real_labels)
     real_ink = ink(real)
     report["data_ink"] = {"plain": float(real_ink.mean())} | {
         s: float(real_ink[[i for i, t in enumerate(styles) if t == s]].mean()) for s in STYLES

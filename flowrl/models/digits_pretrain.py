@@ -34,6 +34,7 @@ FLOW_STEPS = 1500
 WARMUP_STEPS = 30
 LEARNING_RATE = 1e-3
 KL_WEIGHT = 1e-3
+LOGIT_NORMAL_MEAN = 0.0
 PROMPT_DROPOUT = 0.1
 STYLE_PROB = 0.5
 NUM_INFERENCE_STEPS = 10
@@ -121,16 +122,22 @@ def _training_prompts(labels: Tensor, styles: Sequence[str | None], generator: t
 
 
 def train_flow(pipe: Any, latents: Tensor, labels: Tensor, styles: Sequence[str | None], *, steps: int,
-               batch_size: int, generator: torch.Generator, log: Callable[[str], None]) -> dict[str, float]:
+               batch_size: int, generator: torch.Generator, log: Callable[[str], None],
+               logit_normal_mean: float = LOGIT_NORMAL_MEAN) -> dict[str, float]:
     """Rectified-flow training of the transformer and text encoders; leaves the EMA weights loaded.
 
-    ``x_s = (1 - s) z + s eps`` with logit-normal s, target ``eps - z``, ``timestep = 1000 s``.
+    ``x_s = (1 - s) z + s eps`` with logit-normal s (``sigmoid(N(logit_normal_mean, 1))``), target
+    ``eps - z``, ``timestep = 1000 s``. A positive mean puts more training on high noise, where a
+    sample's class is decided: measured SVC accuracy (no CFG, 500 samples) at 1,500 steps was
+    97.2% with mean 0 and 98.0% with mean 1.5, at the cost of some diversity (within-class L2
+    32.7 -> 30.2; real data 36.1).
 
     Args:
         pipe: the flowrl-digits pipeline (its VAE is not touched).
         latents: (N, 4, 8, 8) normalised latents ``(mean - shift) * scale``.
         labels: (N,) digits.
         styles: N style words or None.
+        logit_normal_mean: mean of the normal inside the sigmoid that draws s.
 
     Returns:
         ``{"final_loss", "seconds", "seconds_per_step"}``.
@@ -149,7 +156,7 @@ def train_flow(pipe: Any, latents: Tensor, labels: Tensor, styles: Sequence[str 
         idx = next(batches)
         z = latents[idx]
         prompts = _training_prompts(labels[idx], [styles[i] for i in idx.tolist()], generator)
-        s = torch.sigmoid(torch.randn(len(idx), generator=generator))
+        s = torch.sigmoid(torch.randn(len(idx), generator=generator) + logit_normal_mean)
         eps = torch.randn(z.shape, generator=generator)
         sv = s.view(-1, 1, 1, 1)
         x_s = (1 - sv) * z + sv * eps
@@ -194,6 +201,7 @@ def _clear_previous(out_dir: Path) -> None:
 
 def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS, flow_steps: int = FLOW_STEPS,
                     batch_size: int = 128, threads: int = 1, eval_per_class: int = 50,
+                    logit_normal_mean: float = LOGIT_NORMAL_MEAN,
                     log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train flowrl-digits from scratch and save it as a diffusers folder.
 
@@ -208,6 +216,7 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
         batch_size: images per step.
         threads: torch intra-op threads.
         eval_per_class: samples per digit for the SVC evaluation (0 skips it).
+        logit_normal_mean: flow-time sampling bias towards high noise (see :func:`train_flow`).
         log: progress sink.
 
     Returns:
@@ -233,7 +242,7 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
     latents = (latents - vae_report["shift_factor"]) * vae_report["scaling_factor"]
 
     flow_report = train_flow(pipe, latents, labels, styles, steps=flow_steps, batch_size=batch_size,
-                             generator=generator, log=log)
+                             generator=generator, log=log, logit_normal_mean=logit_normal_mean)
 
     eval_report: dict[str, Any] = {}
     if eval_per_class > 0:
@@ -257,6 +266,7 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
         "vae_steps": vae_steps,
         "flow_steps": flow_steps,
         "batch_size": batch_size,
+        "logit_normal_mean": logit_normal_mean,
         "eval": eval_report,
     }
     (out_dir / "flowrl.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -275,10 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flow-steps", type=int, default=FLOW_STEPS)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--logit-normal-mean", type=float, default=LOGIT_NORMAL_MEAN,
+                        help="bias of the flow-time sampler towards high noise (1.5: 98.0%% vs 97.2%% accuracy)")
     parser.add_argument("--eval-per-class", type=int, default=50, help="SVC eval samples per digit (0: skip)")
     args = parser.parse_args(argv)
     report = pretrain_digits(args.out, seed=args.seed, vae_steps=args.vae_steps, flow_steps=args.flow_steps,
-                             batch_size=args.batch_size, threads=args.threads, eval_per_class=args.eval_per_class)
+                             batch_size=args.batch_size, threads=args.threads, eval_per_class=args.eval_per_class,
+                             logit_normal_mean=args.logit_normal_mean)
     print(json.dumps(report, indent=2))
     return 0
 

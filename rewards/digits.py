@@ -50,7 +50,7 @@ def ink_amount(images: Tensor) -> Tensor:
         Ink (B,) float32.
     """
     check_images(images)
-    return images.float().mean(dim=(1, 2, 3))
+    return images.detach().float().mean(dim=(1, 2, 3))
 
 
 def digit_from_prompt(prompt: str) -> int:

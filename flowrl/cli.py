@@ -1,4 +1,4 @@
-"""Command-line interface: ``flowrl train | sample | rewards list | pretrain-digits``.
+"""Command-line interface: ``flowrl train | sample | rewards list | reward new | pretrain-digits``.
 
 User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
 line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
@@ -93,6 +93,14 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reward_new(ns: argparse.Namespace) -> int:
+    from .scaffold import scaffold_reward
+
+    root = scaffold_reward(ns.name, ns.dir)
+    print(f"wrote {root}; next: pip install -e {root} && flowrl rewards list")
+    return 0
+
+
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
     from .models.digits_pretrain import main as pretrain_main
 
@@ -124,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = rewards.add_subparsers(dest="rewards_command", required=True)
     rlist = rsub.add_parser("list", help="list available rewards")
     rlist.set_defaults(func=cmd_rewards_list)
+
+    reward = sub.add_parser("reward", help="reward plugin authoring")
+    wsub = reward.add_subparsers(dest="reward_command", required=True)
+    new = wsub.add_parser("new", help="scaffold an installable reward plugin package")
+    new.add_argument("name", help="reward name (lowercase identifier)")
+    new.add_argument("--dir", default=".", help="parent folder")
+    new.set_defaults(func=cmd_reward_new)
 
     pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
     pre.add_argument("args", nargs=argparse.REMAINDER)

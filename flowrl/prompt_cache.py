@@ -1,0 +1,91 @@
+"""Prompt-embedding cache: encode each distinct prompt once, in memory and optionally on disk.
+
+Keys combine a model fingerprint (the adapter's model id and its text-encoder configs) with a
+SHA-256 of the prompt, so a cache folder can be shared across runs of the same model and is never
+reused for another one. Files are safetensors, one per prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .models.adapter import Cond, ModelAdapter
+
+
+def model_fingerprint(model: ModelAdapter) -> str:
+    """Short hash of the model identity and its text-encoder configs (what the embeddings depend on)."""
+    pipe = getattr(model, "pipe", None)
+    parts = {"model": getattr(model, "model_id", type(model).__name__), "max_len": getattr(model, "max_sequence_length", None)}
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        encoder = getattr(pipe, name, None)
+        if encoder is not None:
+            parts[name] = encoder.config.to_json_string(use_diff=False)
+            parts[name + "_weights"] = float(sum(p.double().sum() for p in encoder.parameters()))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class PromptCache:
+    """Caches ``model.encode_prompt`` per distinct prompt.
+
+    Args:
+        model: the model adapter whose encoders produce the embeddings.
+        directory: optional folder for a persistent cache (``<dir>/<fingerprint>/<sha>.safetensors``).
+
+    Attributes:
+        hits: prompts served from the cache (memory or disk).
+        misses: prompts encoded by the model.
+    """
+
+    def __init__(self, model: ModelAdapter, directory: str | Path | None = None):
+        self.model = model
+        self.fingerprint = model_fingerprint(model)
+        self.directory = Path(directory) / self.fingerprint if directory else None
+        self.memory: dict[str, Cond] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(prompt: str) -> str:
+        return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+    def _load(self, key: str) -> Cond | None:
+        path = self.directory / f"{key}.safetensors" if self.directory else None
+        if path is None or not path.is_file():
+            return None
+        return load_file(str(path))
+
+    def _store(self, key: str, cond: Cond) -> None:
+        self.memory[key] = cond
+        if self.directory:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f"{key}.tmp"
+            save_file({k: v.contiguous() for k, v in cond.items()}, str(tmp))
+            tmp.replace(self.directory / f"{key}.safetensors")
+
+    def encode(self, prompts: Sequence[str]) -> Cond:
+        """Conditioning for ``prompts`` (B,), encoding only prompts never seen before."""
+        keys = [self.key(p) for p in prompts]
+        todo = {}
+        for prompt, key in zip(prompts, keys):
+            if key in self.memory or key in todo:
+                continue
+            cached = self._load(key)
+            if cached is not None:
+                self.memory[key] = cached
+            else:
+                todo[key] = prompt
+        if todo:
+            fresh = self.model.encode_prompt(list(todo.values()))
+            for i, key in enumerate(todo):
+                self._store(key, {k: v[i : i + 1].detach().cpu() for k, v in fresh.items()})
+        self.misses += len(todo)
+        self.hits += len(prompts) - len(todo)
+        names = self.memory[keys[0]].keys()
+        device = getattr(self.model, "device", "cpu")
+        return {n: torch.cat([self.memory[k][n] for k in keys]).to(device) for n in names}

@@ -1,0 +1,37 @@
+"""Prompt-embedding cache: hit path, disk persistence, model fingerprint."""
+
+import torch
+
+from conftest import tiny_sd3_pipeline
+from flowrl.models.sd3 import SD3Adapter
+from flowrl.prompt_cache import PromptCache, model_fingerprint
+
+
+def test_hits_and_equality(tiny_sd3):
+    cache = PromptCache(tiny_sd3)
+    prompts = ["a bold handwritten 1", "a thin handwritten 2", "a bold handwritten 1"]
+    cond = cache.encode(prompts)
+    assert cache.misses == 2 and cache.hits == 1
+    direct = tiny_sd3.encode_prompt(prompts)
+    for key in direct:
+        torch.testing.assert_close(cond[key], direct[key], rtol=1e-5, atol=1e-6)
+    again = cache.encode(prompts[:2])
+    assert cache.misses == 2 and cache.hits == 3
+    torch.testing.assert_close(again["pooled_projections"], cond["pooled_projections"][:2], rtol=0, atol=0)
+
+
+def test_disk_cache_is_reused_by_a_new_instance(tiny_sd3, tmp_path):
+    first = PromptCache(tiny_sd3, tmp_path)
+    cond = first.encode(["a handwritten 7"])
+    files = list((tmp_path / first.fingerprint).glob("*.safetensors"))
+    assert len(files) == 1
+    second = PromptCache(tiny_sd3, tmp_path)
+    reused = second.encode(["a handwritten 7"])
+    assert second.misses == 0 and second.hits == 1
+    torch.testing.assert_close(reused["encoder_hidden_states"], cond["encoder_hidden_states"], rtol=0, atol=0)
+
+
+def test_other_weights_give_another_fingerprint(tiny_sd3):
+    other = SD3Adapter(tiny_sd3_pipeline(seed=1), max_sequence_length=2, resolution=(8, 8))
+    assert model_fingerprint(tiny_sd3) != model_fingerprint(other)
+    assert model_fingerprint(tiny_sd3) == model_fingerprint(SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2))

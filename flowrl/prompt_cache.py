@@ -80,10 +80,10 @@ class PromptCache:
                 self.memory[key] = cached
             else:
                 todo[key] = prompt
-        if todo:
-            fresh = self.model.encode_prompt(list(todo.values()))
-            for i, key in enumerate(todo):
-                self._store(key, {k: v[i : i + 1].detach().cpu() for k, v in fresh.items()})
+        for key, prompt in todo.items():
+            # one prompt per call: an embedding never depends on which prompts shared its batch,
+            # so a warm and a cold cache give bit-identical conditioning (exact resume)
+            self._store(key, {k: v.detach().cpu() for k, v in self.model.encode_prompt([prompt]).items()})
         self.misses += len(todo)
         self.hits += len(prompts) - len(todo)
         names = self.memory[keys[0]].keys()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
@@ -58,11 +58,10 @@ class Run:
         cfg: validated config.
         overwrite: replace an existing run folder.
         resume: a checkpoint folder to continue from.
-        echo: where progress lines go.
     """
 
-    def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None, echo: Callable[[str], None] = print):
-        self.cfg, self.echo = cfg, echo
+    def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None):
+        self.cfg = cfg
         self.out = Path(cfg.output.dir)
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
             raise FileExistsError(f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>")

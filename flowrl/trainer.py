@@ -20,6 +20,7 @@ from .config import Config
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import CountingAdapter, ModelAdapter
 from .objectives import OBJECTIVES, Objective, RolloutBatch
+from .prompt_cache import PromptCache
 from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
@@ -61,6 +62,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
         self.objective = build_objective(cfg)
         self.objective.setup(model)
+        self.prompt_cache = PromptCache(self.model)
         self.window_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
@@ -72,7 +74,7 @@ class Trainer:
         """Sample groups, roll out with SDE noise, decode, score and compute advantages."""
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
-        cond = self.model.encode_prompt(prompts.texts)
+        cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
         shape = (len(prompts.texts), *self.model.latent_shape(*self.resolution))
         x_init = torch.randn(shape, generator=self.generator)
         samples, traj = self._rollout(cond, x_init)
@@ -158,6 +160,7 @@ class Trainer:
             **{k: float(v.float().nanmean()) if v.numel() > 1 else float(v) for k, v in info.items()},
             **{f"train/{k}": v for k, v in stats.items()},
             "nfe": float(self.model.nfe),
+            "prompt_cache/hits": float(self.prompt_cache.hits),
             "time/sample_s": t_sample,
             "time/iteration_s": time.perf_counter() - start,
         }

@@ -17,7 +17,7 @@ def test_two_iterations(config, tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / config, SMALL + [f"output.dir={tmp_path / 'run'}"])
-    summary = Run(cfg, echo=lambda _: None).execute()
+    summary = Run(cfg).execute()
     assert summary["iterations"] == 2
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]

@@ -48,6 +48,7 @@ class SamplerConfig:
     schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
+    sde: Literal["flow", "dance", "cps", "sage"] = "flow"  # SDE step of GRPO-style rollouts (flowrl.samplers.SDE_STEPS)
     # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast): noise, storage and training only inside
     window: Literal["none", "random", "progressive", "fixed"] = "none"
     window_size: int = field(default=2, metadata=_rng(1))

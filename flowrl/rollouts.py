@@ -22,6 +22,7 @@ def chunked_rollout(
     *,
     chunk_size: int,
     generator: torch.Generator | None = None,
+    sde: str = "flow",
 ) -> Trajectory:
     """Run :func:`flowrl.samplers.rollout` over consecutive chunks and concatenate.
 
@@ -36,6 +37,7 @@ def chunked_rollout(
         noise_levels: (T,) per-step noise level.
         chunk_size: samples per model call.
         generator: RNG for the SDE noise.
+        sde: the SDE step's name in :data:`flowrl.samplers.SDE_STEPS`.
 
     Returns:
         Trajectory with latents (B, T + 1, ...) and log_probs (B, T).
@@ -44,12 +46,13 @@ def chunked_rollout(
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
-        parts.append(rollout(lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator))
+        parts.append(rollout(lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde))
     return Trajectory(
         torch.cat([p.latents for p in parts]),
         torch.cat([p.log_probs for p in parts]),
         sigmas,
         noise_levels,
+        sde,
     )
 
 

@@ -109,7 +109,9 @@ class Trainer:
         s, chunk = self.cfg.sampler, self.cfg.sampler.chunk_size
         with use_adapter(self.model.transformer, self.objective.sampling_adapter):
             if self.objective.rollout == "sde":
-                traj = chunked_rollout(self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator)
+                traj = chunked_rollout(
+                    self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator, sde=s.sde
+                )
                 return traj.latents[:, -1], traj
             samples = chunked_solve(
                 self.model, cond, x_init, self.sigmas, solver=s.solver, chunk_size=chunk,

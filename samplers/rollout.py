@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from .flow_sde import flow_sde_step
+from .sde_steps import get_sde_step
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
 """``velocity_fn(x (B, ...), sigma (B,)) -> v (B, ...)``; conditioning is closed over."""
@@ -21,13 +21,15 @@ class Trajectory(NamedTuple):
             ``latents[:, -1]`` the final sample at sigma = sigmas[-1].
         log_probs: (B, T) fp32 log-density of each transition (0 at deterministic steps).
         sigmas: (T + 1,) float64 sigma grid.
-        noise_levels: (T,) float64 noise level ``a`` used at each step (0 = ODE step).
+        noise_levels: (T,) float64 noise level used at each step (0 = ODE step).
+        sde: name of the SDE step in :data:`flowrl.samplers.SDE_STEPS` that drew the samples.
     """
 
     latents: Tensor
     log_probs: Tensor
     sigmas: Tensor
     noise_levels: Tensor
+    sde: str = "flow"
 
 
 def sde_noise_levels(num_steps: int, noise_level: float, sde_steps: Sequence[int] | None = None) -> Tensor:
@@ -60,8 +62,9 @@ def rollout(
     *,
     generator: torch.Generator | None = None,
     noises: Tensor | None = None,
+    sde: str = "flow",
 ) -> Trajectory:
-    """Sample trajectories with the Flow-SDE step (noise level 0 gives exact Euler ODE steps).
+    """Sample trajectories with an SDE step (noise level 0 gives exact Euler ODE steps).
 
     Args:
         velocity_fn: model velocity, called once per step on the whole batch.
@@ -70,6 +73,7 @@ def rollout(
         noise_levels: (T,) noise level per step (see :func:`sde_noise_levels`).
         generator: RNG for the step noises when ``noises`` is None.
         noises: optional (B, T, ...) standard normal noises, for exact replay.
+        sde: which step of :data:`flowrl.samplers.SDE_STEPS` ("flow" = Flow-GRPO's Flow-SDE).
 
     Returns:
         Trajectory with latents (B, T + 1, ...) and log_probs (B, T).
@@ -77,6 +81,7 @@ def rollout(
     num_steps = sigmas.shape[0] - 1
     if noise_levels.shape != (num_steps,):
         raise ValueError(f"noise_levels must have shape ({num_steps},); got {tuple(noise_levels.shape)}")
+    step_fn = get_sde_step(sde)
     x = x_init.float()
     batch = x.shape[0]
     latents, log_probs = [x], []
@@ -85,8 +90,8 @@ def rollout(
         sigma_next = sigmas[i + 1].to(x.dtype).expand(batch)
         v = velocity_fn(x, sigma)
         noise = None if noises is None else noises[:, i]
-        step = flow_sde_step(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator)
+        step = step_fn(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator)
         x = step.sample.float()
         latents.append(x)
         log_probs.append(step.log_prob.float())
-    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), sigmas, noise_levels)
+    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), sigmas, noise_levels, sde)

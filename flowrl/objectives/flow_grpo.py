@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ..lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
-from ..samplers.flow_sde import flow_sde_diffusion, flow_sde_step
+from ..samplers.flow_sde import SDEStep, flow_sde_diffusion
+from ..samplers.sde_steps import get_sde_step
 from .base import Microbatch, RolloutBatch, chunk_indices, split_even
 
 
@@ -46,6 +47,14 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, s: Tensor) -> Tensor:
     """KL between two Gaussians with a shared variance, averaged over elements: (b,)."""
     dims = tuple(range(1, mean.ndim))
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * s.reshape(-1) ** 2)
+
+
+def kl_scale(sde: str, step: SDEStep, sigma: Tensor, sigma_next: Tensor, level: float) -> Tensor:
+    """The std in the KL denominator: Flow-GRPO's diffusion ``s`` for the Flow-SDE (as the
+    reference computes it), the transition std for every other SDE step. Shape (b, 1)."""
+    if sde == "flow":
+        return flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level)
+    return step.std.reshape(len(sigma), 1)
 
 
 @dataclass
@@ -93,7 +102,8 @@ class FlowGRPO:
         sigma_next = traj.sigmas[j + 1].float().expand(len(idx))
         level = float(traj.noise_levels[j])
         cond = select_cond(batch.cond, idx)
-        step = flow_sde_step(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
+        step_fn = get_sde_step(traj.sde)  # the step that drew x_next, so the ratio starts at 1
+        step = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
         keep = batch.keep[idx].float()
         per_sample, ratio = clipped_policy_loss(step.log_prob, traj.log_probs[idx, j], batch.advantages[idx], self.clip_range)
         denom = keep.sum().clamp(min=1.0)
@@ -105,8 +115,8 @@ class FlowGRPO:
         }
         if self.kl_beta > 0:
             with torch.no_grad(), adapters_disabled(model.transformer):
-                ref = flow_sde_step(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
-            s = flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level)
+                ref = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
+            s = kl_scale(traj.sde, step, sigma, sigma_next, level)
             kl = (gaussian_mean_kl(step.mean, ref.mean, s) * keep).sum() / denom
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())

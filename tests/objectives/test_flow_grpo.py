@@ -1,5 +1,6 @@
 """Flow-GRPO objective: PPO-clip math (float64) and the exact ratio of 1 before the first update."""
 
+import pytest
 import torch
 
 from flowrl.lora import add_lora, adapters_disabled
@@ -40,25 +41,27 @@ def test_kl_of_shared_variance_gaussians():
     torch.testing.assert_close(gaussian_mean_kl(mean, ref, s), torch.distributions.kl_divergence(p, q).mean(1))
 
 
-def _rollout_batch(model, chunk=3, groups=2, k=3, steps=4):
+def _rollout_batch(model, chunk=3, groups=2, k=3, steps=4, sde="flow"):
     prompts = [f"a handwritten {d}" for d in range(groups) for _ in range(k)]
     cond = model.encode_prompt(prompts)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *model.latent_shape(8, 8), generator=gen)
-    traj = chunked_rollout(model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen)
+    traj = chunked_rollout(model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen, sde=sde)
     adv = torch.randn(len(prompts), generator=gen)
     keep = torch.ones(len(prompts), dtype=torch.bool)
     ids = torch.arange(groups).repeat_interleave(k)
     return RolloutBatch(prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk)
 
 
-def test_ratio_is_exactly_one_before_the_first_update(tiny_sd3):
+@pytest.mark.parametrize("sde", ["flow", "dance", "cps", "sage"])
+def test_ratio_is_exactly_one_before_the_first_update(tiny_sd3, sde):
     add_lora(tiny_sd3.transformer, rank=4, alpha=4, targets=tiny_sd3.lora_target_modules)
     # make the LoRA non-trivial so the policy differs from the base model
     for name, p in tiny_sd3.transformer.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.05)
-    batch = _rollout_batch(tiny_sd3)
+    batch = _rollout_batch(tiny_sd3, sde=sde)
+    assert batch.trajectory.sde == sde
     objective = FlowGRPO(clip_range=1e-4, kl_beta=0.1)
     plan = objective.plan(batch, torch.Generator().manual_seed(1))
     seen = set()

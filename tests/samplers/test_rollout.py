@@ -164,3 +164,26 @@ def test_sde_noise_levels_out_of_range(bad: int) -> None:
     with pytest.raises(ValueError, match=str(bad)) as info:
         sde_noise_levels(4, 0.7, sde_steps=[0, bad])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("sde", ["flow", "dance", "cps", "sage"])
+def test_rollout_stores_the_density_of_the_named_sde(sde):
+    """Each stored log-prob is the named step's density of the stored transition (float64)."""
+    from flowrl.samplers import SDE_STEPS
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    sigmas = make_sigmas("linear", 5).double()
+    levels = sde_noise_levels(5, 0.5)
+    traj = rollout(lambda z, s: _velocity(z, s), x, sigmas, levels, generator=torch.Generator().manual_seed(1), sde=sde)
+    assert traj.sde == sde
+    for i in range(5):
+        again = SDE_STEPS[sde](traj.latents[:, i].double(), _velocity(traj.latents[:, i].double(), sigmas[i]), sigmas[i], sigmas[i + 1], float(levels[i]), prev_sample=traj.latents[:, i + 1].double())
+        torch.testing.assert_close(again.log_prob.float(), traj.log_probs[:, i], rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_sde_names_the_choices():
+    from flowrl.samplers import get_sde_step
+
+    with pytest.raises(ValueError, match="sampler.sde"):
+        get_sde_step("langevin")

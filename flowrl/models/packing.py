@@ -1,0 +1,50 @@
+"""2x2 latent patch packing shared by the FLUX.1 and Qwen-Image transformers.
+
+Both transformers take image latents as a token sequence: every 2x2 patch of a (C, h, w) latent
+becomes one token of 4C features, in row-major patch order, plus integer position ids for RoPE.
+flowrl keeps latents unpacked, (B, C, h, w), everywhere outside the adapter, so samplers, rewards
+and the VAE see ordinary image latents; the adapter packs on the way in and unpacks on the way out.
+
+References:
+    Black Forest Labs, "FLUX.1" (2024); Wu et al., "Qwen-Image Technical Report", 2025.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def pack_latents(latents: Tensor) -> Tensor:
+    """(B, C, h, w) -> (B, (h/2)(w/2), 4C) tokens, channel-major inside each 2x2 patch.
+
+    Raises:
+        ValueError: if h or w is odd.
+    """
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to form 2x2 patches; got {h}x{w}")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """Inverse of :func:`pack_latents`: (B, (h/2)(w/2), 4C) -> (B, C, h, w) for latent size h x w."""
+    b, n, d = tokens.shape
+    if n != (height // 2) * (width // 2) or d % 4:
+        raise ValueError(f"cannot unpack {tuple(tokens.shape)} tokens to a {height}x{width} latent")
+    x = tokens.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
+def latent_image_ids(height: int, width: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+    """FLUX RoPE ids of the packed image tokens: (h/2 * w/2, 3) rows ``(0, row, col)``.
+
+    Args:
+        height, width: the unpacked latent size h, w (even).
+    """
+    rows, cols = height // 2, width // 2
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 1] = torch.arange(rows)[:, None]
+    ids[..., 2] = torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)

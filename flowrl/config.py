@@ -32,6 +32,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     resolution: int | None = None  # None = the model's default
+    num_frames: int | None = field(default=None, metadata=_rng(1))  # video models (Wan: 4k + 1); None = the model's default
 
 
 @dataclass
@@ -40,6 +41,7 @@ class PromptConfig:
     eval: str = "digits-styles"
     per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
     group_size: int = field(default=8, metadata=_rng(2))  # samples per prompt (GRPO group K)
+    negative: str = ""  # negative prompt of true CFG (used when sampler.guidance_scale != 1)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class SamplerConfig:
     schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
+    guidance_scale: float = field(default=1.0, metadata=_rng(0))  # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass
     sde: Literal["flow", "dance", "cps", "sage"] = "flow"  # SDE step of GRPO-style rollouts (flowrl.samplers.SDE_STEPS)
     # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast): noise, storage and training only inside
     window: Literal["none", "random", "progressive", "fixed"] = "none"

@@ -97,8 +97,17 @@ def save_reward_curve(rows: Sequence[dict[str, float]], path: Path, title: str =
     os.replace(tmp, path)
 
 
+def middle_frame(images: Tensor) -> Tensor:
+    """Videos (N, F, 3, H, W) -> their middle frames (N, 3, H, W); images pass through unchanged."""
+    return images[:, images.shape[1] // 2] if images.ndim == 5 else images
+
+
 def image_grid(images: Tensor, rows: int, scale: int = 1, pad: int = 1) -> Tensor:
-    """Tile images (N, 3, H, W) in [0, 1] row-major into one (3, H', W') image (nearest upscaling)."""
+    """Tile images (N, 3, H, W) in [0, 1] row-major into one (3, H', W') image (nearest upscaling).
+
+    Videos (N, F, 3, H, W) are shown by their middle frame.
+    """
+    images = middle_frame(images)
     n, c, h, w = images.shape
     cols = math.ceil(n / rows)
     if scale > 1:
@@ -125,8 +134,9 @@ def save_before_after(before: Tensor, after: Tensor, rows: int, path: Path, scal
     """Side-by-side grid: left block = before training, right block = after (same prompts and seeds).
 
     Args:
-        before: (N, 3, H, W) images, N = rows * columns, one prompt per row.
-        after: (N, 3, H, W) images for the same prompts/seeds.
+        before: (N, 3, H, W) images, N = rows * columns, one prompt per row (videos
+            (N, F, 3, H, W) show their middle frame).
+        after: (N, 3, H, W) images (or videos) for the same prompts/seeds.
         rows: number of prompts.
         path: PNG path.
         scale: nearest-neighbour upscaling for tiny images.

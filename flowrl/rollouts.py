@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .models.adapter import Cond, ModelAdapter, select_cond
+from .models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
 from .samplers.rollout import Trajectory, rollout
 from .runtime import seeded_noise
 
@@ -126,6 +126,7 @@ def sample_images(
     sigmas: Tensor,
     *,
     resolution: tuple[int, int],
+    frames: int | None = None,
     chunk_size: int = 64,
 ) -> Tensor:
     """Deterministic ODE samples (Euler, no noise) for fixed seeds.
@@ -136,14 +137,15 @@ def sample_images(
         seeds: B seeds; sample i's initial noise depends only on seeds[i].
         sigmas: (T + 1,) grid.
         resolution: (height, width).
+        frames: frames per video for video models (None = the model's default).
         chunk_size: samples per model call.
 
     Returns:
-        Images (B, 3, H, W) in [0, 1].
+        Images (B, 3, H, W), or videos (B, F, 3, H, W), in [0, 1].
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"need one seed per prompt; got {len(prompts)} prompts and {len(seeds)} seeds")
-    x_init = seeded_noise(model.latent_shape(*resolution), list(seeds))
+    x_init = seeded_noise(model_latent_shape(model, resolution, frames), list(seeds))
     cond = model.encode_prompt(list(prompts))
     levels = torch.zeros(sigmas.shape[0] - 1, dtype=torch.float64)
     traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size)

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from .advantages import compute_advantages
 from .config import Config
+from .guidance import apply_guidance
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
-from .models.adapter import CountingAdapter, ModelAdapter
+from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .prompt_cache import PromptCache
 from .prompts import Prompt, collate, sample_groups
@@ -48,11 +49,13 @@ class Trainer:
 
     def __init__(self, cfg: Config, model: ModelAdapter, reward: Any, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
         self.cfg, self.reward = cfg, reward
+        if not isinstance(model, CountingAdapter):  # true CFG folds into velocity; scale 1.0 leaves the model as is
+            model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)
         self.model = model if isinstance(model, CountingAdapter) else CountingAdapter(model)
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         res = cfg.model.resolution
         self.resolution = (res, res) if res else tuple(model.default_resolution)
-        latent = model.latent_shape(*self.resolution)
+        self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
         s = cfg.sampler
         self.sigmas = make_sigmas(s.schedule, s.num_steps, shift=s.shift, image_seq_len=math.prod(latent[1:]) // 4)
         self.noise_levels = sde_noise_levels(s.num_steps, s.noise_level)
@@ -75,7 +78,7 @@ class Trainer:
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
-        shape = (len(prompts.texts), *self.model.latent_shape(*self.resolution))
+        shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator)
         samples, traj = self._rollout(cond, x_init)
         images = self.model.decode(samples)

@@ -72,4 +72,10 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
     cls_name = _pipeline_class(folder)
     if cls_name == "StableDiffusion3Pipeline":
         return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
-    raise ValueError(f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline")
+    if cls_name == "WanPipeline":
+        from .wan import WanAdapter
+
+        return WanAdapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
+    raise ValueError(
+        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline"
+    )

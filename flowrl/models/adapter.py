@@ -2,6 +2,11 @@
 
 A trainer, sampler or reward never touches a diffusers pipeline directly: it calls these
 methods, so every algorithm runs on every model.
+
+Conditioning for true classifier-free guidance rides in the same :data:`Cond` dict: the negative
+prompt's tensors are stored under keys prefixed ``"uncond."`` (see :mod:`flowrl.guidance`), so
+:func:`select_cond` / :func:`repeat_cond` slice them with everything else and no objective needs
+to know whether guidance is on.
 """
 
 from __future__ import annotations
@@ -13,36 +18,82 @@ from torch import Tensor, nn
 
 Cond = dict[str, Tensor]
 """Prompt conditioning: a dict of batch-first tensors, e.g. SD3's
-``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``."""
+``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``; with true CFG also
+``"uncond.encoder_hidden_states"`` etc. for the negative prompt."""
+
+GUIDANCE_KINDS = ("cfg", "distilled", "none")
 
 
 @runtime_checkable
 class ModelAdapter(Protocol):
-    """What flowrl needs from a text-to-image (or video) flow model.
+    """What flowrl needs from a text-to-image (or text-to-video) flow model.
 
     Attributes:
-        transformer: the denoiser module LoRA is attached to.
+        transformer: the denoiser module LoRA is attached to (for a two-expert model such as
+            Wan2.2-A14B: the expert being trained).
         lora_target_modules: default LoRA target module names for this family.
-        dtype: the dtype the model weights run in (log-probs stay fp32 regardless).
+        dtype: the dtype the model weights run in (log-probs and SDE means stay fp32 regardless).
         default_resolution: (height, width) used when a config does not say.
+        guidance: how the model is guided. ``"cfg"``: true classifier-free guidance, an
+            unconditional (negative-prompt) pass combined as ``v_u + w (v_c - v_u)``; the trainer
+            wraps the adapter in :class:`flowrl.guidance.GuidedAdapter` when
+            ``sampler.guidance_scale != 1`` (SD3, Wan). ``"distilled"``: the guidance scale is an
+            input of the network (FLUX.1-dev's guidance embedding), handled inside the adapter's
+            ``velocity``; flowrl never adds an unconditional pass. ``"none"``: no guidance.
+        default_num_frames: video adapters only: frame count used when ``model.num_frames`` is
+            null. Image adapters do not define it.
     """
 
     transformer: nn.Module
     lora_target_modules: tuple[str, ...]
     dtype: torch.dtype
     default_resolution: tuple[int, int]
+    guidance: str
 
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
-        """Encode prompts to conditioning tensors (no gradient)."""
+        """Encode B prompts in one batched call to conditioning tensors (no gradient).
+
+        A negative prompt is encoded by the same method (it is just another prompt).
+        """
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Predict ``v = eps - x0`` for latents x (B, ...) at sigma (B,)."""
+        """Predict ``v = eps - x0`` for latents x (B, C, H, W) or video latents (B, C, F, H, W)
+        at sigma (B,) in [0, 1] (the adapter converts to its model's timestep convention)."""
 
     def decode(self, latents: Tensor) -> Tensor:
-        """Decode latents (B, ...) to images (B, 3, H, W) in [0, 1], float32."""
+        """Decode latents to float32 in [0, 1]: images (B, 3, H, W) or videos (B, F, 3, H, W)."""
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Latent shape (without batch) for an output resolution."""
+        """Latent shape (without batch) for an output resolution.
+
+        Video adapters take a third argument ``frames`` (``latent_shape(h, w, frames=None)``,
+        None = ``default_num_frames``) and return (C, F_lat, H_lat, W_lat).
+        """
+
+
+def is_video(model: object) -> bool:
+    """Whether an adapter produces videos (it defines ``default_num_frames``)."""
+    return getattr(model, "default_num_frames", None) is not None
+
+
+def model_latent_shape(model: ModelAdapter, resolution: tuple[int, int], frames: int | None = None) -> tuple[int, ...]:
+    """Latent shape for a resolution and (video models only) a frame count.
+
+    Args:
+        model: the adapter.
+        resolution: (height, width).
+        frames: ``model.num_frames``; None = the video model's default (ignored by image models).
+
+    Raises:
+        ValueError: a frame count given for an image model.
+    """
+    if is_video(model):
+        return tuple(model.latent_shape(*resolution, frames=frames))
+    if frames is not None:
+        raise ValueError(
+            f"model.num_frames={frames} is set but {type(model).__name__} is an image model; remove model.num_frames"
+        )
+    return tuple(model.latent_shape(*resolution))
 
 
 def select_cond(cond: Cond, index: Tensor | slice) -> Cond:
@@ -56,9 +107,10 @@ def repeat_cond(cond: Cond, repeats: int) -> Cond:
 
 
 class CountingAdapter:
-    """Wraps a model adapter and counts velocity evaluations per sample (NFE).
+    """Wraps a model adapter and counts network evaluations per sample (NFE).
 
-    Everything but ``velocity`` is forwarded to the wrapped adapter unchanged.
+    A guided adapter (true CFG) declares ``evaluations_per_sample = 2`` and is counted twice per
+    sample. Everything but ``velocity`` is forwarded to the wrapped adapter unchanged.
     """
 
     def __init__(self, model: ModelAdapter):
@@ -66,8 +118,8 @@ class CountingAdapter:
         self.nfe = 0
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Count ``B`` evaluations, then call the wrapped model."""
-        self.nfe += x.shape[0]
+        """Count ``B * evaluations_per_sample`` evaluations, then call the wrapped model."""
+        self.nfe += x.shape[0] * int(getattr(self._model, "evaluations_per_sample", 1))
         return self._model.velocity(x, sigma, cond)
 
     def __getattr__(self, name: str):

@@ -53,6 +53,7 @@ class SD3Adapter:
     """
 
     lora_target_modules = SD3_LORA_TARGETS
+    guidance = "cfg"  # true CFG (flowrl.guidance.GuidedAdapter) when sampler.guidance_scale != 1
 
     def __init__(self, pipe: Any, *, max_sequence_length: int = 256, resolution: tuple[int, int] | None = None):
         self.pipe = pipe
@@ -106,10 +107,10 @@ class SD3Adapter:
         return {"encoder_hidden_states": embeds.to(self.dtype), "pooled_projections": pooled.to(self.dtype)}
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Velocity (B, C, H, W); SD3 takes ``timestep = 1000 * sigma``."""
+        """Velocity (B, C, H, W); SD3 takes ``timestep = 1000 * sigma`` in fp32, as the pipeline does."""
         out = self.transformer(
             hidden_states=x.to(self.dtype),
-            timestep=(sigma * 1000).to(self.dtype),
+            timestep=(sigma * 1000).float(),
             encoder_hidden_states=cond["encoder_hidden_states"],
             pooled_projections=cond["pooled_projections"],
             return_dict=False,

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
+from .hub import resolve_model_path
+from .loading import FLOW_PIPELINES, load_flow_pipeline
 
 EMBEDDED = "flowrl-digits"
 
@@ -63,19 +65,10 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
                 f"embedded model weights are missing at {DIGITS_DIR}; rebuild them with `flowrl pretrain-digits`"
             )
         path = str(DIGITS_DIR)
-    folder = Path(path)
-    if not folder.exists():
-        raise FileNotFoundError(
-            f"model folder {folder} does not exist; download the weights (e.g. `huggingface-cli download "
-            f"<repo> --local-dir {folder}`) and set model.path to it"
-        )
+    folder = resolve_model_path(path)  # local folder or cached hub id; one-line error when weights are missing
     cls_name = _pipeline_class(folder)
+    if cls_name in FLOW_PIPELINES:
+        return load_flow_pipeline(cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
     if cls_name == "StableDiffusion3Pipeline":
         return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
-    if cls_name == "WanPipeline":
-        from .wan import WanAdapter
-
-        return WanAdapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
-    raise ValueError(
-        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline"
-    )
+    raise ValueError(f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline")

@@ -90,7 +90,13 @@ class FluxAdapter:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", guidance_scale: float | None = None
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        guidance_scale: float | None = None,
+        model_id: str | None = None,
     ) -> "FluxAdapter":
         """Load a local diffusers folder holding a ``FluxPipeline`` (never with remote code).
 
@@ -110,7 +116,7 @@ class FluxAdapter:
             guidance_scale=guidance_scale,
             max_sequence_length=int(card.get("max_sequence_length", 512)),
             resolution=(res, res) if isinstance(res, int) else res,
-            model_id=Path(path).name,
+            model_id=model_id or Path(path).name,
         )
 
     @property

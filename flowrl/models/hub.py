@@ -1,0 +1,135 @@
+"""Find a model's diffusers folder: a local path or a Hugging Face hub id, without long waits.
+
+A hub id is looked up in the local hub cache first (no network). Only when it is not cached,
+offline mode (``HF_HUB_OFFLINE``) is off and the hub answers a 3-second reachability probe is
+anything downloaded; otherwise the user gets one line naming the model, the download command
+and the config key, instead of the hub client's ~25 s of retries. Remote code is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+KNOWN_REPOS = {
+    "StableDiffusion3Pipeline": "stabilityai/stable-diffusion-3.5-medium",
+    "FluxPipeline": "black-forest-labs/FLUX.1-dev",
+    "QwenImagePipeline": "Qwen/Qwen-Image",
+    "WanPipeline": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+}
+"""Example hub repos per pipeline class, used in download hints."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".gguf")
+PROBE_TIMEOUT_S = 3.0
+
+
+def is_hub_id(path: str) -> bool:
+    """True for ``owner/name`` strings that are not an existing local path."""
+    return bool(_HUB_ID.match(path)) and not Path(path).expanduser().exists()
+
+
+def hub_offline() -> bool:
+    """Offline mode as the hub client reads it (``HF_HUB_OFFLINE``), checked at call time."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return value in ("1", "ON", "YES", "TRUE") or bool(constants.HF_HUB_OFFLINE)
+
+
+def missing_weights_message(model: str, reason: str, repo: str | None = None) -> str:
+    """One line: which model, why, the download command and the config key to set."""
+    repo = repo or (model if _HUB_ID.match(model) else "<owner>/<model>")
+    target = f"./models/{repo.split('/')[-1]}"
+    return (
+        f"weights for model {model!r} are missing ({reason}); download them with "
+        f"`hf download {repo} --local-dir {target}` and set model.path={target}"
+    )
+
+
+def _hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """One TCP connect to the hub endpoint; any failure (DNS, refused, blocked) counts as unreachable."""
+    from huggingface_hub import constants
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return True
+    except Exception:  # noqa: BLE001 - a probe: every failure means "do not try the hub"
+        return False
+
+
+def check_weights(folder: Path, model: str) -> None:
+    """Raise a one-line FileNotFoundError when a model component of a pipeline folder has no weights.
+
+    Components are the subfolders named in ``model_index.json`` that hold a ``config.json`` (models;
+    tokenizers and schedulers have other config files) or that are missing altogether.
+    """
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"model folder {folder} has no model_index.json; point model.path at a diffusers pipeline folder"
+        )
+    listed = json.loads(index.read_text())
+    repo = KNOWN_REPOS.get(listed.get("_class_name", ""))
+    for name, spec in listed.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        sub = folder / name
+        if not sub.is_dir():
+            raise FileNotFoundError(missing_weights_message(model, f"component folder {sub} does not exist", repo))
+        if (sub / "config.json").is_file() and not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in sub.iterdir()):
+            raise FileNotFoundError(missing_weights_message(model, f"{sub} holds no weight files", repo))
+
+
+def _download(repo_id: str, cache_dir: str | None) -> Path:
+    """Download model_index.json, then only the component folders it names (not single-file checkpoints)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    index = Path(hf_hub_download(repo_id, "model_index.json", cache_dir=cache_dir))
+    parts = [k for k, v in json.loads(index.read_text()).items() if not k.startswith("_") and isinstance(v, list) and v[0]]
+    patterns = ["model_index.json", *(f"{p}/*" for p in parts)]
+    return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns))
+
+
+def resolve_model_path(path: str, *, cache_dir: str | None = None) -> Path:
+    """A local diffusers pipeline folder for ``path`` (a folder or a hub id), with weights present.
+
+    Args:
+        path: a local folder, or a hub id ``owner/name``.
+        cache_dir: hub cache folder (default: the hub client's).
+
+    Returns:
+        The folder holding ``model_index.json``.
+
+    Raises:
+        FileNotFoundError: one line naming the model, the download command and ``model.path``.
+    """
+    local = Path(path).expanduser()
+    if local.exists():
+        check_weights(local, path)
+        return local
+    if not is_hub_id(path):
+        raise FileNotFoundError(missing_weights_message(path, f"folder {local} does not exist"))
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        folder = Path(snapshot_download(path, cache_dir=cache_dir, local_files_only=True))
+    except OSError:  # LocalEntryNotFoundError: not cached
+        if hub_offline():
+            raise FileNotFoundError(missing_weights_message(path, "not in the local hub cache and HF_HUB_OFFLINE is set")) from None
+        if not _hub_reachable():
+            raise FileNotFoundError(missing_weights_message(path, "not in the local hub cache and the hub is unreachable")) from None
+        try:
+            folder = _download(path, cache_dir)
+        except (HfHubHTTPError, OSError) as err:
+            reason = f"download failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise FileNotFoundError(missing_weights_message(path, reason)) from None
+    check_weights(folder, path)
+    return folder

@@ -1,0 +1,105 @@
+"""Loading FLUX / Qwen-Image folders through load_adapter: dispatch, hub ids, missing weights without waits."""
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from flowrl.models import load_adapter
+from flowrl.models.flux import FluxAdapter
+from flowrl.models.hub import resolve_model_path
+from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_flux_dev")
+    tiny_flux_pipeline().save_pretrained(str(path))
+    (path / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8, "guidance_scale": 5.0}))
+    return path
+
+
+def _check_velocity(loaded, reference):
+    cond = reference.encode_prompt(["a bold handwritten 3", "a 2"])
+    x = torch.randn(2, *reference.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.2])
+    torch.testing.assert_close(loaded.encode_prompt(["a bold handwritten 3", "a 2"]), cond, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loaded.velocity(x, sigma, cond), reference.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+
+
+def test_flux_folder_loads_by_class_name_with_model_card(flux_folder):
+    model = load_adapter(str(flux_folder))
+    assert isinstance(model, FluxAdapter)
+    assert model.default_resolution == (16, 16) and model.max_sequence_length == 8 and model.guidance_scale == 5.0
+    _check_velocity(model, tiny_flux(guidance_scale=5.0))
+
+
+def test_schnell_folder_loads_without_guidance(tmp_path):
+    tiny_flux_pipeline(guidance_embeds=False).save_pretrained(str(tmp_path))
+    (tmp_path / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8, "guidance_scale": 3.5}))
+    model = load_adapter(str(tmp_path))
+    assert isinstance(model, FluxAdapter) and model.guidance_scale is None  # card guidance ignored: no embedding
+    _check_velocity(model, tiny_flux(guidance_embeds=False))
+
+
+def test_missing_weights_is_one_line_with_download_command(flux_folder, tmp_path):
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    for f in (broken / "transformer").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and "transformer holds no weight files" in msg
+    assert "hf download black-forest-labs/FLUX.1-dev" in msg and "model.path=" in msg
+    with pytest.raises(FileNotFoundError, match="does not exist.*model.path="):
+        load_adapter(str(tmp_path / "no" / "such" / "folder"))
+
+
+def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_path("black-forest-labs/FLUX.1-dev", cache_dir=str(tmp_path))
+    assert time.perf_counter() - start < 2.0
+    msg = str(err.value)
+    assert "\n" not in msg and "'black-forest-labs/FLUX.1-dev'" in msg and "HF_HUB_OFFLINE" in msg
+    assert "hf download black-forest-labs/FLUX.1-dev --local-dir" in msg and "model.path=" in msg
+
+
+def test_uncached_hub_id_without_offline_mode_does_not_wait_for_retries(tmp_path, monkeypatch):
+    """Offline mode off and no network (the test guard refuses connections): one probe, no retry loop."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="hub is unreachable.*hf download Qwen/Qwen-Image"):
+        resolve_model_path("Qwen/Qwen-Image", cache_dir=str(tmp_path))
+    assert time.perf_counter() - start < 5.0
+
+
+def test_hub_id_resolves_from_the_local_cache(flux_folder, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny-org--tiny-flux"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(flux_folder, repo / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("tiny-org/tiny-flux", cache_dir=str(tmp_path)) == repo / "snapshots" / commit
+    model = load_adapter("tiny-org/tiny-flux")
+    assert isinstance(model, FluxAdapter) and model.model_id == "tiny-org/tiny-flux"
+
+
+def test_unknown_pipeline_class_is_named(flux_folder, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(flux_folder, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "MysteryPipeline"}))
+    with pytest.raises(ValueError, match="MysteryPipeline"):
+        load_adapter(str(other))

@@ -34,6 +34,7 @@ _BUILTINS: dict[str, str] = {
     "ink": "flowrl.rewards.digits:ink",
     "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
+    "pickscore": "flowrl.rewards.pickscore:pickscore",
 }
 _REGISTERED: dict[str, RewardFactory] = {}
 

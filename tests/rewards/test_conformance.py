@@ -5,8 +5,17 @@ import socket
 import pytest
 import torch
 
+from tiny_reward_weights import build_tiny_weights
+
 from flowrl.rewards import digit_correctness, ink, jpeg_compressibility, jpeg_incompressibility
+from flowrl.rewards.pickscore import pickscore
 from flowrl.rewards.testing import ConformanceError, check_reward
+
+
+@pytest.fixture(scope="module")
+def tiny_model_weights(tmp_path_factory):
+    """Factory options of every model reward, pointing at tiny random weights in the published layouts."""
+    return build_tiny_weights(tmp_path_factory.mktemp("tiny-reward-weights"))
 
 
 @pytest.mark.parametrize(
@@ -18,9 +27,12 @@ from flowrl.rewards.testing import ConformanceError, check_reward
         (ink, {"target": "prompt"}),
         (jpeg_compressibility, {}),
         (jpeg_incompressibility, {}),
+        (pickscore, "pickscore"),
     ],
 )
-def test_builtin_rewards_conform(factory, options):
+def test_builtin_rewards_conform(factory, options, request):
+    if isinstance(options, str):  # a model reward: tiny weights saved in its published layout
+        options = request.getfixturevalue("tiny_model_weights")[options]
     scores = check_reward(factory, options=options)
     assert scores.shape == (4,) and scores.dtype == torch.float32
 

@@ -112,7 +112,7 @@ class GuidedAdapter:
         return encode_with_negative(self._model.encode_prompt, prompts, self.negative_prompt)
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Guided velocity ``v_u + w (v_c - v_u)`` from one batched call on (2B, ...), fp32.
+        """Guided velocity ``v_u + w (v_c - v_u)`` from one batched call on (2B, ...), at least fp32.
 
         Args:
             x: (B, ...) latents.
@@ -128,7 +128,7 @@ class GuidedAdapter:
             raise ValueError("guided velocity needs negative-prompt conditioning ('uncond.' keys); encode with GuidedAdapter.encode_prompt")
         both = {k: torch.cat([neg[k], pos[k]]) for k in pos}
         v = self._model.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
-        v_u, v_c = v.float().chunk(2)
+        v_u, v_c = v.to(torch.promote_types(v.dtype, torch.float32)).chunk(2)  # half -> fp32; fp64 stays
         return combine_cfg(v_u, v_c, self.scale)
 
     def __getattr__(self, name: str):

@@ -8,7 +8,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from .contract import RewardFn, check_images, score_reward
+from .contract import RewardFn, check_images, check_reward_output, score_reward
 
 
 class RewardOutput(NamedTuple):
@@ -61,27 +61,71 @@ class MultiReward:
         """Reward name -> weight."""
         return {name: weight for name, (_, weight) in self.rewards.items()}
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> RewardOutput:
+    def __call__(
+        self, images: Tensor, prompts: Sequence[str], *, batch_index: int | str | None = None, **metadata: Any
+    ) -> RewardOutput:
         """Score a batch with every reward.
 
         Args:
-            images: (B, 3, H, W) float in [0, 1].
+            images: (B, 3, H, W) float in [0, 1], or (B, F, 3, H, W) clips for video rewards.
             prompts: B prompts.
+            batch_index: optional batch index named in error messages.
             **metadata: per-sample lists passed to every reward.
 
         Returns:
             :class:`RewardOutput` with ``total`` (B,) float32 and each component (B,) float32.
         """
-        check_images(images)
+        return self.combine(self.score_parts(images, prompts, metadata, batch_index=batch_index), batch_index=batch_index)
+
+    def score_parts(
+        self,
+        images: Tensor,
+        prompts: Sequence[str],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        batch_index: int | str | None = None,
+    ) -> dict[str, Tensor]:
+        """Raw scores of every component on one part of a batch (e.g. one rollout chunk).
+
+        Each output is checked like :func:`~flowrl.rewards.contract.score_reward` does, except
+        that a part may be all NaN; :meth:`combine` checks that on the whole batch.
+
+        Args:
+            images: (b, 3, H, W) or (b, F, 3, H, W) float in [0, 1].
+            prompts: b prompts.
+            metadata: per-sample lists of b values.
+            batch_index: optional batch index named in error messages.
+
+        Returns:
+            Reward name -> (b,) float32 raw scores.
+        """
+        check_images(images, video=True)
         if len(prompts) != images.shape[0]:
             raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images; pass one prompt per image")
-        components: dict[str, Tensor] = {}
-        total = torch.zeros(images.shape[0], dtype=torch.float32, device=images.device)
-        for name, (fn, weight) in self.rewards.items():
-            scores = score_reward(name, fn, images, prompts, metadata)
-            components[name] = scores
+        return {
+            name: score_reward(name, fn, images, prompts, metadata, batch_index=batch_index, allow_all_nan=True)
+            for name, (fn, _) in self.rewards.items()
+        }
+
+    def combine(self, components: Mapping[str, Tensor], *, batch_index: int | str | None = None) -> RewardOutput:
+        """Weighted total of component scores of a whole batch.
+
+        Args:
+            components: reward name -> (B,) float32 raw scores (every configured reward).
+            batch_index: optional batch index named in error messages.
+
+        Returns:
+            :class:`RewardOutput`; NaN components count 0 in the total.
+
+        Raises:
+            RewardError: a component is NaN for every sample of the batch.
+        """
+        first = components[next(iter(self.rewards))]
+        total = torch.zeros(first.shape[0], dtype=torch.float32, device=first.device)
+        for name, (_, weight) in self.rewards.items():
+            scores = check_reward_output(name, components[name], total.shape[0], allow_nan=True, batch_index=batch_index)
             total = total + weight * torch.nan_to_num(scores.to(total.device), nan=0.0)
-        return RewardOutput(total, components)
+        return RewardOutput(total, {name: components[name] for name in self.rewards})
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}: {weight:g}" for name, weight in self.weights.items())

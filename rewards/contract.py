@@ -1,8 +1,9 @@
 """The reward contract: ``reward(images, prompts, **metadata) -> Tensor (B,) float32``.
 
 A reward is a callable built by a factory (``factory(**options) -> RewardFn``). It receives
-images as float tensors (B, 3, H, W) in [0, 1], the B prompts, and optional per-sample metadata,
-and returns one float32 score per image. A reward may set ``allows_nan = True`` on itself to
+images as float tensors (B, 3, H, W) in [0, 1] (video rewards: (B, F, 3, H, W) clips of F
+frames), the B prompts, and optional per-sample metadata, and returns one float32 score per
+image or clip. A reward may set ``allows_nan = True`` on itself to
 declare that NaN means "not applicable to this sample" (e.g. a style reward for a style-less prompt).
 """
 
@@ -32,7 +33,7 @@ def reward_allows_nan(fn: object) -> bool:
     return bool(getattr(fn, "allows_nan", False))
 
 
-def _where(name: str, batch_index: int | None) -> str:
+def _where(name: str, batch_index: int | str | None) -> str:
     return f"reward {name!r}" + ("" if batch_index is None else f" (batch {batch_index})")
 
 
@@ -42,7 +43,8 @@ def check_reward_output(
     batch_size: int,
     *,
     allow_nan: bool = False,
-    batch_index: int | None = None,
+    batch_index: int | str | None = None,
+    allow_all_nan: bool = False,
 ) -> Tensor:
     """Validate a reward's output against the contract and return it unchanged.
 
@@ -52,6 +54,8 @@ def check_reward_output(
         batch_size: B, the number of images scored.
         allow_nan: accept NaN entries ("not applicable"); an all-NaN output is still rejected.
         batch_index: optional index of the batch, added to error messages.
+        allow_all_nan: accept an all-NaN output too (for one part of a batch whose whole is
+            checked later, see :meth:`~flowrl.rewards.combine.MultiReward.combine`).
 
     Returns:
         ``output`` (B,) float32, never cast or copied.
@@ -86,7 +90,7 @@ def check_reward_output(
                 f"{where} returned NaN at samples {bad}; fix the reward, or set allows_nan = True on it "
                 "if NaN means 'not applicable'"
             )
-        if bool(nan.all()):
+        if bool(nan.all()) and not allow_all_nan:
             raise RewardError(
                 f"{where} returned NaN for every sample (not applicable to the whole batch); "
                 "check the prompts match what the reward expects"
@@ -94,11 +98,13 @@ def check_reward_output(
     return output
 
 
-def check_images(images: object) -> Tensor:
-    """Validate a batch of images for rewards and return it.
+def check_images(images: object, *, video: bool = False) -> Tensor:
+    """Validate a batch of images (or, with ``video=True``, also videos) for rewards and return it.
 
     Args:
-        images: float tensor (B, 3, H, W) with values in [0, 1] (tolerance 1e-3).
+        images: float tensor (B, 3, H, W), or (B, F, 3, H, W) when ``video`` is True, with
+            values in [0, 1] (tolerance 1e-3).
+        video: also accept (B, F, 3, H, W) clips of F frames.
 
     Returns:
         ``images`` unchanged.
@@ -107,19 +113,21 @@ def check_images(images: object) -> Tensor:
         TypeError: not a tensor, or not floating point.
         ValueError: wrong rank, not 3 channels, or values outside [0, 1].
     """
+    expected = "(B, 3, H, W) or (B, F, 3, H, W)" if video else "(B, 3, H, W)"
     if not isinstance(images, Tensor):
-        raise TypeError(f"images must be a torch.Tensor (B, 3, H, W), got {type(images).__name__}; convert with torch.as_tensor")
+        raise TypeError(f"images must be a torch.Tensor {expected}, got {type(images).__name__}; convert with torch.as_tensor")
     if not images.is_floating_point():
         raise TypeError(f"images must be a float tensor in [0, 1], got dtype {images.dtype}; use images.float() / 255")
-    if images.ndim != 4:
-        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}; add the batch/channel dims")
-    if images.shape[1] != 3:
+    if images.ndim not in ((4, 5) if video else (4,)):
+        hint = "" if video or images.ndim != 5 else "; for video give the reward a frame reduction (option video: mean)"
+        raise ValueError(f"images must have shape {expected}, got {tuple(images.shape)}; add the batch/channel dims{hint}")
+    if images.shape[-3] != 3:
         raise ValueError(
-            f"images must have 3 channels (B, 3, H, W), got {images.shape[1]}; "
+            f"images must have 3 channels {expected}, got {images.shape[-3]}; "
             "replicate grayscale with images.expand(-1, 3, -1, -1)"
         )
     if images.numel() > 0:
-        lo, hi = float(images.min()), float(images.max())
+        lo, hi = float(images.detach().min()), float(images.detach().max())
         if not (lo >= -_RANGE_TOL and hi <= 1 + _RANGE_TOL):
             raise ValueError(
                 f"images must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]; "
@@ -135,7 +143,8 @@ def score_reward(
     prompts: Sequence[str],
     metadata: Mapping[str, Any] | None = None,
     *,
-    batch_index: int | None = None,
+    batch_index: int | str | None = None,
+    allow_all_nan: bool = False,
 ) -> Tensor:
     """Call a reward, wrapping its failures, and check its output.
 
@@ -146,6 +155,7 @@ def score_reward(
         prompts: B prompts.
         metadata: per-sample extras passed as keyword arguments.
         batch_index: optional batch index for error messages.
+        allow_all_nan: see :func:`check_reward_output`.
 
     Returns:
         Scores (B,) float32.
@@ -161,5 +171,6 @@ def score_reward(
         message = str(err).splitlines()[0] if str(err) else ""
         raise RewardError(f"{_where(name, batch_index)} raised {type(err).__name__}: {message}") from err
     return check_reward_output(
-        name, output, int(images.shape[0]), allow_nan=reward_allows_nan(fn), batch_index=batch_index
+        name, output, int(images.shape[0]), allow_nan=reward_allows_nan(fn), batch_index=batch_index,
+        allow_all_nan=allow_all_nan,
     )

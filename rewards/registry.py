@@ -4,8 +4,10 @@ A reward name resolves, in order, to:
 
 1. a factory registered with :func:`register_reward` or a built-in (``digit_correctness``,
    ``ink``, ``jpeg_compressibility``, ``jpeg_incompressibility``);
-2. a dotted path ``"package.module:factory"``;
-3. an installed entry point in the group ``flowrl.rewards``, e.g. in a plugin's pyproject.toml::
+2. ``"remote:http://host:port"``: a reward served by ``flowrl serve-reward`` (client options
+   ``timeout_s``, ``retries``, ``batch_size``, ... see :mod:`flowrl.rewards.remote`);
+3. a dotted path ``"package.module:factory"``;
+4. an installed entry point in the group ``flowrl.rewards``, e.g. in a plugin's pyproject.toml::
 
        [project.entry-points."flowrl.rewards"]
        aesthetic = "my_plugin.rewards:aesthetic"
@@ -16,6 +18,7 @@ that do not say so are listed as not offline.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from importlib import metadata as importlib_metadata
@@ -35,7 +38,10 @@ _BUILTINS: dict[str, str] = {
     "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
     "pickscore": "flowrl.rewards.pickscore:pickscore",
+    "remote": "flowrl.rewards.remote:remote",
+    "temporal_consistency": "flowrl.rewards.video:temporal_consistency",
 }
+REMOTE_PREFIX = "remote:"  # "remote:http://host:port" names a reward served by `flowrl serve-reward`
 _REGISTERED: dict[str, RewardFactory] = {}
 
 
@@ -153,6 +159,8 @@ def resolve_factory(name: str) -> RewardFactory:
         return _REGISTERED[name]
     if name in _BUILTINS:
         return _load_path(name, _BUILTINS[name])
+    if name.startswith(REMOTE_PREFIX):
+        return functools.partial(_load_path("remote", _BUILTINS["remote"]), name[len(REMOTE_PREFIX):])
     if ":" in name:
         return _load_path(name, name)
     ep = _entry_points().get(name)
@@ -168,8 +176,11 @@ def build_reward(name: str, **options: Any) -> RewardFn:
     """Build a reward by name with factory options.
 
     Args:
-        name: registry name, ``"package.module:factory"`` path or entry-point name.
-        **options: keyword arguments for the factory.
+        name: registry name, ``"package.module:factory"`` path, entry-point name, or
+            ``"remote:http://host:port"`` for a reward served by ``flowrl serve-reward``.
+        **options: keyword arguments for the factory. The option ``video`` ("mean" or "min") is
+            not passed on: it wraps the image reward to score (B, F, 3, H, W) clips frame by
+            frame (:class:`~flowrl.rewards.video.FrameReward`).
 
     Returns:
         The reward callable ``(images (B, 3, H, W), prompts, **metadata) -> (B,) float32``.
@@ -179,12 +190,17 @@ def build_reward(name: str, **options: Any) -> RewardFn:
         RewardError: the factory failed to import, raised, or returned a non-callable.
     """
     factory = resolve_factory(name)
+    video = options.pop("video", None)
     try:
         reward = factory(**options)
     except Exception as err:  # noqa: BLE001 - any factory failure is re-raised with the reward's name
         raise RewardError(f"reward {name!r} could not be built with options {options!r}: {_one_line(err)}") from err
     if not callable(reward):
         raise RewardError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward; fix the factory")
+    if video is not None:
+        from .video import frame_reward
+
+        return frame_reward(reward, video, name)
     return reward
 
 

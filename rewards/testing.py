@@ -70,7 +70,8 @@ def check_reward(
         factory: the reward factory (``factory(**options) -> reward``).
         name: name used in messages (default: the factory's name).
         options: factory keyword arguments.
-        images: (B, 3, H, W) batch in [0, 1] (default: :func:`default_batch`).
+        images: (B, 3, H, W) batch in [0, 1] (default: :func:`default_batch`), or
+            (B, F, 3, H, W) clips for a video-only reward.
         prompts: B prompts.
         metadata: per-key lists of B values.
         video: also check a (B, F, 3, H, W) batch (for rewards that declare video support).
@@ -112,7 +113,7 @@ def _check_no_grad(name: str, fn: Any, images: Tensor, prompts: list[str], metad
 
 
 def _check_video(name: str, fn: Any, images: Tensor, prompts: list[str], metadata: dict[str, Any]) -> None:
-    clip = images.unsqueeze(1).repeat(1, 3, 1, 1, 1)  # (B, F=3, 3, H, W)
+    clip = images if images.ndim == 5 else images.unsqueeze(1).repeat(1, 3, 1, 1, 1)  # (B, F=3, 3, H, W)
     out = fn(clip, prompts, **metadata)
     if not isinstance(out, Tensor) or out.shape != (len(images),):
         raise ConformanceError(f"reward '{name}' declares video support but returned {getattr(out, 'shape', type(out))} for (B, F, 3, H, W) input; expected ({len(images)},)")

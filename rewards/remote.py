@@ -1,0 +1,247 @@
+"""Client for rewards served by ``flowrl serve-reward``: ``remote:http://host:port`` in configs.
+
+A config names a served reward either by its URL or with a label::
+
+    rewards:
+      "remote:http://127.0.0.1:8765": {weight: 1.0, timeout_s: 60, retries: 3, batch_size: 16}
+      judge: {reward: remote, url: "http://10.0.0.5:8765", weight: 0.5}   # token from FLOWRL_REWARD_TOKEN
+
+Each call splits the batch into requests of at most ``batch_size`` images. A request that fails
+(connection refused, timeout, HTTP 502/503/504, a reply that is not a score tensor, the wrong
+number of scores) is retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (capped at 30 s);
+a 4xx or a 500 (the reward itself failed: deterministic) is not retried. When the retries are
+spent the call raises :class:`RemoteRewardError` with one line naming the server, the request
+and the cause; the trainer adds the reward name and the batch index.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import torch
+from torch import Tensor
+
+from .contract import check_images
+from .server import TOKEN_ENV
+from .wire import JSON, SAFETENSORS, WireError, decode_scores, decode_scores_json, encode_batch, encode_batch_png
+
+MAX_BACKOFF_S = 30.0
+_RETRY_STATUS = (502, 503, 504)
+FORMATS = ("safetensors", "png")
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward server could not score a request (after the retries, where retrying helps)."""
+
+
+class _Fatal(Exception):
+    """A failure that retrying cannot fix (4xx, or the reward itself failed)."""
+
+
+def _positive(name: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"remote reward option {name} must be {kind} {'>= 0' if zero else '> 0'}; got {value!r}")
+    return value
+
+
+class RemoteReward:
+    """A reward scored by a ``flowrl serve-reward`` server.
+
+    Args:
+        url: ``http://host:port`` of the server.
+        timeout_s: per-request socket timeout (connect and each read).
+        retries: extra attempts per request after the first.
+        backoff_s: wait before the first retry; doubles each retry (capped at 30 s).
+        batch_size: images per request (None: the whole batch in one request).
+        format: "safetensors" (exact float32) or "png" (JSON with 8-bit PNGs).
+        token: bearer token; default: the ``FLOWRL_REWARD_TOKEN`` environment variable.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        batch_size: int | None = None,
+        format: str = "safetensors",  # noqa: A002 - the config option's name
+        token: str | None = None,
+    ) -> None:
+        parts = urlsplit(str(url))
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"remote reward url must look like http://127.0.0.1:8765; got {url!r}")
+        if format not in FORMATS:
+            raise ValueError(f"remote reward option format must be one of {FORMATS}; got {format!r}")
+        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.timeout_s = float(_positive("timeout_s", timeout_s))
+        self.retries = int(_positive("retries", retries, integer=True, zero=True))
+        self.backoff_s = float(_positive("backoff_s", backoff_s, zero=True))
+        self.batch_size = None if batch_size is None else int(_positive("batch_size", batch_size, integer=True))
+        self.format = format
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.allows_nan = False  # set from each reply (the server's reward declares it)
+        # talk to the server directly, never through an http_proxy from the environment
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _request(self, path: str, body: bytes | None = None, content_type: str | None = None) -> tuple[bytes, str]:
+        """One HTTP exchange; returns (body, content type) or raises (_Fatal for non-retryable)."""
+        headers = {"Content-Type": content_type} if content_type else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST" if body is not None else "GET")
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as reply:
+                return reply.read(), reply.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as err:
+            detail = _error_detail(err)
+            if err.code in _RETRY_STATUS:
+                raise RemoteRewardError(f"HTTP {err.code}: {detail}") from None
+            raise _Fatal(f"HTTP {err.code}: {detail}") from None
+
+    def _with_retries(self, what: str, attempt_fn: Any) -> Any:
+        """Run ``attempt_fn`` up to 1 + retries times; one-line RemoteRewardError at the end."""
+        for attempt in range(self.retries + 1):
+            try:
+                return attempt_fn()
+            except _Fatal as err:
+                raise RemoteRewardError(f"server {self.url} rejected {what}: {err}") from None
+            except (OSError, http.client.HTTPException, RemoteRewardError, WireError) as err:
+                cause = _describe(err)
+                if attempt == self.retries:
+                    tries = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
+                    raise RemoteRewardError(f"server {self.url} failed {what} after {tries}: {cause}") from None
+                time.sleep(min(self.backoff_s * 2**attempt, MAX_BACKOFF_S))
+        raise RemoteRewardError(f"server {self.url}: no attempt made for {what}")  # unreachable: retries >= 0
+
+    # -- API ---------------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """GET /health (with retries)."""
+        return self._with_retries("GET /health", lambda: _json_reply(*self._request("/health")))
+
+    def info(self) -> dict[str, Any]:
+        """GET /info (with retries): the served reward's name, ``allows_nan``, formats."""
+        return self._with_retries("GET /info", lambda: _json_reply(*self._request("/info")))
+
+    def _score_part(self, images: Tensor, prompts: Sequence[str], metadata: dict[str, Any], what: str) -> Tensor:
+        """POST one request (with retries); scores (b,) float32."""
+        if self.format == "png":
+            body, content_type = encode_batch_png(images, prompts, metadata), JSON
+        else:
+            body, content_type = encode_batch(images, prompts, metadata), SAFETENSORS
+
+        def attempt() -> Tensor:
+            reply, reply_type = self._request("/score", body, content_type)
+            if reply_type.split(";")[0].strip() == JSON and content_type == SAFETENSORS:
+                raise WireError(f"reply is JSON, not safetensors: {reply[:120]!r}")
+            scores, allows_nan = (decode_scores_json if content_type == JSON else decode_scores)(reply)
+            if tuple(scores.shape) != (len(prompts),) or scores.dtype != torch.float32:
+                raise WireError(f"reply holds scores of shape {tuple(scores.shape)} {scores.dtype} for {len(prompts)} images")
+            self.allows_nan = allows_nan
+            return scores
+
+        return self._with_retries(what, attempt)
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
+        """Scores (B,) float32 for images (B, 3, H, W) or clips (B, F, 3, H, W) in [0, 1]."""
+        check_images(images, video=True)
+        total = int(images.shape[0])
+        step = self.batch_size or max(total, 1)
+        parts = []
+        count = math.ceil(total / step)
+        for i, start in enumerate(range(0, total, step)):
+            part = slice(start, start + step)
+            meta = {k: _slice(v, part, total) for k, v in metadata.items()}
+            what = f"request {i + 1}/{count} (images {start}-{min(start + step, total) - 1})"
+            parts.append(self._score_part(images[part], list(prompts)[part], meta, what))
+        return torch.cat(parts).to(images.device) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def __repr__(self) -> str:
+        return f"RemoteReward({self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries}, batch_size={self.batch_size})"
+
+
+def _slice(value: Any, part: slice, total: int) -> Any:
+    if isinstance(value, (list, tuple, Tensor)) and len(value) == total:
+        return value[part]
+    return value
+
+
+def _error_detail(err: urllib.error.HTTPError) -> str:
+    try:
+        text = err.read(2000)
+        message = json.loads(text).get("error")
+        if message:
+            return str(message).splitlines()[0]
+    except Exception:  # noqa: BLE001 - the error body is best effort
+        pass
+    return str(err.reason)
+
+
+def _json_reply(body: bytes, content_type: str) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WireError(f"reply is not JSON: {body[:120]!r}") from None
+    if not isinstance(data, dict):
+        raise WireError(f"reply is not a JSON object: {body[:120]!r}")
+    return data
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, (socket.timeout, TimeoutError)):
+        return "timed out (raise timeout_s if the reward is slow)"
+    if isinstance(err, urllib.error.URLError):
+        reason = err.reason
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            return "timed out (raise timeout_s if the reward is slow)"
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused (is `flowrl serve-reward` running there?)"
+        return f"unreachable ({reason})"
+    if isinstance(err, ConnectionRefusedError):
+        return "connection refused (is `flowrl serve-reward` running there?)"
+    if isinstance(err, http.client.HTTPException):
+        return f"reply is not HTTP ({type(err).__name__})"
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{text}" if isinstance(err, (WireError, RemoteRewardError)) else f"{type(err).__name__}: {text}"
+
+
+def remote(
+    url: str,
+    timeout_s: float = 60.0,
+    retries: int = 3,
+    backoff_s: float = 0.5,
+    batch_size: int | None = None,
+    format: str = "safetensors",  # noqa: A002 - the config option's name
+    token: str | None = None,
+) -> RemoteReward:
+    """A reward scored over HTTP by `flowrl serve-reward` (timeouts, retries with backoff, batch splitting).
+
+    Args:
+        url: ``http://host:port`` of the server (in a config also ``"remote:http://host:port"``).
+        timeout_s: per-request socket timeout in seconds.
+        retries: extra attempts for a failed request (connection, timeout, garbage reply).
+        backoff_s: first retry delay; doubles on each retry, capped at 30 s.
+        batch_size: images per request; None sends the whole batch at once.
+        format: "safetensors" (exact) or "png" (8-bit, JSON).
+        token: bearer token; default ``$FLOWRL_REWARD_TOKEN`` (keep tokens out of config files).
+
+    Returns:
+        A reward ``(images (B, 3, H, W) or clips (B, F, 3, H, W), prompts, **metadata) -> (B,) float32``.
+    """
+    return RemoteReward(
+        url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, batch_size=batch_size, format=format, token=token
+    )

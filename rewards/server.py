@@ -1,0 +1,237 @@
+"""HTTP server for one reward: ``flowrl serve-reward NAME`` (stdlib ``ThreadingHTTPServer``).
+
+Endpoints:
+
+- ``POST /score``: a batch in the :mod:`~flowrl.rewards.wire` format (safetensors, or JSON with
+  PNG images); replies with the (B,) float32 scores in the same format. Status 400 for a
+  malformed request, 401 for a missing or wrong token, 413 for a body over the limit, 500 when
+  the reward raises or breaks the contract (the JSON error names the reward).
+- ``GET /health``: ``{"status": "ok", "reward": NAME}`` (never needs the token).
+- ``GET /info``: name, ``allows_nan``, wire formats and versions, requests served.
+
+The server binds to 127.0.0.1 unless told otherwise; any non-loopback address needs a token,
+which clients send as ``Authorization: Bearer TOKEN``. Batches are scored one at a time (the
+reward may hold a GPU); health and info answer while a batch is being scored.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .contract import RewardError, RewardFn, check_images, reward_allows_nan, score_reward
+from .wire import JSON, SAFETENSORS, WIRE_VERSION, WireError, decode_batch, decode_batch_png, encode_scores, encode_scores_json
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+TOKEN_ENV = "FLOWRL_REWARD_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1 or "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse to expose a reward beyond this machine without a token.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address and no token is set.
+    """
+    if not is_loopback(host) and not token:
+        raise ValueError(
+            f"binding the reward server to {host} exposes it to the network; pass --token "
+            f"(or set {TOKEN_ENV}) so requests without it are rejected, or bind to 127.0.0.1"
+        )
+
+
+class RewardServer:
+    """Serve one reward over HTTP.
+
+    Args:
+        reward: the reward callable.
+        name: its name (in replies and error messages).
+        host: address to bind; non-loopback addresses need ``token``.
+        port: TCP port; 0 picks a free one (see :attr:`url`).
+        token: shared secret required as ``Authorization: Bearer TOKEN`` on /score and /info.
+        max_body_mb: largest request body accepted.
+        log: print one line per request to stderr.
+    """
+
+    def __init__(
+        self,
+        reward: RewardFn,
+        name: str,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        token: str | None = None,
+        max_body_mb: float = 1024.0,
+        log: bool = False,
+    ) -> None:
+        check_bind(host, token)
+        if not callable(reward):
+            raise TypeError(f"RewardServer needs a callable reward; got {type(reward).__name__}")
+        self.reward, self.name, self.token, self.log = reward, name, token or None, log
+        self.max_body = int(max_body_mb * 1024 * 1024)
+        self.requests = 0
+        self.batches = 0
+        self._score_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd.daemon_threads = True
+        self.httpd.block_on_close = False  # stop() must not wait for a slow reward
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the bound socket."""
+        host, port = self.httpd.server_address[:2]
+        return f"http://{'[' + host + ']' if ':' in str(host) else host}:{port}"
+
+    def info(self) -> dict[str, Any]:
+        """What GET /info returns."""
+        from .. import __version__
+
+        return {
+            "name": self.name,
+            "allows_nan": reward_allows_nan(self.reward),
+            "formats": [SAFETENSORS, JSON],
+            "wire": WIRE_VERSION,
+            "flowrl": __version__,
+            "batches_scored": self.batches,
+            "auth": self.token is not None,
+        }
+
+    def score(self, body: bytes, content_type: str) -> tuple[bytes, str]:
+        """Decode a request, score it, encode the reply (in the request's format).
+
+        Raises:
+            WireError: malformed request (HTTP 400).
+            RewardError: the reward raised or broke the contract (HTTP 500).
+        """
+        as_json = content_type == JSON
+        images, prompts, metadata = (decode_batch_png if as_json else decode_batch)(body)
+        try:
+            check_images(images, video=True)
+        except (TypeError, ValueError) as err:
+            raise WireError(str(err)) from None
+        if len(prompts) != images.shape[0]:
+            raise WireError(f"got {len(prompts)} prompts for {images.shape[0]} images; send one prompt per image")
+        with self._score_lock:
+            scores = score_reward(self.name, self.reward, images, prompts, metadata, allow_all_nan=True)
+            self.batches += 1
+        allows_nan = reward_allows_nan(self.reward)
+        if as_json:
+            return encode_scores_json(scores, allows_nan), JSON
+        return encode_scores(scores, allows_nan), SAFETENSORS
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or Ctrl-C in the caller)."""
+        self.httpd.serve_forever(poll_interval=0.1)
+
+    def start(self) -> "RewardServer":
+        """Serve from a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self.serve_forever, name=f"reward-server-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.httpd.server_close()
+
+    def __enter__(self) -> "RewardServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "flowrl-reward"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            if server.log:
+                sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+        def _send(self, status: int, body: bytes, content_type: str = JSON) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _error(self, status: int, message: str) -> None:
+            self.close_connection = True
+            self._send(status, json.dumps({"error": message}).encode())
+
+        def _authorised(self) -> bool:
+            if server.token is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {server.token}".encode()):
+                return True
+            self._error(401, "missing or wrong token; send 'Authorization: Bearer TOKEN'")
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            server.requests += 1
+            if self.path == "/health":
+                self._send(200, json.dumps({"status": "ok", "reward": server.name}).encode())
+            elif self.path == "/info":
+                if self._authorised():
+                    self._send(200, json.dumps(server.info()).encode())
+            else:
+                self._error(404, f"no endpoint {self.path}; use POST /score, GET /health or GET /info")
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            server.requests += 1
+            if self.path != "/score":
+                self._error(404, f"no endpoint {self.path}; POST batches to /score")
+                return
+            if not self._authorised():
+                return
+            body = self._body()
+            if body is None:
+                return
+            content_type = self.headers.get("Content-Type", SAFETENSORS).split(";")[0].strip()
+            if content_type not in (SAFETENSORS, JSON):
+                self._error(400, f"Content-Type {content_type!r} not supported; send {SAFETENSORS} or {JSON}")
+                return
+            try:
+                reply, reply_type = server.score(body, content_type)
+            except WireError as err:
+                self._error(400, f"bad request for reward {server.name!r}: {err}")
+            except RewardError as err:
+                self._error(500, str(err).splitlines()[0])
+            except Exception as err:  # noqa: BLE001 - the server must answer, whatever the reward does
+                self._error(500, f"reward {server.name!r} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            else:
+                self._send(200, reply, reply_type)
+
+        def _body(self) -> bytes | None:
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                self._error(411, "send the request body with a Content-Length header")
+                return None
+            if int(length) > server.max_body:
+                self._error(413, f"body of {int(length)} bytes exceeds the server's limit of {server.max_body}; split the batch")
+                return None
+            return self.rfile.read(int(length))
+
+    return Handler

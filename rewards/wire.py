@@ -1,0 +1,235 @@
+"""Wire format of the remote reward server (``flowrl serve-reward``).
+
+Two encodings of a scoring request, chosen by the request's Content-Type:
+
+- ``application/vnd.flowrl.safetensors`` (what the Python client sends): a safetensors file with
+  one tensor ``images`` (float32 (B, 3, H, W) or (B, F, 3, H, W) in [0, 1], or uint8 in [0, 255]);
+  its ``__metadata__`` holds ``prompts`` (JSON list of B strings) and ``metadata`` (JSON object of
+  per-sample lists). The reply is a safetensors file with ``scores`` (B,) float32; its
+  ``__metadata__`` says ``allows_nan``. Bit-exact, no pickle.
+- ``application/json`` (for curl and non-Python clients): ``{"prompts": [...], "metadata": {...},
+  "images": [PNG as base64, ...]}`` (a clip is a list of PNG frames). The reply is
+  ``{"scores": [...], "allows_nan": bool}`` with ``null`` for NaN.
+
+Errors come back as JSON ``{"error": "one line"}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import struct
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+SAFETENSORS = "application/vnd.flowrl.safetensors"
+JSON = "application/json"
+WIRE_VERSION = "1"
+
+
+class WireError(ValueError):
+    """A request or reply body that does not follow the wire format."""
+
+
+def _json_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in metadata.items():
+        value = value.tolist() if isinstance(value, Tensor) else value
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"metadata {key!r} cannot be sent to a remote reward ({err}); use lists of str, numbers, bools or None"
+            ) from None
+        out[str(key)] = value
+    return out
+
+
+def _header(body: bytes) -> dict[str, Any]:
+    """The JSON header of a safetensors buffer (first 8 bytes: little-endian header length)."""
+    if len(body) < 8:
+        raise WireError(f"body of {len(body)} bytes is not a safetensors file")
+    (size,) = struct.unpack("<Q", body[:8])
+    if size > len(body) - 8:
+        raise WireError(f"body is not a safetensors file (its header length {size} exceeds the {len(body)}-byte body)")
+    try:
+        header = json.loads(body[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(f"body is not a safetensors file (header is not JSON: {err})") from None
+    if not isinstance(header, dict):
+        raise WireError("body is not a safetensors file (header is not a JSON object)")
+    return header
+
+
+def _load(body: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
+    from safetensors.torch import load
+
+    meta = _header(body).get("__metadata__") or {}
+    try:
+        tensors = load(body)
+    except Exception as err:  # noqa: BLE001 - any parse failure is a malformed body
+        raise WireError(f"body is not a valid safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    return tensors, meta
+
+
+def _images_to_float(images: Tensor) -> Tensor:
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise WireError(f"images must be float32 in [0, 1] or uint8; got {images.dtype}")
+    return images.float()
+
+
+def encode_batch(images: Tensor, prompts: Sequence[str], metadata: dict[str, Any] | None = None) -> bytes:
+    """A scoring request as safetensors bytes.
+
+    Args:
+        images: (B, 3, H, W) or (B, F, 3, H, W) float in [0, 1]; sent as float32.
+        prompts: B prompts.
+        metadata: per-sample lists (JSON-serialisable).
+
+    Returns:
+        The request body.
+    """
+    from safetensors.torch import save
+
+    header = {
+        "flowrl_wire": WIRE_VERSION,
+        "prompts": json.dumps(list(prompts)),
+        "metadata": json.dumps(_json_metadata(dict(metadata or {}))),
+    }
+    return save({"images": images.detach().to("cpu", torch.float32).contiguous()}, metadata=header)
+
+
+def decode_batch(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]]:
+    """Inverse of :func:`encode_batch`: (images float32, prompts, metadata).
+
+    Raises:
+        WireError: the body is not a request in this format.
+    """
+    tensors, meta = _load(body)
+    if "images" not in tensors:
+        raise WireError(f"request holds tensors {sorted(tensors)}; expected one named 'images'")
+    try:
+        prompts = json.loads(meta.get("prompts", "null"))
+        metadata = json.loads(meta.get("metadata", "{}"))
+    except json.JSONDecodeError as err:
+        raise WireError(f"request metadata is not JSON ({err})") from None
+    return _images_to_float(tensors["images"]), _check_prompts(prompts), _check_metadata(metadata)
+
+
+def _check_prompts(prompts: Any) -> list[str]:
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise WireError("request 'prompts' must be a list of strings")
+    return prompts
+
+
+def _check_metadata(metadata: Any) -> dict[str, Any]:
+    if not isinstance(metadata, dict):
+        raise WireError("request 'metadata' must be a JSON object of per-sample lists")
+    return metadata
+
+
+def encode_scores(scores: Tensor, allows_nan: bool) -> bytes:
+    """A reply: scores (B,) float32 as safetensors, with ``allows_nan`` in the metadata."""
+    from safetensors.torch import save
+
+    meta = {"flowrl_wire": WIRE_VERSION, "allows_nan": "1" if allows_nan else "0"}
+    return save({"scores": scores.detach().to("cpu", torch.float32).contiguous()}, metadata=meta)
+
+
+def decode_scores(body: bytes) -> tuple[Tensor, bool]:
+    """Inverse of :func:`encode_scores`: (scores, allows_nan).
+
+    Raises:
+        WireError: not a reply in this format.
+    """
+    tensors, meta = _load(body)
+    if set(tensors) != {"scores"}:
+        raise WireError(f"reply holds tensors {sorted(tensors)}; expected one named 'scores'")
+    return tensors["scores"], meta.get("allows_nan") == "1"
+
+
+def _png(image: Tensor) -> str:
+    from PIL import Image
+
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _unpng(text: Any) -> Tensor:
+    from PIL import Image
+
+    if not isinstance(text, str):
+        raise WireError("each image must be a base64 PNG string (a clip: a list of them)")
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(text, validate=True))) as img:
+            rgb = img.convert("RGB")
+            pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).reshape(rgb.height, rgb.width, 3)
+    except WireError:
+        raise
+    except Exception as err:  # noqa: BLE001 - PIL/base64 raise many types for bad input
+        raise WireError(f"an image is not a base64 PNG ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    return pixels.permute(2, 0, 1).float() / 255.0
+
+
+def encode_batch_png(images: Tensor, prompts: Sequence[str], metadata: dict[str, Any] | None = None) -> bytes:
+    """A scoring request as JSON with base64 PNG images (8 bits per channel: lossy).
+
+    Args:
+        images: (B, 3, H, W) or (B, F, 3, H, W) float in [0, 1].
+        prompts: B prompts.
+        metadata: per-sample lists (JSON-serialisable).
+
+    Returns:
+        The UTF-8 JSON request body.
+    """
+    encoded = [[_png(f) for f in item] if images.ndim == 5 else _png(item) for item in images]
+    body = {"prompts": list(prompts), "metadata": _json_metadata(dict(metadata or {})), "images": encoded}
+    return json.dumps(body).encode()
+
+
+def decode_batch_png(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]]:
+    """Inverse of :func:`encode_batch_png`: (images float32 in [0, 1], prompts, metadata).
+
+    Raises:
+        WireError: malformed JSON, images of different sizes, or an image that is not a PNG.
+    """
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(f"request is not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) or not data["images"]:
+        raise WireError("JSON request must be an object with a non-empty 'images' list of base64 PNGs")
+    try:
+        items = [torch.stack([_unpng(f) for f in item]) if isinstance(item, list) else _unpng(item) for item in data["images"]]
+        images = torch.stack(items)
+    except RuntimeError as err:
+        raise WireError(f"images differ in size or frame count ({str(err).splitlines()[0]})") from None
+    return images, _check_prompts(data.get("prompts")), _check_metadata(data.get("metadata", {}))
+
+
+def encode_scores_json(scores: Tensor, allows_nan: bool) -> bytes:
+    """A JSON reply ``{"scores": [...], "allows_nan": bool}`` (NaN written as null)."""
+    values = [None if math.isnan(v) else v for v in scores.detach().double().cpu().tolist()]
+    return json.dumps({"scores": values, "allows_nan": allows_nan}).encode()
+
+
+def decode_scores_json(body: bytes) -> tuple[Tensor, bool]:
+    """Inverse of :func:`encode_scores_json`: (scores (B,) float32, allows_nan).
+
+    Raises:
+        WireError: not a reply in this format.
+    """
+    try:
+        data = json.loads(body)
+        values = [math.nan if v is None else float(v) for v in data["scores"]]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise WireError(f"reply is not a JSON object with a 'scores' list of numbers ({type(err).__name__})") from None
+    return torch.tensor(values, dtype=torch.float32), bool(data.get("allows_nan", False))

@@ -38,6 +38,7 @@ _BUILTINS: dict[str, str] = {
     "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
     "pickscore": "flowrl.rewards.pickscore:pickscore",
+    "clipscore": "flowrl.rewards.clipscore:clipscore",
     "remote": "flowrl.rewards.remote:remote",
     "temporal_consistency": "flowrl.rewards.video:temporal_consistency",
 }

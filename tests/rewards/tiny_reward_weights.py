@@ -75,7 +75,8 @@ def save_clip_folder(folder: Path, seed: int = 0, projection_dim: int = 12, pick
 def build_tiny_weights(root: Path) -> dict[str, dict[str, str]]:
     """Write every tiny model once; return each built-in model reward's factory options."""
     processor = str(save_clip_processor(root / "clip-processor"))
-    clip = str(save_clip_folder(root / "clip-model"))
+    clip = str(save_clip_processor(save_clip_folder(root / "clip-model")))  # model + processor, like OpenAI's repo
     return {
         "pickscore": {"model": clip, "processor": processor},
+        "clipscore": {"model": clip},
     }

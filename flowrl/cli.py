@@ -1,4 +1,4 @@
-"""Command-line interface: ``flowrl train | sample | rewards list | reward new | pretrain-digits``.
+"""Command-line interface: ``flowrl train | sample | rewards list | reward new | serve-reward | pretrain-digits``.
 
 User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
 line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
@@ -101,6 +101,30 @@ def cmd_reward_new(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_reward(ns: argparse.Namespace) -> int:
+    from .config import parse_overrides
+    from .rewards import build_reward
+    from .rewards.server import TOKEN_ENV, RewardServer, check_bind
+
+    options = parse_overrides(ns.options)
+    token = ns.token or os.environ.get(TOKEN_ENV) or None
+    check_bind(ns.host, token)  # before loading a possibly large model
+    reward = build_reward(ns.name, **options)
+    try:
+        server = RewardServer(reward, ns.name, host=ns.host, port=ns.port, token=token, max_body_mb=ns.max_body_mb, log=ns.log)
+    except OSError as err:
+        raise ValueError(f"cannot serve on {ns.host}:{ns.port} ({err.strerror or err}); pick another --port or --host") from None
+    print(f"serving reward {ns.name!r} at {server.url} (POST /score, GET /health, GET /info; "
+          f"token {'required' if token else 'off'}); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
     from .models.digits_pretrain import main as pretrain_main
 
@@ -139,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("name", help="reward name (lowercase identifier)")
     new.add_argument("--dir", default=".", help="parent folder")
     new.set_defaults(func=cmd_reward_new)
+
+    serve = sub.add_parser("serve-reward", help="serve one reward over HTTP for `remote:` rewards (docs/rewards.md)")
+    serve.add_argument("name", help="reward name, module:factory path or entry point")
+    serve.add_argument("options", nargs="*", help="factory options as key=value (e.g. target=bold video=mean)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs --token)")
+    serve.add_argument("--port", type=int, default=8765, help="TCP port (0 = any free port)")
+    serve.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $FLOWRL_REWARD_TOKEN)")
+    serve.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request accepted")
+    serve.add_argument("--log", action="store_true", help="print one line per request")
+    serve.set_defaults(func=cmd_serve_reward)
 
     pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
     pre.add_argument("args", nargs=argparse.REMAINDER)

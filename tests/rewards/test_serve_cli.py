@@ -1,0 +1,95 @@
+"""`flowrl serve-reward` as a user runs it: a real subprocess on 127.0.0.1, stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from flowrl.rewards import build_multi_reward, ink
+from flowrl.rewards.remote import RemoteReward
+
+
+def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "serve-reward", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def first_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        proc.kill()
+        pytest.fail(f"serve-reward printed nothing in {timeout} s")
+
+
+@pytest.fixture
+def server_process():
+    procs = []
+
+    def start(*args, env=None):
+        proc = spawn(*args, env=env)
+        procs.append(proc)
+        line = first_line(proc)
+        assert line.startswith("serving reward"), line + proc.stderr.read() if proc.poll() is not None else line
+        return proc, line.split(" at ")[1].split(" ")[0]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the server's own Ctrl-C path
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_serve_reward_scores_like_in_process(server_process):
+    proc, url = server_process("ink", "target=bold", "--port", "0")
+    assert url.startswith("http://127.0.0.1:")
+    x = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    prompts = ["a bold handwritten 1"] * 5
+    reward = build_multi_reward({f"remote:{url}": {"batch_size": 2, "timeout_s": 30}})
+    out = reward(x, prompts)
+    assert torch.equal(out.total, ink("bold")(x, prompts))
+    assert RemoteReward(url).info()["batches_scored"] == 3
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_serve_reward_token_from_env(server_process):
+    _, url = server_process("ink", "target=thin", "--port", "0", env={"FLOWRL_REWARD_TOKEN": "abc"})
+    x = torch.rand(2, 3, 8, 8)
+    assert torch.equal(RemoteReward(url, token="abc")(x, ["a", "b"]), 1 - x.mean(dim=(1, 2, 3)))
+    with pytest.raises(Exception, match="HTTP 401"):
+        RemoteReward(url, token="nope")(x, ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["ink", "--host", "0.0.0.0", "--port", "0"], "binding the reward server to 0.0.0.0 exposes it to the network; pass --token"),
+        (["no_such_reward", "--port", "0"], "unknown reward 'no_such_reward'"),
+        (["ink", "target=huge", "--port", "0"], "reward 'ink' could not be built"),
+    ],
+)
+def test_serve_reward_one_line_errors(args, fragment):
+    result = subprocess.run(
+        [sys.executable, "-m", "flowrl", "serve-reward", *args], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_REWARD_TOKEN": ""},
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("flowrl: error:")]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr

@@ -1,0 +1,95 @@
+"""Reward fusion, depth-wise advantages and pruning masks of tree rollouts, by hand (float64)."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.samplers.tree import split_factors, tree_widths
+from flowrl.tree_advantages import depthwise_advantages, fuse_rewards
+from flowrl.tree_pruning import depth_prune_window, train_masks, width_prune_masks
+
+D = torch.float64
+
+
+def _one_tree():
+    factors = split_factors(3, [0, 2], [2])  # widths 1, 2, 2, 4
+    log_probs = [torch.log(torch.tensor([1.0, 4.0], dtype=D)), torch.zeros(2, dtype=D),
+                 torch.log(torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=D))]
+    return factors, log_probs
+
+
+def test_mean_fusion_by_hand():
+    factors, log_probs = _one_tree()
+    rewards = fuse_rewards(torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=D), tree_widths(factors), log_probs, 1, "mean")
+    expected = [[2.75], [1.5, 4.0], [1.5, 4.0], [1.0, 2.0, 3.0, 5.0]]
+    for got, want in zip(rewards, expected):
+        torch.testing.assert_close(got, torch.tensor(want, dtype=D))
+
+
+def test_softmax_fusion_by_hand():
+    factors, log_probs = _one_tree()
+    rewards = fuse_rewards(torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=D), tree_widths(factors), log_probs, 1, "softmax")
+    # children of node 0 at depth 2: softmax(log 1, log 3) = (1/4, 3/4); of node 1: (1/2, 1/2)
+    d2 = [0.25 * 1 + 0.75 * 2, 0.5 * 3 + 0.5 * 5]
+    # root: softmax(log 1, log 4) = (0.2, 0.8) over the depth-1 rewards (= depth 2: one child each)
+    root = 0.2 * d2[0] + 0.8 * d2[1]
+    for got, want in zip(rewards, [[root], d2, d2, [1.0, 2.0, 3.0, 5.0]]):
+        torch.testing.assert_close(got, torch.tensor(want, dtype=D))
+
+
+def test_depthwise_advantages_by_hand():
+    factors, log_probs = _one_tree()
+    two = [torch.cat([lp, lp]) for lp in log_probs]
+    leaves = torch.tensor([1.0, 2.0, 3.0, 5.0, 7.0, 7.0, 7.0, 7.0], dtype=D)  # tree 1 has no signal
+    nodes = fuse_rewards(leaves, tree_widths(factors), two, 2, "mean")
+    adv = depthwise_advantages(nodes, 2)
+    assert len(adv) == 3 and [a.shape[0] for a in adv] == [4, 4, 8]
+    a1 = (1.5 - 2.75) / (math.sqrt(2 * 1.25**2) + 1e-8)  # unbiased std of (1.5, 4)
+    torch.testing.assert_close(adv[0], torch.tensor([a1, -a1, 0, 0], dtype=torch.float32))
+    torch.testing.assert_close(adv[1], adv[0])
+    std = math.sqrt(sum((r - 2.75) ** 2 for r in (1, 2, 3, 5)) / 3)
+    torch.testing.assert_close(adv[2], torch.tensor([(r - 2.75) / (std + 1e-8) for r in (1, 2, 3, 5)] + [0] * 4, dtype=torch.float32))
+    clipped = depthwise_advantages(nodes, 2, clip=0.5)
+    assert float(clipped[2].abs().max()) == 0.5
+
+
+def test_a_depth_with_one_node_gets_zero_and_bad_rewards_raise():
+    factors = split_factors(3, [1], [2])  # depth 1 has one node per tree
+    widths = tree_widths(factors)
+    lps = [torch.zeros(w, dtype=D) for w in widths[1:]]
+    adv = depthwise_advantages(fuse_rewards(torch.tensor([0.0, 1.0], dtype=D), widths, lps, 1), 1)
+    assert torch.equal(adv[0], torch.zeros(1))
+    with pytest.raises(ValueError, match="finite reward"):
+        fuse_rewards(torch.tensor([0.0, float("nan")], dtype=D), widths, lps, 1)
+    with pytest.raises(ValueError, match="leaf_rewards"):
+        fuse_rewards(torch.zeros(3, dtype=D), widths, lps, 1)
+
+
+def test_depth_window_slides_rootward_and_stops():
+    assert depth_prune_window([8, 9], iteration=0, slide_every=10, stop_depth=5) == {8, 9}
+    assert depth_prune_window([8, 9], iteration=25, slide_every=10, stop_depth=5) == {6, 7}
+    assert depth_prune_window([8, 9], iteration=1000, slide_every=10, stop_depth=5) == {5, 6}
+    assert depth_prune_window([8, 9], iteration=1000, slide_every=0, stop_depth=5) == {8, 9}
+    assert depth_prune_window([], iteration=3) == set()
+
+
+def test_width_pruning_keeps_best_and_worst_of_the_last_segment():
+    adv = [torch.tensor([0.1, 0.5, 0.3, -0.2, 0.0, 0.9, -1.0, 0.2])]  # one tree, 8 last-segment edges
+    (mask,) = width_prune_masks(adv, [0], 1, 0.5)  # keep 4: the 2 best (0.9, 0.5) and 2 worst (-1.0, -0.2)
+    assert mask.tolist() == [False, True, False, True, False, True, True, False]
+    (few,) = width_prune_masks(adv, [0], 1, 0.01)  # at least one best and one worst
+    assert few.tolist() == [False] * 5 + [True, True, False]
+
+
+def test_train_masks_combine_depth_width_and_ode_steps():
+    factors = split_factors(5, [0, 1], [2])  # widths 1, 2, 4, 4, 4, 4; last segment = steps 2..4
+    levels = torch.tensor([0.7, 0.7, 0.7, 0.0, 0.7], dtype=D)  # step 3 is an ODE step
+    adv = [torch.arange(w, dtype=torch.float32) for w in tree_widths(factors)[1:]]
+    masks = train_masks(adv, factors, levels, 1, depth_prune=[2], width_keep=0.5)
+    assert masks[0].all() and not masks[1].any()  # child depth 2 pruned
+    assert not masks[3].any()  # ODE step: no density, never trained
+    kept = torch.cat([masks[2], masks[4]])  # 3 segment steps x 4 edges = 12, keep 6 = 3 best + 3 worst of the segment
+    assert int(kept.sum()) + int(masks[3].sum()) <= 6
+    free = train_masks(adv, factors, levels, 1, iteration=7, depth_prune=[2], width_keep=0.5, prune_until=5)
+    assert all(m.all() for t, m in enumerate(free) if t != 3)  # pruning switched off after prune_until

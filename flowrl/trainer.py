@@ -182,7 +182,8 @@ class Trainer:
         try:
             with use_adapter(self.model.transformer, self.objective.eval_adapter):
                 return sample_images(
-                    self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64)
+                    self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64),
+                    frames=self.cfg.model.num_frames,
                 )
         finally:
             self.model.nfe = nfe

@@ -71,4 +71,10 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
         return load_flow_pipeline(cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
     if cls_name == "StableDiffusion3Pipeline":
         return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
-    raise ValueError(f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline")
+    if cls_name == "WanPipeline":
+        from .wan import WanAdapter
+
+        return WanAdapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
+    raise ValueError(
+        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline"
+    )

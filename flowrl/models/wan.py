@@ -33,16 +33,10 @@ from .adapter import Cond, select_cond
 from .sd3 import read_model_card
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
-WAN_REPO = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 DEFAULT_RESOLUTION = (480, 832)  # Wan2.1-T2V-1.3B's native 480p
 DEFAULT_FRAMES = 81
 DEFAULT_SHIFT = 3.0  # Wan2.1 480p flow_shift (5.0 for 720p; Wan2.2-A14B uses 12.0)
 EXPERTS = ("high", "low")
-
-
-def download_hint(path: str | Path) -> str:
-    """The one-line fix for missing Wan weights."""
-    return f"download them with `huggingface-cli download {WAN_REPO} --local-dir {path}` and set model.path={path}"
 
 
 class WanAdapter:
@@ -115,13 +109,15 @@ class WanAdapter:
         """
         from diffusers import AutoencoderKLWan, WanPipeline
 
+        from .hub import KNOWN_REPOS, missing_weights_message
+
         card = read_model_card(path) if Path(path).is_dir() else {}
         try:
             vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
             pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype)
         except (OSError, ValueError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise FileNotFoundError(f"Wan weights in {path} are missing or incomplete ({reason}); {download_hint(path)}") from None
+            raise FileNotFoundError(missing_weights_message(str(path), reason, KNOWN_REPOS["WanPipeline"])) from None
         pipe = pipe.to(device)
         pipe.vae.to(torch.float32)
         pipe.set_progress_bar_config(disable=True)

@@ -1,0 +1,244 @@
+"""Wan2.1/2.2 adapter on a tiny real WanPipeline: shapes, parity with the pipeline (CFG, two experts),
+2-step rollout with log-probs, one Flow-GRPO update through the Trainer, LoRA round trip, cache, loading."""
+
+import json
+
+import pytest
+import torch
+
+from flowrl.guidance import GuidedAdapter, split_cond
+from flowrl.lora import adapters_disabled, add_lora, lora_state_dict
+from flowrl.models import load_adapter
+from flowrl.models.adapter import CountingAdapter, model_latent_shape
+from flowrl.models.wan import WanAdapter
+from flowrl.objectives import FlowGRPO, RolloutBatch
+from flowrl.prompt_cache import PromptCache
+from flowrl.rollouts import chunked_rollout
+from flowrl.samplers import linear_sigmas, sde_noise_levels
+from flowrl.samplers.ode_solve import ode_solve
+from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
+
+PROMPTS = ["a red fox running", "a blue cat jumping slowly"]
+NEGATIVE = "blurry static"
+
+
+def _latents(model, n=2, seed=0):
+    return torch.randn(n, *model.latent_shape(16, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _randomize_lora(transformer, std=0.05, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, std, generator=gen)
+
+
+def clip_brightness(images, prompts, **metadata):
+    """A video reward for the tests: mean brightness of each clip (B, F, 3, H, W) -> (B,)."""
+    return images.mean(dim=(1, 2, 3, 4)).float()
+
+
+def test_latent_shape_follows_the_vae_factors():
+    model = tiny_wan_adapter()
+    assert model.latent_shape(16, 16, 5) == (16, 2, 2, 2)  # F_lat = (5 - 1) // 4 + 1
+    assert model.latent_shape(32, 16, 9) == (16, 3, 4, 2)
+    assert model.latent_shape(16, 16) == (16, 2, 2, 2)  # default_num_frames = 5
+    assert model_latent_shape(model, (16, 16), 13) == (16, 4, 2, 2)
+    with pytest.raises(ValueError, match="4k \\+ 1"):
+        model.latent_shape(16, 16, 6)
+    with pytest.raises(ValueError, match="multiple of 16x16"):
+        model.latent_shape(24, 16, 5)
+    assert model.guidance == "cfg" and model.default_shift == 3.0
+
+
+def test_image_models_reject_a_frame_count(tiny_sd3):
+    assert model_latent_shape(tiny_sd3, (8, 8)) == tiny_sd3.latent_shape(8, 8)
+    with pytest.raises(ValueError, match="image model.*model.num_frames"):
+        model_latent_shape(tiny_sd3, (8, 8), 5)
+
+
+def test_guided_euler_and_decode_match_the_wan_pipeline():
+    """Same latents and sigmas: guided Euler + decode == WanPipeline(guidance_scale=5, negative_prompt)."""
+    model = tiny_wan_adapter()
+    x = _latents(model)
+    frames = model.pipe(
+        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=16, width=16, num_frames=5, num_inference_steps=3,
+        guidance_scale=5.0, latents=x.clone(), output_type="pt", max_sequence_length=8,
+    ).frames
+    guided = GuidedAdapter(model, 5.0, NEGATIVE)
+    cond = guided.encode_prompt(PROMPTS)
+    with torch.no_grad():
+        final = ode_solve(lambda z, s: guided.velocity(z, s, cond), x, model.pipe.scheduler.sigmas.double())
+    video = model.decode(final)
+    assert video.shape == (2, 5, 3, 16, 16) and video.dtype == torch.float32
+    assert frames.shape == video.shape
+    torch.testing.assert_close(video, frames.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_cfg_batching_one_call_equals_two_calls():
+    model = tiny_wan_adapter()
+    guided = GuidedAdapter(model, 4.0, NEGATIVE)
+    cond = guided.encode_prompt(PROMPTS)
+    x, sigma = _latents(model), torch.tensor([0.8, 0.3])
+    seen = []
+    hook = model.transformer.register_forward_hook(lambda m, a, kw, out: seen.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+    v = guided.velocity(x, sigma, cond)
+    hook.remove()
+    assert seen == [4]
+    pos, neg = split_cond(cond)
+    v_c, v_u = model.velocity(x, sigma, pos), model.velocity(x, sigma, neg)
+    torch.testing.assert_close(v, v_u + 4.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+
+
+def test_two_step_rollout_log_probs_and_ratio_one_with_cfg():
+    model = tiny_wan_adapter()
+    add_lora(model.transformer, rank=4, alpha=4, targets=model.lora_target_modules)
+    _randomize_lora(model.transformer)
+    guided = CountingAdapter(GuidedAdapter(model, 4.5, NEGATIVE))
+    prompts = PROMPTS * 2
+    cond = guided.encode_prompt(prompts)
+    gen = torch.Generator().manual_seed(0)
+    traj = chunked_rollout(guided, cond, _latents(model, 4), linear_sigmas(2), sde_noise_levels(2, 0.7), chunk_size=2, generator=gen)
+    assert traj.latents.shape == (4, 3, 16, 2, 2, 2) and traj.log_probs.shape == (4, 2)
+    assert torch.isfinite(traj.log_probs).all() and traj.log_probs.dtype == torch.float32
+    assert guided.nfe == 4 * 2 * 2
+    adv, keep = torch.randn(4, generator=gen), torch.ones(4, dtype=torch.bool)
+    batch = RolloutBatch(prompts, torch.arange(4), cond, traj.latents[:, -1], traj, traj.sigmas, None, adv, adv, keep, 2)
+    objective = FlowGRPO(clip_range=1e-3, kl_beta=0.1)
+    plan = [mb for group in objective.plan(batch, gen) for mb in group]
+    assert len(plan) == 2  # 2 chunks x 1 stochastic step
+    for mb in plan:
+        _, stats = objective.loss(guided, batch, mb)
+        assert stats["ratio"] == 1.0 and stats["kl"] > 0.0, stats
+
+
+def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp_path):
+    from flowrl.config import load_config
+    from flowrl.outputs import save_before_after
+    from flowrl.prompts import load_prompts
+    from flowrl.rewards.combine import MultiReward
+    from flowrl.trainer import Trainer
+
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    prompts = load_prompts(str(tmp_path / "prompts.txt"))
+    cfg = load_config(None, [
+        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2",
+        "sampler.num_steps=2", "sampler.chunk_size=2", "sampler.guidance_scale=5.0", f"prompts.negative={NEGATIVE}",
+        "objective.kl_beta=0.01", "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
+    ])
+    model = tiny_wan_adapter()
+    trainer = Trainer(cfg, model, MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+    metrics = trainer.train_step()
+    assert metrics["train/first_ratio"] == 1.0
+    assert metrics["nfe"] == 2 * (4 * 2 + 2 * 4)  # CFG: rollout 4 x 2 steps + policy and KL passes at 1 SDE step
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _latents(model), torch.tensor([0.9, 0.4])
+    with torch.no_grad(), adapters_disabled(model.transformer):
+        base = model.velocity(x, sigma, cond)
+    assert (model.velocity(x, sigma, cond) - base).abs().max() > 1e-3  # the update moved the policy
+    videos = trainer.sample(prompts, [7, 8])
+    assert videos.shape == (2, 5, 3, 16, 16)
+    assert set(trainer.evaluate()) == {"eval/reward_mean", "eval/brightness"}
+    save_before_after(videos, videos, 2, tmp_path / "grid.png")  # middle frames
+    assert (tmp_path / "grid.png").is_file()
+
+    path = model.save_lora(tmp_path / "lora", lora_state_dict(model.transformer))
+    assert path.is_file()
+    fresh = tiny_wan_pipeline()
+    fresh.load_lora_weights(str(tmp_path / "lora"))
+    loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_cache_hit_path(tmp_path):
+    model = tiny_wan_adapter()
+    cache = PromptCache(model, tmp_path)
+    first = cache.encode(PROMPTS + PROMPTS)
+    assert (cache.misses, cache.hits) == (2, 2)
+    torch.testing.assert_close(first["encoder_hidden_states"][:2], model.encode_prompt(PROMPTS)["encoder_hidden_states"])
+    warm = PromptCache(tiny_wan_adapter(), tmp_path)
+    assert torch.equal(warm.encode(PROMPTS)["encoder_hidden_states"], first["encoder_hidden_states"][:2])
+    assert (warm.misses, warm.hits) == (0, 2)
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_wan")
+    tiny_wan_pipeline().save_pretrained(str(path))
+    card = {"resolution": 16, "num_frames": 5, "max_sequence_length": 8, "shift": 5.0}
+    (path / "flowrl.json").write_text(json.dumps(card))
+    return path
+
+
+def test_load_adapter_dispatches_wan_folders(wan_folder):
+    model = load_adapter(str(wan_folder))
+    assert isinstance(model, WanAdapter)
+    assert model.default_resolution == (16, 16) and model.default_num_frames == 5 and model.default_shift == 5.0
+    assert model.vae.dtype == torch.float32 and model.model_id == str(wan_folder)
+    reference = tiny_wan_adapter()
+    cond = reference.encode_prompt(PROMPTS)
+    torch.testing.assert_close(model.encode_prompt(PROMPTS), cond, rtol=1e-4, atol=1e-5)
+    x, sigma = _latents(reference), torch.tensor([0.7, 0.2])
+    torch.testing.assert_close(model.velocity(x, sigma, cond), reference.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+
+
+def test_missing_wan_weights_are_one_line_with_the_download_command(wan_folder, tmp_path):
+    import shutil
+
+    broken = tmp_path / "wan"
+    shutil.copytree(wan_folder, broken)
+    for f in (broken / "transformer").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in msg and "model.path=" in msg
+    with pytest.raises(FileNotFoundError, match="does not exist.*model.path="):
+        load_adapter(str(tmp_path / "no" / "wan"))
+
+
+# -- Wan2.2 two-expert layout -------------------------------------------------------------------
+
+
+def test_two_experts_follow_the_pipeline_boundary():
+    model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.5)
+    pipe = model.pipe
+    assert model.boundary_timestep == 500.0 and model.transformer is pipe.transformer
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _latents(model), torch.tensor([0.9, 0.3])
+    with torch.no_grad():
+        mixed = model.velocity(x, sigma, cond)
+        high = model._run(pipe.transformer, x[:1], sigma[:1], {"encoder_hidden_states": cond["encoder_hidden_states"][:1]})
+        low = model._run(pipe.transformer_2, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]})
+    torch.testing.assert_close(mixed, torch.cat([high, low]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(low, model._run(pipe.transformer, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]}))
+    # the pipeline's own two-stage CFG sampling agrees step for step
+    ref = pipe(
+        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=16, width=16, num_frames=5, num_inference_steps=4,
+        guidance_scale=3.0, latents=x.clone(), output_type="latent", max_sequence_length=8,
+    ).frames
+    sigmas = pipe.scheduler.sigmas.double()
+    assert (sigmas[:-1] >= 0.5).any() and (sigmas[:-1] < 0.5).any()
+    guided = GuidedAdapter(model, 3.0, NEGATIVE)
+    gcond = guided.encode_prompt(PROMPTS)
+    with torch.no_grad():
+        ours = ode_solve(lambda z, s: guided.velocity(z, s, gcond), x, sigmas)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
+    model = tiny_wan_adapter(two_experts=True, lora_expert="low")
+    assert model.transformer is model.pipe.transformer_2
+    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    _randomize_lora(model.transformer)
+    model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    fresh = tiny_wan_pipeline(two_experts=True)
+    fresh.load_lora_weights(str(tmp_path), load_into_transformer_2=True)
+    loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5, lora_expert="low")
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _latents(model), torch.tensor([0.95, 0.3])  # one sample per expert
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no transformer_2"):
+        tiny_wan_adapter(lora_expert="low")

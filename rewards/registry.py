@@ -39,6 +39,7 @@ _BUILTINS: dict[str, str] = {
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
     "pickscore": "flowrl.rewards.pickscore:pickscore",
     "clipscore": "flowrl.rewards.clipscore:clipscore",
+    "aesthetic": "flowrl.rewards.aesthetic:aesthetic",
     "remote": "flowrl.rewards.remote:remote",
     "temporal_consistency": "flowrl.rewards.video:temporal_consistency",
 }

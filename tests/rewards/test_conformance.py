@@ -8,6 +8,7 @@ import torch
 from tiny_reward_weights import build_tiny_weights
 
 from flowrl.rewards import digit_correctness, ink, jpeg_compressibility, jpeg_incompressibility
+from flowrl.rewards.aesthetic import aesthetic
 from flowrl.rewards.clipscore import clipscore
 from flowrl.rewards.pickscore import pickscore
 from flowrl.rewards.testing import ConformanceError, check_reward
@@ -30,6 +31,7 @@ def tiny_model_weights(tmp_path_factory):
         (jpeg_incompressibility, {}),
         (pickscore, "pickscore"),
         (clipscore, "clipscore"),
+        (aesthetic, "aesthetic"),
     ],
 )
 def test_builtin_rewards_conform(factory, options, request):

@@ -79,4 +79,26 @@ def build_tiny_weights(root: Path) -> dict[str, dict[str, str]]:
     return {
         "pickscore": {"model": clip, "processor": processor},
         "clipscore": {"model": clip},
+        "aesthetic": {"model": clip, "head": str(save_aesthetic_head(root / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"))},
     }
+
+
+def laion_mlp(in_features: int = 12, seed: int = 0) -> torch.nn.Module:
+    """The LAION improved-aesthetic-predictor MLP (a module whose ``layers`` Sequential has its ReLUs
+    commented out upstream), narrowed; its state dict keys are ``layers.0/2/4/6/7.*``."""
+    torch.manual_seed(seed)
+    nn = torch.nn
+    mlp = nn.Module()
+    mlp.layers = nn.Sequential(
+        nn.Linear(in_features, 32), nn.Dropout(0.2), nn.Linear(32, 16), nn.Dropout(0.2),
+        nn.Linear(16, 8), nn.Dropout(0.1), nn.Linear(8, 4), nn.Linear(4, 1),
+    )
+    return mlp
+
+
+def save_aesthetic_head(path: Path, in_features: int = 12, seed: int = 0) -> Path:
+    """``torch.save`` of the head's state dict (keys layers.0/2/4/6/7.*), as LAION publishes it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = laion_mlp(in_features, seed)
+    torch.save(head.state_dict(), path)
+    return path

@@ -66,7 +66,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         if not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
             raise FileNotFoundError(f"no LoRA at {ns.lora}; pass a run folder or its lora/ folder")
         model.pipe.load_lora_weights(str(lora))
-    texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval)]
+    texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
     res = cfg.model.resolution

@@ -41,6 +41,8 @@ class PromptConfig:
     eval: str = "digits-styles"
     per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
     group_size: int = field(default=8, metadata=_rng(2))  # samples per prompt (GRPO group K)
+    test_fraction: float | None = field(default=None, metadata=_rng(0, 1, lo_open=True))  # hold out this share of prompts.train (by prompt hash) as the eval set
+    cache_dir: str | None = None  # persistent prompt-embedding cache (<dir>/<model fingerprint>/<sha256>.safetensors)
     negative: str = ""  # negative prompt of true CFG (used when sampler.guidance_scale != 1)
 
 
@@ -75,6 +77,20 @@ class AdvantageConfig:
 def _default_objective() -> dict[str, Any]:
     # the objective's own dataclass holds its defaults; the embedded job adds a KL guard
     return {"name": "flow_grpo", "kl_beta": 0.04}
+
+
+@dataclass
+class MemoryConfig:
+    """GPU memory controls (flowrl/memory.py); all off by default."""
+
+    gradient_checkpointing: bool = False
+    autocast: Literal["none", "bf16", "fp16"] = "none"  # around the denoiser only; log-probs stay fp32
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    offload_encoders: bool = False  # text encoders on the CPU outside prompt encoding
+    offload_vae: bool = False  # VAE on the CPU outside decoding
+    free_encoders_when_cached: bool = False  # encode every train/eval prompt once, then drop the encoders
+    attention_backend: Literal["sdpa", "xformers"] = "sdpa"  # xformers: CUDA + `pip install xformers`
 
 
 @dataclass
@@ -127,6 +143,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: dict[str, Any] = field(default_factory=_default_objective)  # validated per objective
     lora: LoraConfig = field(default_factory=LoraConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -89,3 +89,20 @@ class PromptCache:
         names = self.memory[keys[0]].keys()
         device = getattr(self.model, "device", "cpu")
         return {n: torch.cat([self.memory[k][n] for k in keys]).to(device) for n in names}
+
+    def __contains__(self, prompt: str) -> bool:
+        """True when ``prompt`` is cached in memory or on disk (does not count as a hit)."""
+        key = self.key(prompt)
+        return key in self.memory or (self.directory is not None and (self.directory / f"{key}.safetensors").is_file())
+
+    def warm(self, prompts: Sequence[str]) -> int:
+        """Make sure every distinct prompt is cached (encoding only the missing ones).
+
+        Returns:
+            How many prompts had to be encoded.
+        """
+        before = self.misses
+        distinct = list(dict.fromkeys(prompts))
+        for start in range(0, len(distinct), 64):
+            self.encode(distinct[start : start + 64])
+        return self.misses - before

@@ -1,24 +1,22 @@
-"""Prompt sets: built-in sets for the embedded model, and prompt files (.txt, .jsonl).
+"""Prompt sets: built-in sets for the embedded model, prompt files and dataset folders.
 
-A prompt carries metadata (e.g. ``{"digit": 7, "style": "bold"}``) that is passed through to
-rewards as keyword lists.
+A prompt carries metadata (e.g. ``{"digit": 7, "style": "bold"}``, GenEval's ``include`` list
+or OCR's ``ocr_text``) that is passed through to rewards as keyword lists. File formats and the
+train/test folder layout are in :mod:`flowrl.prompt_files`.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from .prompt_files import Prompt, read_prompt_file, split_file
 
-class Prompt(NamedTuple):
-    """One prompt and its per-prompt metadata."""
-
-    text: str
-    metadata: dict[str, Any]
+__all__ = ["BUILTIN_SETS", "Prompt", "PromptBatch", "collate", "holdout_split", "load_prompts", "sample_groups"]
 
 
 def _digits_set(styles: tuple[str | None, ...]) -> list[Prompt]:
@@ -37,64 +35,60 @@ BUILTIN_SETS = {
 }
 
 
-def _read_txt(path: Path) -> list[Prompt]:
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if "\x00" in line:
-            raise ValueError(f"{path} line {number}: contains a NUL byte; prompt files must be UTF-8 text")
-        if line.strip():
-            prompts.append(Prompt(line.strip(), {}))
-    return prompts
-
-
-def _read_jsonl(path: Path) -> list[Prompt]:
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {number}: invalid JSON ({err.msg}); each line must be an object like {{\"prompt\": \"...\"}}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{path} line {number}: needs a non-empty string field \"prompt\"")
-        text = row.pop("prompt").strip()
-        prompts.append(Prompt(text, row))
-    return prompts
-
-
-def load_prompts(spec: str) -> list[Prompt]:
-    """Load a built-in prompt set by name, or a prompt file.
+def load_prompts(spec: str, split: str = "train") -> list[Prompt]:
+    """Load a built-in prompt set by name, a prompt file, or one split of a dataset folder.
 
     Args:
-        spec: a built-in name (``digits-styles``, ``digits``, ``digits-all``) or a path to a
-            ``.txt`` (one prompt per line) or ``.jsonl`` (objects with a ``"prompt"`` field plus
-            metadata) file.
+        spec: a built-in name (``digits-styles``, ``digits``, ``digits-all``), a ``.txt``,
+            ``.jsonl``, ``.csv`` or ``.json`` file, or a folder with ``train.*`` / ``test.*``
+            files (see :mod:`flowrl.prompt_files`).
+        split: which file of a folder to read: "train" or "test" (ignored for files and sets).
 
     Returns:
         A non-empty list of prompts.
 
     Raises:
-        ValueError: unknown set, missing file, or a malformed line (file and line number named).
+        ValueError: unknown set, bad format, or a malformed line (file and line number named).
+        FileNotFoundError: a folder without a file for ``split``.
     """
     if spec in BUILTIN_SETS:
         return BUILTIN_SETS[spec]()
     path = Path(spec)
+    if path.is_dir():
+        path = split_file(path, split)
     if not path.is_file():
         names = ", ".join(BUILTIN_SETS)
-        raise ValueError(f"prompt set {spec!r} is neither a built-in set ({names}) nor an existing .txt/.jsonl file")
-    try:
-        if path.suffix == ".jsonl":
-            prompts = _read_jsonl(path)
-        elif path.suffix == ".txt":
-            prompts = _read_txt(path)
-        else:
-            raise ValueError(f"prompt file {path} must end in .txt or .jsonl")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
-    if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompts; add at least one non-empty line")
-    return prompts
+        raise ValueError(f"prompt set {spec!r} is neither a built-in set ({names}) nor an existing prompt file or folder")
+    return read_prompt_file(path)
+
+
+def holdout_split(prompts: list[Prompt], test_fraction: float, part: str) -> list[Prompt]:
+    """Deterministic train/test split by a hash of each prompt's text.
+
+    A prompt is in the test part when ``sha256(text)`` mapped to [0, 1) is below
+    ``test_fraction``, so the split is the same on every run and machine and never puts one
+    prompt text in both parts.
+
+    Args:
+        prompts: the whole set.
+        test_fraction: share held out for evaluation, in (0, 1).
+        part: "train" or "test".
+
+    Raises:
+        ValueError: a part comes out empty (the message says how to fix it).
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"prompts.test_fraction must be in (0, 1); got {test_fraction}")
+    if part not in ("train", "test"):
+        raise ValueError(f"split part must be 'train' or 'test'; got {part!r}")
+
+    def in_test(p: Prompt) -> bool:
+        return int(hashlib.sha256(p.text.encode("utf-8")).hexdigest()[:12], 16) / 16**12 < test_fraction
+
+    chosen = [p for p in prompts if in_test(p) == (part == "test")]
+    if not chosen:
+        raise ValueError(f"prompts.test_fraction={test_fraction} leaves the {part} split of {len(prompts)} prompts empty; change the fraction or add prompts")
+    return chosen
 
 
 class PromptBatch(NamedTuple):

@@ -24,7 +24,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
 from .models import EMBEDDED, load_adapter
 from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
-from .prompts import Prompt, load_prompts
+from .prompts import Prompt, holdout_split, load_prompts
 from .runtime import configure_threads
 from .trainer import Trainer
 
@@ -37,6 +37,15 @@ def build_reward(cfg: Config) -> Any:
     from .rewards import build_multi_reward
 
     return build_multi_reward(cfg.rewards)
+
+
+def load_run_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
+    """Train and eval prompts: a folder's train/test files, or a hash split of prompts.train."""
+    p = cfg.prompts
+    if p.test_fraction:
+        everything = load_prompts(p.train, split="train")
+        return holdout_split(everything, p.test_fraction, "train"), holdout_split(everything, p.test_fraction, "test")
+    return load_prompts(p.train, split="train"), load_prompts(p.eval, split="test")
 
 
 def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[int]]:
@@ -68,7 +77,7 @@ class Run:
         self.overwrite = overwrite
         self.threads = configure_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
-        train_prompts, eval_prompts = load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval)
+        train_prompts, eval_prompts = load_run_prompts(cfg)
         reward = build_reward(cfg)
         model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
         self.trainer = Trainer(cfg, model, reward, train_prompts, eval_prompts)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -128,6 +128,7 @@ def sample_images(
     resolution: tuple[int, int],
     frames: int | None = None,
     chunk_size: int = 64,
+    encode: Callable[[list[str]], Cond] | None = None,
 ) -> Tensor:
     """Deterministic ODE samples (Euler, no noise) for fixed seeds.
 
@@ -139,6 +140,8 @@ def sample_images(
         resolution: (height, width).
         frames: frames per video for video models (None = the model's default).
         chunk_size: samples per model call.
+        encode: prompt encoder (e.g. a :class:`~flowrl.prompt_cache.PromptCache`'s ``encode``);
+            default ``model.encode_prompt``.
 
     Returns:
         Images (B, 3, H, W), or videos (B, F, 3, H, W), in [0, 1].
@@ -146,7 +149,7 @@ def sample_images(
     if len(prompts) != len(seeds):
         raise ValueError(f"need one seed per prompt; got {len(prompts)} prompts and {len(seeds)} seeds")
     x_init = seeded_noise(model_latent_shape(model, resolution, frames), list(seeds))
-    cond = model.encode_prompt(list(prompts))
+    cond = (encode or model.encode_prompt)(list(prompts))
     levels = torch.zeros(sigmas.shape[0] - 1, dtype=torch.float64)
     traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size)
     return model.decode(traj.latents[:, -1])

@@ -21,6 +21,7 @@ from .guidance import apply_guidance
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape
 from .objectives import OBJECTIVES, Objective, RolloutBatch
+from .memory import apply_memory_settings
 from .prompt_cache import PromptCache
 from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
@@ -51,7 +52,9 @@ class Trainer:
         self.cfg, self.reward = cfg, reward
         if not isinstance(model, CountingAdapter):  # true CFG folds into velocity; scale 1.0 leaves the model as is
             model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)
-        self.model = model if isinstance(model, CountingAdapter) else CountingAdapter(model)
+        if not isinstance(model, CountingAdapter):  # memory controls wrap the adapter once, inside the counter
+            model = CountingAdapter(apply_memory_settings(model, cfg.memory))
+        self.model = model
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         res = cfg.model.resolution
         self.resolution = (res, res) if res else tuple(model.default_resolution)
@@ -65,11 +68,22 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
         self.objective = build_objective(cfg)
         self.objective.setup(model)
-        self.prompt_cache = PromptCache(self.model)
+        self.prompt_cache = PromptCache(self.model, cfg.prompts.cache_dir)
+        if cfg.memory.free_encoders_when_cached:
+            self._free_encoders()
         self.window_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
+
+    def _free_encoders(self) -> None:
+        """Cache every train/eval prompt, then drop the text encoders.
+
+        Under true CFG each cached entry already holds the negative prompt's tensors
+        (``GuidedAdapter.encode_prompt``), so nothing else needs the encoders afterwards.
+        """
+        self.prompt_cache.warm([p.text for p in self.train_prompts + self.eval_prompts])
+        self.model.free_text_encoders()
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -166,6 +180,7 @@ class Trainer:
             **{f"train/{k}": v for k, v in stats.items()},
             "nfe": float(self.model.nfe),
             "prompt_cache/hits": float(self.prompt_cache.hits),
+            "prompt_cache/misses": float(self.prompt_cache.misses),
             "time/sample_s": t_sample,
             "time/iteration_s": time.perf_counter() - start,
         }
@@ -183,7 +198,7 @@ class Trainer:
             with use_adapter(self.model.transformer, self.objective.eval_adapter):
                 return sample_images(
                     self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64),
-                    frames=self.cfg.model.num_frames,
+                    frames=self.cfg.model.num_frames, encode=self.prompt_cache.encode,
                 )
         finally:
             self.model.nfe = nfe

@@ -29,7 +29,7 @@ def test_files(tmp_path):
         ("bad.jsonl", '{"prompt": "ok"}\n{"prompt": 3}\n', "bad.jsonl line 2: needs a non-empty string field"),
         ("bad2.jsonl", '{"prompt": "ok"}\n\n{oops}\n', "bad2.jsonl line 3: invalid JSON"),
         ("empty.txt", "\n\n", "holds no prompts"),
-        ("p.csv", "a", "must end in .txt or .jsonl"),
+        ("p.tsv", "a", "must end in .txt, .jsonl, .csv or .json"),
     ],
 )
 def test_malformed_files(tmp_path, name, content, fragment):

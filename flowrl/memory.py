@@ -1,0 +1,212 @@
+"""Memory controls for GPU users, applied generically through a diffusers pipeline's components.
+
+* gradient checkpointing of the denoiser (``transformer.enable_gradient_checkpointing()``;
+  diffusers checkpoints with ``use_reentrant=False``, so LoRA weights still get gradients);
+* bf16 / fp16 autocast around the denoiser call only: :meth:`MemoryAdapter.velocity` returns an
+  fp32 velocity, and the samplers compute SDE means and log-probs in fp32 outside autocast;
+* VAE tiling and slicing (``vae.enable_tiling()`` / ``vae.enable_slicing()``);
+* CPU offload of the text encoders and the VAE outside their phase: encoders sit on the CPU
+  except inside ``encode_prompt``, the VAE except inside ``decode`` (a no-op on a CPU run);
+* freeing the text encoders once every prompt is in the prompt cache;
+* the attention backend: torch SDPA (diffusers' default) or xformers (CUDA only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .models.adapter import Cond, ModelAdapter
+
+AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ATTENTION_BACKENDS = ("sdpa", "xformers")
+OFFLOAD_DEVICE = torch.device("cpu")
+
+
+def text_encoders(pipe: Any) -> dict[str, nn.Module]:
+    """The pipeline's text encoders by component name (``text_encoder``, ``text_encoder_2``, ...)."""
+    components = getattr(pipe, "components", {}) or {}
+    return {k: v for k, v in components.items() if k.startswith("text_encoder") and isinstance(v, nn.Module)}
+
+
+def enable_gradient_checkpointing(transformer: nn.Module) -> None:
+    """Turn on activation checkpointing in a diffusers denoiser.
+
+    Raises:
+        ValueError: the model class has no checkpointing support.
+    """
+    if not getattr(transformer, "_supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"memory.gradient_checkpointing: {type(transformer).__name__} does not support gradient checkpointing; set it to false"
+        )
+    transformer.enable_gradient_checkpointing()
+
+
+def _uses_backend_dispatch(transformer: nn.Module) -> bool:
+    """True for models whose attention processors go through diffusers' backend dispatcher."""
+    return any(hasattr(getattr(m, "processor", None), "_attention_backend") for m in transformer.modules())
+
+
+def set_attention_backend(transformer: nn.Module, backend: str, device: torch.device) -> None:
+    """Select the attention kernel of a diffusers denoiser.
+
+    "sdpa" keeps diffusers' default (``torch.nn.functional.scaled_dot_product_attention``).
+    "xformers" needs the xformers package and a CUDA device; models with the new attention
+    dispatcher (FLUX, Wan, Qwen-Image) get ``transformer.set_attention_backend("xformers")``,
+    older processors (SD3) ``enable_xformers_memory_efficient_attention()``.
+
+    Raises:
+        ValueError: unknown backend, xformers missing, or not on CUDA (one line with the fix).
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"memory.attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}; got {backend!r}")
+    if backend == "sdpa":
+        return
+    if importlib.util.find_spec("xformers") is None:
+        raise ValueError("memory.attention_backend=xformers needs the xformers package: `pip install xformers` (CUDA builds only), or set memory.attention_backend=sdpa")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"memory.attention_backend=xformers runs only on CUDA (model.device is {device}); set memory.attention_backend=sdpa")
+    if _uses_backend_dispatch(transformer):
+        transformer.set_attention_backend("xformers")
+    else:
+        transformer.enable_xformers_memory_efficient_attention()
+
+
+def configure_vae(vae: nn.Module | None, *, tiling: bool, slicing: bool) -> None:
+    """Enable VAE tiling / slicing where asked.
+
+    Raises:
+        ValueError: the VAE class lacks the method asked for.
+    """
+    for flag, method in ((tiling, "enable_tiling"), (slicing, "enable_slicing")):
+        if not flag:
+            continue
+        if vae is None or not hasattr(vae, method):
+            raise ValueError(f"memory.vae_{method[7:]}: {type(vae).__name__} has no {method}(); set it to false")
+        getattr(vae, method)()
+
+
+@contextlib.contextmanager
+def placed(modules: Sequence[nn.Module], device: torch.device, offload: bool) -> Iterator[None]:
+    """Move ``modules`` to ``device`` for the block and back to the CPU after it (when ``offload``)."""
+    if not offload:
+        yield
+        return
+    for module in modules:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.to(OFFLOAD_DEVICE)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class MemoryAdapter:
+    """Wraps a model adapter with autocast and phase-wise offload; everything else is forwarded.
+
+    Args:
+        model: the adapter (exposes ``.pipe`` and ``.transformer``).
+        autocast: "none", "bf16" or "fp16" — autocast dtype of the denoiser call.
+        offload_encoders: keep the text encoders on the CPU outside ``encode_prompt``.
+        offload_vae: keep the VAE on the CPU outside ``decode``.
+    """
+
+    def __init__(self, model: ModelAdapter, *, autocast: str = "none", offload_encoders: bool = False, offload_vae: bool = False):
+        if autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"memory.autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}; got {autocast!r}")
+        self._model = model
+        self.autocast_dtype = AUTOCAST_DTYPES[autocast]
+        self.offload_encoders = offload_encoders
+        self.offload_vae = offload_vae
+        self.encoders_freed = False
+        pipe = getattr(model, "pipe", None)
+        if offload_encoders:
+            for encoder in text_encoders(pipe).values():
+                encoder.to(OFFLOAD_DEVICE)
+        if offload_vae and getattr(pipe, "vae", None) is not None:
+            pipe.vae.to(OFFLOAD_DEVICE)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the denoiser runs; encoders and VAE are brought here for their phase."""
+        return torch.device(self._model.transformer.device)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """The wrapped velocity; under autocast the denoiser runs in bf16/fp16 and v comes back fp32."""
+        if self.autocast_dtype is None:
+            return self._model.velocity(x, sigma, cond)
+        with torch.autocast(self.compute_device.type, dtype=self.autocast_dtype):
+            v = self._model.velocity(x, sigma, cond)
+        return v.float()
+
+    def encode_prompt(self, prompts: Sequence[str]) -> Cond:
+        """Encode with the text encoders brought to the compute device for the call.
+
+        Raises:
+            ValueError: the encoders were freed (a prompt missing from the warm cache).
+        """
+        if self.encoders_freed:
+            shown = list(prompts)[:1]
+            raise ValueError(
+                f"prompt {shown[0]!r} is not in the prompt cache and the text encoders were freed "
+                "(memory.free_encoders_when_cached); list it in prompts.train/prompts.eval or set memory.free_encoders_when_cached=false"
+            )
+        encoders = list(text_encoders(getattr(self._model, "pipe", None)).values())
+        with placed(encoders, self.compute_device, self.offload_encoders):
+            return self._model.encode_prompt(prompts)
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Decode with the VAE brought to the compute device for the call."""
+        vae = getattr(getattr(self._model, "pipe", None), "vae", None)
+        with placed([vae] if vae is not None else [], self.compute_device, self.offload_vae):
+            return self._model.decode(latents)
+
+    def free_text_encoders(self) -> int:
+        """Drop the text encoders from the pipeline (after the prompt cache is warm).
+
+        Returns:
+            The number of encoder parameters released.
+        """
+        pipe = self._model.pipe
+        released = 0
+        for name, encoder in text_encoders(pipe).items():
+            released += sum(p.numel() for p in encoder.parameters())
+            setattr(pipe, name, None)
+        self.encoders_freed = True
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
+    """Apply a ``memory`` config section to a model adapter.
+
+    Args:
+        model: a model adapter exposing ``.pipe`` and ``.transformer``.
+        memory: the config section (``flowrl.config.MemoryConfig``).
+
+    Returns:
+        The adapter wrapped in a :class:`MemoryAdapter` (autocast and offload live there).
+
+    Raises:
+        ValueError: a setting the model or machine cannot honour (one line with the fix).
+    """
+    if isinstance(model, MemoryAdapter):
+        return model
+    transformer = model.transformer
+    set_attention_backend(transformer, memory.attention_backend, torch.device(transformer.device))
+    if memory.gradient_checkpointing:
+        enable_gradient_checkpointing(transformer)
+    configure_vae(getattr(getattr(model, "pipe", None), "vae", None), tiling=memory.vae_tiling, slicing=memory.vae_slicing)
+    return MemoryAdapter(model, autocast=memory.autocast, offload_encoders=memory.offload_encoders, offload_vae=memory.offload_vae)

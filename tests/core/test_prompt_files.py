@@ -1,0 +1,92 @@
+"""Prompt files as the reference prompt sets ship them: GenEval, OCR, PickScore, HPDv2, CSV."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.prompts import holdout_split, load_prompts, sample_groups
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "prompts"
+
+
+def test_geneval_folder_splits_and_metadata():
+    train = load_prompts(str(DATA / "geneval"), split="train")
+    test = load_prompts(str(DATA / "geneval"), split="test")
+    assert len(train) == 5 and len(test) == 2
+    counting = train[2]
+    assert counting.text == "a photo of three apples"
+    assert counting.metadata == {
+        "tag": "counting",
+        "include": [{"class": "apple", "count": 3}],
+        "exclude": [{"class": "apple", "count": 4}],
+    }
+    assert test[0].metadata["include"][1] == {"class": "kite", "count": 1, "color": "blue"}
+
+
+def test_ocr_quoted_text_becomes_metadata():
+    train = load_prompts(str(DATA / "ocr"))
+    assert [p.metadata["ocr_text"] for p in train] == ["OPEN 24 HOURS", "Monday Again", "Daily Specials"]
+    assert load_prompts(str(DATA / "ocr"), split="test")[1].metadata == {"ocr_text": "Happy 30th Anna"}
+    plain = load_prompts(str(DATA / "pickscore" / "train.txt"))
+    assert all(p.metadata == {} for p in plain) and len(plain) == 3
+
+
+def test_hpdv2_json_lists_and_csv():
+    anime = load_prompts(str(DATA / "hpdv2" / "anime.json"))
+    assert len(anime) == 3 and anime[2].text == "a cat wizard reading a spellbook by candlelight"
+    photo = load_prompts(str(DATA / "hpdv2" / "photo.json"))
+    assert photo[0].metadata == {"style": "photo"}
+    rows = load_prompts(str(DATA / "prompts.csv"))
+    assert rows[0].text == "a red apple on a wooden table, still life"
+    assert rows[1].metadata == {"category": "vehicle", "target": "bicycle"}
+
+
+def test_metadata_reaches_reward_keywords_in_groups():
+    prompts = load_prompts(str(DATA / "geneval"))
+    batch = sample_groups(prompts, 5, 3, torch.Generator().manual_seed(0))
+    assert len(batch.texts) == 15 and batch.group_ids.tolist() == [g for g in range(5) for _ in range(3)]
+    for i, text in enumerate(batch.texts):
+        source = next(p for p in prompts if p.text == text)
+        assert batch.metadata["tag"][i] == source.metadata["tag"]
+        assert batch.metadata["include"][i] == source.metadata["include"]
+    assert set(batch.metadata) == {"tag", "include", "exclude"}
+    assert sum(e is not None for e in batch.metadata["exclude"]) == 3  # only the counting prompt has one
+
+
+@pytest.mark.parametrize(
+    "name, content, fragment",
+    [
+        ("p.csv", "prompt,tag\na cat,x\na dog,y,extra\n", r"p.csv line 3: has 3 fields but the header has 2"),
+        ("q.csv", "text,tag\na cat,x\n", r"q.csv line 1: the header row must name a 'prompt' column"),
+        ("r.csv", "prompt,tag\n,x\n", r"r.csv line 2: the 'prompt' field is empty"),
+        ("l.json", '[\n "a cat",\n {"caption": "x"}\n]', r"l.json item 1: needs a non-empty string field"),
+        ("b.json", '[\n "a cat",\n oops\n]', r"b.json line 3: invalid JSON"),
+        ("s.jsonl", '{"prompt": "ok"}\n"just a string"\n', r"s.jsonl line 2: needs a non-empty string field"),
+        ("n.txt", "ok\nbad\x00line\n", r"n.txt line 2: contains a NUL byte"),
+        ("p.yaml", "a", r"must end in .txt, .jsonl, .csv or .json"),
+    ],
+)
+def test_malformed_lines_name_file_and_line(tmp_path, name, content, fragment):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=fragment):
+        load_prompts(str(path))
+
+
+def test_folder_without_split_file(tmp_path):
+    (tmp_path / "train.txt").write_text("a cat\n")
+    assert load_prompts(str(tmp_path))[0].text == "a cat"
+    with pytest.raises(FileNotFoundError, match="has no test file"):
+        load_prompts(str(tmp_path), split="test")
+
+
+def test_holdout_split_is_disjoint_and_deterministic():
+    prompts = [p for f in ("anime.json", "photo.json") for p in load_prompts(str(DATA / "hpdv2" / f))]
+    prompts += load_prompts(str(DATA / "pickscore" / "train.txt")) + load_prompts(str(DATA / "ocr"))
+    train, test = holdout_split(prompts, 0.3, "train"), holdout_split(prompts, 0.3, "test")
+    assert {p.text for p in train}.isdisjoint({p.text for p in test})
+    assert len(train) + len(test) == len(prompts) and test
+    assert [p.text for p in holdout_split(prompts, 0.3, "test")] == [p.text for p in test]
+    with pytest.raises(ValueError, match="test_fraction must be in"):
+        holdout_split(prompts, 1.0, "train")

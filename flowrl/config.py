@@ -120,6 +120,7 @@ class TrainConfig:
     eval_seeds: int = field(default=4, metadata=_rng(1))  # held-out seeds per eval prompt
     save_every: int = field(default=50, metadata=_rng(1))
     progress: bool = True
+    rewards_async: bool = False  # decode + score rollout chunk k on a thread while chunk k+1 samples (bit-identical results)
 
 
 @dataclass

@@ -11,6 +11,8 @@ from .models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
 from .samplers.rollout import Trajectory, rollout
 from .runtime import seeded_noise
 
+ChunkHook = Callable[[slice, Tensor], None]  # (rows of the batch, final latents of those rows)
+
 
 @torch.no_grad()
 def chunked_rollout(
@@ -23,6 +25,7 @@ def chunked_rollout(
     chunk_size: int,
     generator: torch.Generator | None = None,
     sde: str = "flow",
+    on_chunk: ChunkHook | None = None,
 ) -> Trajectory:
     """Run :func:`flowrl.samplers.rollout` over consecutive chunks and concatenate.
 
@@ -38,6 +41,8 @@ def chunked_rollout(
         chunk_size: samples per model call.
         generator: RNG for the SDE noise.
         sde: the SDE step's name in :data:`flowrl.samplers.SDE_STEPS`.
+        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk (e.g. to decode
+            and score it while the next chunk is sampled, :mod:`flowrl.scoring`).
 
     Returns:
         Trajectory with latents (B, T + 1, ...) and log_probs (B, T).
@@ -47,6 +52,8 @@ def chunked_rollout(
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
         parts.append(rollout(lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde))
+        if on_chunk is not None:
+            on_chunk(slice(start, start + parts[-1].latents.shape[0]), parts[-1].latents[:, -1])
     return Trajectory(
         torch.cat([p.latents for p in parts]),
         torch.cat([p.log_probs for p in parts]),
@@ -85,6 +92,7 @@ def chunked_solve(
     chunk_size: int,
     noise_levels: Tensor | None = None,
     generator: torch.Generator | None = None,
+    on_chunk: ChunkHook | None = None,
 ) -> Tensor:
     """Clean samples from a black-box solver, chunk by chunk (no log-probs kept).
 
@@ -98,6 +106,7 @@ def chunked_solve(
         chunk_size: samples per model call.
         noise_levels: (T,) for "sde_window".
         generator: RNG for SDE noise.
+        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk.
 
     Returns:
         (B, ...) final latents, fp32.
@@ -115,6 +124,8 @@ def chunked_solve(
             from .samplers.ode_solve import ode_solve
 
             parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
+        if on_chunk is not None:
+            on_chunk(slice(start, start + parts[-1].shape[0]), parts[-1])
     return torch.cat(parts)
 
 

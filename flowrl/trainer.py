@@ -26,6 +26,7 @@ from .prompt_cache import PromptCache
 from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
+from .scoring import RolloutScorer, batch_index
 from .samplers.schedules import make_sigmas
 from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 
@@ -94,9 +95,11 @@ class Trainer:
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator)
-        samples, traj = self._rollout(cond, x_init)
-        images = self.model.decode(samples)
-        scored = self.reward(images, prompts.texts, **prompts.metadata)
+        first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size)
+        with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata,
+                           threaded=self.cfg.train.rewards_async, first_index=first) as scorer:  # flowrl/scoring.py
+            samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
+            images, scored = scorer.result(samples)
         a = self.cfg.advantage
         adv, keep, stats = compute_advantages(
             scored.components, self.reward.weights, prompts.group_ids, method=a.method, std=a.std, eps=a.eps, clip=a.clip
@@ -121,18 +124,20 @@ class Trainer:
             start = progressive_window_start(self.iteration, s.num_steps, s.window_size, s.window_shift_every)
         return window_noise_levels(s.num_steps, s.noise_level, start, s.window_size)
 
-    def _rollout(self, cond: dict[str, Tensor], x_init: Tensor) -> tuple[Tensor, Any]:
-        """Sample with the objective's adapter: stored SDE transitions, or a black-box solver."""
+    def _rollout(self, cond: dict[str, Tensor], x_init: Tensor, on_chunk: Any = None) -> tuple[Tensor, Any]:
+        """Sample with the objective's adapter: stored SDE transitions, or a black-box solver.
+        ``on_chunk(rows, latents)`` receives each chunk's clean latents as soon as it is done."""
         s, chunk = self.cfg.sampler, self.cfg.sampler.chunk_size
         with use_adapter(self.model.transformer, self.objective.sampling_adapter):
             if self.objective.rollout == "sde":
                 traj = chunked_rollout(
-                    self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator, sde=s.sde
+                    self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator, sde=s.sde,
+                    on_chunk=on_chunk,
                 )
                 return traj.latents[:, -1], traj
             samples = chunked_solve(
                 self.model, cond, x_init, self.sigmas, solver=s.solver, chunk_size=chunk,
-                noise_levels=self.window_levels, generator=self.generator,
+                noise_levels=self.window_levels, generator=self.generator, on_chunk=on_chunk,
             )
         return samples, None
 

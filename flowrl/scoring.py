@@ -1,0 +1,130 @@
+"""Decode and score a rollout chunk by chunk, inline or on a worker thread (``train.rewards_async``).
+
+The trainer's rollout runs in chunks of ``sampler.chunk_size``. After each chunk it hands the
+chunk's clean latents to a :class:`RolloutScorer`, which decodes them and scores the images with
+every reward. With ``threaded=True`` that work runs on one worker thread, so chunk k is decoded
+and scored while chunk k + 1 is being sampled (torch kernels and HTTP waits release the GIL).
+
+Both modes do exactly the same computations on the same chunks in the same order; only the
+thread differs. The rollout's RNG is untouched by decoding and scoring, so a run with
+``rewards_async: true`` is bit-identical to one without (tested). The whole-batch checks (a
+reward that is NaN for every sample) run once all chunks are in, as for a single call.
+
+Error messages name the reward and the batch index ``iteration * chunks_per_iteration + chunk``.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .rewards import RewardOutput
+
+Decode = Callable[[Tensor], Tensor]
+
+
+def _rows(value: Any, rows: slice, total: int) -> Any:
+    """The rows of one per-sample metadata entry (lists, tuples, tensors of length B)."""
+    if isinstance(value, (list, tuple, Tensor)) and len(value) == total:
+        return value[rows]
+    return value
+
+
+def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int) -> int:
+    """Run-wide index of a scored chunk: ``iteration * ceil(B / chunk_size) + chunk``."""
+    return iteration * math.ceil(batch_size / chunk_size) + chunk
+
+
+class RolloutScorer:
+    """Decode + score rollout chunks as they arrive; gather images and rewards at the end.
+
+    Args:
+        reward: a :class:`~flowrl.rewards.MultiReward` (anything with ``score_parts`` and
+            ``combine``; another callable returning a ``RewardOutput`` is called once on the
+            whole batch at the end).
+        decode: latents (b, ...) -> images (b, 3, H, W) or clips (b, F, 3, H, W) in [0, 1].
+        prompts: the B prompts of the batch.
+        metadata: per-sample metadata lists of length B.
+        threaded: score on a worker thread while the caller keeps sampling.
+        first_index: batch index of the first chunk (for error messages).
+    """
+
+    def __init__(
+        self,
+        reward: Any,
+        decode: Decode,
+        prompts: Sequence[str],
+        metadata: dict[str, Any] | None = None,
+        *,
+        threaded: bool = False,
+        first_index: int = 0,
+    ) -> None:
+        self.reward, self.decode = reward, decode
+        self.prompts, self.metadata = list(prompts), dict(metadata or {})
+        self.first_index = first_index
+        self.by_parts = hasattr(reward, "score_parts") and hasattr(reward, "combine")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-scoring") if threaded else None
+        self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor] | None]]] = []
+
+    def _score(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor] | None]:
+        with torch.no_grad():  # grad mode is per thread: set it in the worker too
+            images = self.decode(latents)
+            if not self.by_parts:
+                return images, None
+            meta = {k: _rows(v, rows, len(self.prompts)) for k, v in self.metadata.items()}
+            return images, self.reward.score_parts(images, self.prompts[rows], meta, batch_index=index)
+
+    def _raise_failures(self) -> None:
+        for _, job in self._jobs:
+            if isinstance(job, Future) and job.done() and job.exception() is not None:
+                raise job.exception()  # type: ignore[misc]
+
+    def submit(self, rows: slice, latents: Tensor) -> None:
+        """Decode and score the chunk ``latents`` (b, ...) holding rows ``rows`` of the batch."""
+        self._raise_failures()  # stop sampling as soon as an earlier chunk failed
+        index = self.first_index + len(self._jobs)
+        if self._pool is None:
+            self._jobs.append((rows, self._score(rows, latents, index)))
+        else:
+            self._jobs.append((rows, self._pool.submit(self._score, rows, latents, index)))
+
+    def result(self, samples: Tensor) -> tuple[Tensor, RewardOutput]:
+        """Wait for every chunk; return images (B, ...) and the batch's :class:`RewardOutput`.
+
+        Args:
+            samples: (B, ...) all clean latents; scored in one piece if no chunk was submitted
+                (a rollout that does not report chunks).
+        """
+        if not self._jobs:
+            self.submit(slice(0, samples.shape[0]), samples)
+        done = [(rows, job.result() if isinstance(job, Future) else job) for rows, job in self._jobs]
+        covered = [(rows.start, rows.stop) for rows, _ in done]
+        expected_start = 0
+        for start, stop in covered:
+            if start != expected_start:
+                raise ValueError(f"rollout chunks {covered} do not cover the batch of {samples.shape[0]} in order; report this bug")
+            expected_start = min(stop, samples.shape[0])
+        images = torch.cat([out[0] for _, out in done])
+        if not self.by_parts:
+            return images, self.reward(images, self.prompts, **self.metadata)
+        parts = [out[1] for _, out in done]
+        components = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        last = self.first_index + len(done) - 1
+        where = self.first_index if last == self.first_index else f"{self.first_index}-{last}"
+        return images, self.reward.combine(components, batch_index=where)
+
+    def close(self) -> None:
+        """Stop the worker (pending chunks are cancelled; a running one finishes)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "RolloutScorer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

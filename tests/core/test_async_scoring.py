@@ -1,0 +1,129 @@
+"""Async scoring (train.rewards_async): chunk k is scored while chunk k + 1 samples, bit-identically."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_sd3_pipeline
+from flowrl.config import load_config
+from flowrl.models.sd3 import SD3Adapter
+from flowrl.prompts import load_prompts
+from flowrl.rewards import MultiReward, RewardError, ink
+from flowrl.scoring import RolloutScorer, batch_index
+from flowrl.trainer import Trainer
+
+FAST = [
+    "prompts.per_iteration=4", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=5",
+    "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.01",
+]
+
+
+class SlowInk:
+    """The ink reward, slowed down so that scoring and sampling really interleave; logs its thread."""
+
+    allows_nan = True
+
+    def __init__(self, events, delay=0.02):
+        self.events, self.delay, self.ink = events, delay, ink("prompt")
+
+    def __call__(self, images, prompts, **metadata):
+        self.events.append(("score-start", threading.current_thread().name, time.perf_counter()))
+        time.sleep(self.delay)
+        out = self.ink(images, prompts, **metadata)
+        self.events.append(("score-end", threading.current_thread().name, time.perf_counter()))
+        return out
+
+
+def trainer(async_, *extra, reward=None, events=None):
+    cfg = load_config(None, FAST + [f"train.rewards_async={str(async_).lower()}", *extra])
+    events = [] if events is None else events
+    reward = reward or MultiReward({"ink": (SlowInk(events), 1.0), "ink_bold": (ink("bold"), 0.5)})
+    prompts = load_prompts("digits-styles")
+    model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    return Trainer(cfg, model, reward, prompts, prompts[:2])
+
+
+@pytest.mark.parametrize("objective", ["flow_grpo", "diffusion_nft"])
+def test_async_scoring_is_bit_identical(objective):
+    sync, threaded = trainer(False, f"objective.name={objective}"), trainer(True, f"objective.name={objective}")
+    for _ in range(2):  # second iteration: after an update computed from the first iteration's rewards
+        a, info_a = sync.collect()
+        b, info_b = threaded.collect()
+        assert torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
+        assert torch.equal(a.keep, b.keep) and torch.equal(a.images, b.images) and torch.equal(a.samples, b.samples)
+        if objective == "flow_grpo":
+            assert torch.equal(a.trajectory.latents, b.trajectory.latents)
+            assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
+        for key in info_a:
+            assert torch.equal(info_a[key].nan_to_num(), info_b[key].nan_to_num()), key
+        assert sync.update(a) == threaded.update(b)
+        sync.iteration += 1
+        threaded.iteration += 1
+    assert torch.equal(sync.generator.get_state(), threaded.generator.get_state())
+    for (n, p), (_, q) in zip(sync.model.transformer.named_parameters(), threaded.model.transformer.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_chunks_are_scored_on_a_worker_while_sampling():
+    events = []
+    t = trainer(True, "prompts.per_iteration=6", events=events)  # 18 samples: chunks of 5, 5, 5, 3
+    t.reward.rewards["ink"][0].delay = 0.3
+    velocity = t.model.velocity
+
+    def logged_velocity(x, sigma, cond):
+        events.append(("velocity", threading.current_thread().name, time.perf_counter()))
+        return velocity(x, sigma, cond)
+
+    t.model.velocity = logged_velocity
+    t.collect()
+    scores = [e for e in events if e[0].startswith("score")]
+    assert len(scores) == 8 and all(name.startswith("flowrl-scoring") for _, name, _ in scores)
+    first_start, first_end = scores[0][2], scores[1][2]
+    overlapped = [e for e in events if e[0] == "velocity" and first_start < e[2] < first_end]
+    assert overlapped and all(name == threading.current_thread().name for _, name, _ in overlapped)
+    assert not [th for th in threading.enumerate() if th.name.startswith("flowrl-scoring")]  # worker stopped
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_failing_reward_names_reward_and_batch(async_):
+    def broken(images, prompts, **metadata):
+        raise RuntimeError("judge crashed\ntraceback noise")
+
+    t = trainer(async_, reward=MultiReward({"judge": (broken, 1.0)}))
+    t.iteration = 2  # 12 samples in chunks of 5, 5, 2: this iteration's first batch index is 2 * 3
+    with pytest.raises(RewardError) as info:
+        t.collect()
+    assert str(info.value) == "reward 'judge' (batch 6) raised RuntimeError: judge crashed"
+    assert batch_index(2, 1, 12, 5) == 7
+    assert not [th for th in threading.enumerate() if th.name.startswith("flowrl-scoring")]
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_all_nan_is_checked_on_the_whole_batch(async_):
+    def first_rows_only(images, prompts, **metadata):
+        keep = torch.tensor(["bold" in p for p in prompts])
+        return torch.where(keep, images.mean(dim=(1, 2, 3)), torch.tensor(float("nan"))).float()
+
+    first_rows_only.allows_nan = True
+    scorer = RolloutScorer(MultiReward({"partial": (first_rows_only, 1.0)}), lambda z: z, ["a bold 1"] * 5 + ["x"] * 5,
+                           threaded=async_, first_index=4)
+    with scorer:
+        scorer.submit(slice(0, 5), torch.rand(5, 3, 2, 2))
+        scorer.submit(slice(5, 10), torch.rand(5, 3, 2, 2))  # all NaN in this chunk: fine, the batch is not
+        images, out = scorer.result(torch.zeros(10, 3, 2, 2))
+    assert images.shape == (10, 3, 2, 2) and out.components["partial"][5:].isnan().all()
+    scorer = RolloutScorer(MultiReward({"partial": (first_rows_only, 1.0)}), lambda z: z, ["x"] * 10, threaded=async_, first_index=4)
+    with scorer, pytest.raises(RewardError, match=r"reward 'partial' \(batch 4-5\) returned NaN for every sample"):
+        scorer.submit(slice(0, 5), torch.rand(5, 3, 2, 2))
+        scorer.submit(slice(5, 10), torch.rand(5, 3, 2, 2))
+        scorer.result(torch.zeros(10, 3, 2, 2))
+
+
+def test_rollout_without_chunk_reports_is_scored_whole():
+    scorer = RolloutScorer(MultiReward({"ink": (ink("bold"), 1.0)}), lambda z: z, ["p"] * 3, threaded=True)
+    x = torch.rand(3, 3, 4, 4)
+    with scorer:
+        images, out = scorer.result(x)
+    assert torch.equal(images, x) and torch.equal(out.total, x.mean(dim=(1, 2, 3)))

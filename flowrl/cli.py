@@ -48,6 +48,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     import torch
 
     from .config import load_config
+    from .guidance import apply_guidance
     from .models import load_adapter
     from .outputs import image_grid, save_png
     from .prompts import load_prompts
@@ -66,6 +67,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         if not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
             raise FileNotFoundError(f"no LoRA at {ns.lora}; pass a run folder or its lora/ folder")
         model.pipe.load_lora_weights(str(lora))
+    model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)  # the CFG training used
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
@@ -73,7 +75,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     resolution = (res, res) if res else tuple(model.default_resolution)
     sigmas = make_sigmas(cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift)
     with torch.no_grad():
-        images = sample_images(model, prompts, seeds, sigmas, resolution=resolution)
+        images = sample_images(model, prompts, seeds, sigmas, resolution=resolution, frames=cfg.model.num_frames)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_png(image_grid(images, len(texts), scale=max(1, 64 // resolution[0])), out)

@@ -41,13 +41,19 @@ def with_uncond(cond: Cond, negative: Cond) -> Cond:
     """Attach negative-prompt conditioning (same keys, same batch size) under ``"uncond."`` keys.
 
     Raises:
-        ValueError: the two dicts have different keys or batch sizes.
+        ValueError: the two dicts have different keys, batch sizes or per-sample shapes.
     """
     if set(cond) != set(negative):
         raise ValueError(f"negative conditioning keys {sorted(negative)} differ from the prompt's {sorted(cond)}")
     sizes = {v.shape[0] for v in (*cond.values(), *negative.values())}
     if len(sizes) != 1:
         raise ValueError(f"negative and prompt conditioning have different batch sizes {sorted(sizes)}; encode one negative per prompt")
+    for key, value in cond.items():
+        if negative[key].shape[1:] != value.shape[1:]:
+            raise ValueError(
+                f"negative conditioning '{key}' has per-sample shape {tuple(negative[key].shape[1:])} but the prompt's is "
+                f"{tuple(value.shape[1:])}; pad both to one fixed length (max_sequence_length) so [uncond; cond] batch together"
+            )
     return {**cond, **{UNCOND + k: v for k, v in negative.items()}}
 
 

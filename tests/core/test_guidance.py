@@ -42,6 +42,8 @@ def test_cond_dict_round_trip_and_errors():
         with_uncond(cond, {"a": neg["a"]})
     with pytest.raises(ValueError, match="batch sizes"):
         with_uncond(cond, {"a": neg["a"][:1], "b": neg["b"][:1]})
+    with pytest.raises(ValueError, match="per-sample shape.*max_sequence_length"):
+        with_uncond(cond, {"a": torch.zeros(2, 4), "b": neg["b"]})
 
 
 def test_cfg_batching_is_one_call_equal_to_two_calls_float64(tiny_sd3):
@@ -181,3 +183,24 @@ def test_trainer_default_is_unguided_and_cfg_trains_with_ratio_one(tiny_sd3):
     assert metrics["train/first_ratio"] == 1.0
     # rollout 4 x 3 steps + policy and KL-reference passes on 2 SDE steps x 4 samples, each 2 evaluations
     assert metrics["nfe"] == 2 * (4 * 3 + 2 * (4 * 2))
+
+
+def test_flowrl_sample_applies_the_configured_cfg(tmp_path, capsys):
+    """`flowrl sample` guides exactly as training does: sampler.guidance_scale and prompts.negative."""
+    import numpy as np
+    from PIL import Image
+
+    from conftest import tiny_sd3_pipeline
+    from flowrl.cli import main
+
+    folder = tmp_path / "tiny"
+    tiny_sd3_pipeline().save_pretrained(str(folder))
+    common = ["sample", f"model.path={folder}", "sampler.num_steps=2", "--prompt", PROMPTS[0], "--seeds", "2"]
+    outs = {}
+    for scale in (1.0, 4.0):
+        out = tmp_path / f"cfg{scale}.png"
+        assert main([*common[:3], f"sampler.guidance_scale={scale}", "prompts.negative=blurry", *common[3:], "--out", str(out)]) == 0
+        outs[scale] = np.asarray(Image.open(out), dtype=np.float32)
+    assert outs[1.0].shape == outs[4.0].shape and np.abs(outs[1.0] - outs[4.0]).max() > 1.0
+    assert main([*common[:3], "sampler.guidance_scale=-1", *common[3:]]) == 2
+    assert "guidance_scale" in capsys.readouterr().err

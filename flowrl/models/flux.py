@@ -83,6 +83,8 @@ class FluxAdapter:
         self.default_resolution = tuple(resolution) if resolution else (size, size)
         self.guidance_scale: float | None = None
         self.set_guidance_scale(guidance_scale)
+        # dev: distilled guidance inside velocity (never an unconditional pass); schnell: none
+        self.guidance = "distilled" if self.has_guidance_embeds else "none"
         for module in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
             if module is not None:
                 module.requires_grad_(False)
@@ -140,7 +142,7 @@ class FluxAdapter:
             if scale is not None:
                 raise ValueError(
                     f"{self.model_id} has no guidance embedding (transformer.config.guidance_embeds=False, "
-                    f"e.g. FLUX.1-schnell); remove the guidance scale ({scale}) from the config"
+                    f"e.g. FLUX.1-schnell); remove model.distilled_guidance ({scale}) from the config"
                 )
             self.guidance_scale = None
             return

@@ -77,6 +77,12 @@ class QwenImageAdapter:
     """
 
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
+    guidance = "cfg"  # true CFG (flowrl.guidance.GuidedAdapter) when sampler.guidance_scale != 1
+
+    @staticmethod
+    def combine_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
+        """How this model combines CFG branches: :func:`qwen_true_cfg` (norm-rescaled, as the pipeline)."""
+        return qwen_true_cfg(v_uncond, v_cond, scale)
 
     def __init__(self, pipe: Any, *, max_sequence_length: int = 512, resolution: tuple[int, int] | None = None, model_id: str = "qwen-image"):
         if pipe.transformer.config.guidance_embeds:

@@ -87,7 +87,7 @@ def test_sigma_convention_and_velocity_sign():
 
 def test_distilled_guidance_reaches_the_transformer():
     model = tiny_flux()
-    assert model.guidance_scale == 3.5 and model.has_guidance_embeds
+    assert model.guidance_scale == 3.5 and model.has_guidance_embeds and model.guidance == "distilled"
     seen = []
     handle = model.transformer.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True)
     cond, x, sigma = model.encode_prompt(PROMPTS), _noise(model), torch.tensor([0.6, 0.6])
@@ -109,7 +109,8 @@ def test_schnell_has_no_guidance_and_rejects_one():
     model.velocity(_noise(model), torch.tensor([0.5, 0.5]), model.encode_prompt(PROMPTS))
     handle.remove()
     assert seen == [None]
-    with pytest.raises(ValueError, match="no guidance embedding.*remove the guidance scale"):
+    assert model.guidance == "none"
+    with pytest.raises(ValueError, match="no guidance embedding.*remove model.distilled_guidance"):
         model.set_guidance_scale(3.5)
     with pytest.raises(ValueError, match="guidance_embeds=False"):
         FluxAdapter(tiny_flux_pipeline(guidance_embeds=False), guidance_scale=2.0)

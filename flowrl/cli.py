@@ -1,4 +1,4 @@
-"""Command-line interface: ``flowrl train | sample | rewards list | reward new | serve-reward | pretrain-digits``.
+"""Command-line interface: ``flowrl train | sample | export | rewards list | reward new | serve-reward | pretrain-digits``.
 
 User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
 line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
@@ -14,21 +14,30 @@ from pathlib import Path
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
-def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """First non ``key=value`` positional is the config path; the rest are overrides."""
-    config, overrides = None, []
+def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
+    """Positionals without ``=`` are config files, merged in order (model config, then presets);
+    ``key=value`` positionals are overrides applied last."""
+    configs, overrides = [], []
     for arg in args:
-        if "=" in arg or config is not None:
-            overrides.append(arg)
-        else:
-            config = arg
-    return config, overrides
+        (overrides if "=" in arg else configs).append(arg)
+    return configs or None, overrides
+
+
+def _check_single_process() -> None:
+    """flowrl trains in one process; refuse a multi-process launch instead of training N copies."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise ValueError(
+            f"flowrl trains on one process per run (WORLD_SIZE={world}); launch with "
+            "`accelerate launch --num_processes 1 -m flowrl train ...` (multi-GPU data parallel is not implemented)"
+        )
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from .config import load_config
     from .recipe import Run
 
+    _check_single_process()
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
     if ns.output:
@@ -127,6 +136,16 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from .export import export_merged
+
+    if not ns.merge:
+        raise ValueError("flowrl export needs --merge RUN_OR_LORA (the only export kind: base + LoRA fused, diffusers format)")
+    out = export_merged(ns.merge, ns.out, base=ns.base, dtype=ns.dtype, overwrite=ns.overwrite)
+    print(f"wrote merged diffusers model to {out}; load it with <PipelineClass>.from_pretrained({str(out)!r}) or model.path={out}")
+    return 0
+
+
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
     from .models.digits_pretrain import main as pretrain_main
 
@@ -175,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request accepted")
     serve.add_argument("--log", action="store_true", help="print one line per request")
     serve.set_defaults(func=cmd_serve_reward)
+
+    export = sub.add_parser("export", help="write base model + trained LoRA fused, as a diffusers folder")
+    export.add_argument("--merge", metavar="RUN_OR_LORA", help="a run folder, its lora/ folder or a pytorch_lora_weights.safetensors")
+    export.add_argument("--out", required=True, help="folder to write (diffusers save_pretrained layout)")
+    export.add_argument("--base", help="base model folder (default: the run's model.path, else flowrl-digits)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weight dtype (default: the run's model.dtype)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    export.set_defaults(func=cmd_export)
 
     pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
     pre.add_argument("args", nargs=argparse.REMAINDER)

@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import yaml
 
@@ -307,11 +307,31 @@ def validate_rewards(rewards: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: 'rewards.{name}.weight' must be a finite number; got {weight!r}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then ``key=value`` overrides, validated.
+def _read_layers(paths: list[str | Path]) -> dict[str, Any]:
+    """Merge YAML files left to right; each is checked on its own first, so errors name its file.
+
+    A later file's ``rewards`` section replaces the earlier one whole (as a file's rewards replace
+    the defaults); every other section is merged key by key (presets stack on a model config).
+    """
+    data: dict[str, Any] = {}
+    for path in paths:
+        layer = read_yaml(path)
+        if not isinstance(layer.get("rewards", {}), dict):
+            raise ConfigError(f"{path}: 'rewards' must be a mapping of reward name -> options")
+        _build(Config, {k: v for k, v in layer.items() if k != "rewards"}, "", str(path))
+        rewards = layer.pop("rewards", None)
+        data = _merge(data, layer)
+        if rewards is not None:
+            data["rewards"] = rewards
+    return data
+
+
+def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file(s) in order, then ``key=value`` overrides, validated.
 
     Args:
-        path: YAML file, or None for the embedded default job.
+        path: a YAML file, several (e.g. a model config then a GPU preset), or None for the
+            embedded default job.
         overrides: dotted ``key=value`` strings.
 
     Returns:
@@ -320,10 +340,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     Raises:
         ConfigError: one line naming the key, the file and what is allowed.
     """
-    where = str(path) if path else "default config"
-    data = read_yaml(path) if path else {}
-    if not isinstance(data.get("rewards", {}), dict):
-        raise ConfigError(f"{where}: 'rewards' must be a mapping of reward name -> options")
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    where = " + ".join(str(p) for p in paths) if paths else "default config"
+    data = _read_layers(paths)
     data.setdefault("rewards", _default_rewards())  # a file's rewards replace the defaults whole
     if overrides:
         extra = parse_overrides(overrides)

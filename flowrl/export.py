@@ -1,0 +1,91 @@
+"""``flowrl export --merge``: fuse a trained LoRA into the base weights and save a diffusers folder.
+
+The merged folder is a plain diffusers pipeline (``model_index.json`` + one subfolder per
+component, safetensors weights): ``<PipelineClass>.from_pretrained(DIR)`` loads it offline with
+no peft and no LoRA, and ``flowrl train/sample model.path=DIR`` uses it as a new base model.
+The merge goes through diffusers itself: ``pipe.load_lora_weights`` (the same call users run),
+``pipe.fuse_lora`` (W <- W + (alpha / r) B A) and ``pipe.unload_lora_weights``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from .models import EMBEDDED, load_adapter
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def find_lora(source: str | Path) -> Path:
+    """The folder holding ``pytorch_lora_weights.safetensors`` for a run folder, lora folder or file.
+
+    Raises:
+        FileNotFoundError: nothing LoRA-like at ``source``.
+    """
+    path = Path(source)
+    for candidate in (path / "lora", path):
+        if (candidate / LORA_FILE).is_file():
+            return candidate
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    raise FileNotFoundError(f"no LoRA at {source}; pass a run folder, its lora/ folder or a {LORA_FILE} file")
+
+
+def run_model_settings(source: str | Path) -> dict[str, str]:
+    """``model.path`` and ``model.dtype`` from a run folder's resolved ``config.yaml`` (empty if none)."""
+    config = Path(source) / "config.yaml"
+    if not config.is_file():
+        return {}
+    model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+    return {k: model[k] for k in ("path", "dtype") if isinstance(model.get(k), str)}
+
+
+def _base_folder(base: str) -> Path | None:
+    if base in (None, EMBEDDED):
+        from .models.digits import DIGITS_DIR
+
+        return DIGITS_DIR
+    return Path(base) if Path(base).is_dir() else None
+
+
+def export_merged(source: str | Path, out: str | Path, *, base: str | None = None, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """Write base model + LoRA fused into the transformer weights as a diffusers folder.
+
+    Args:
+        source: a run folder (its ``config.yaml`` names the base model), a ``lora/`` folder or a
+            ``pytorch_lora_weights.safetensors`` file.
+        out: the folder to write.
+        base: base model path (default: the run's ``model.path``, else the embedded model).
+        dtype: weight dtype of the export (default: the run's ``model.dtype``, else float32).
+        overwrite: replace a non-empty ``out``.
+
+    Returns:
+        ``out`` as a Path.
+
+    Raises:
+        FileNotFoundError: no LoRA at ``source`` or no base weights.
+        FileExistsError: ``out`` holds files and ``overwrite`` is False.
+    """
+    lora = find_lora(source)
+    settings = run_model_settings(source)
+    base = base or settings.get("path") or EMBEDDED
+    dtype = dtype or settings.get("dtype") or "float32"
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
+    model = load_adapter(base, dtype=dtype, device="cpu")
+    pipe = model.pipe
+    pipe.load_lora_weights(str(lora), adapter_name="flowrl")
+    pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=["flowrl"])
+    pipe.unload_lora_weights()
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    folder = _base_folder(base)
+    card = folder / "flowrl.json" if folder is not None else None
+    if card is not None and card.is_file():  # sampling defaults (resolution, sequence length) travel along
+        shutil.copy2(card, out / "flowrl.json")
+    return out

@@ -35,6 +35,7 @@ CONFIGS = {
     "flow_grpo": REPO / "configs/grpo/digits.yaml",
     "diffusion_nft": REPO / "configs/nft/digits.yaml",
     "awm": REPO / "configs/awm/digits.yaml",
+    "sage_grpo": REPO / "configs/sage/digits.yaml",
 }
 
 

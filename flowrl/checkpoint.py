@@ -5,7 +5,7 @@ Layout of a checkpoint folder::
     lora.safetensors        peft LoRA state
     optimizer.safetensors   optimizer tensors, keys "state.<param>.<name>"
     rng.safetensors         "generator" and "torch_rng" byte states
-    trainer.json            counters and optimizer param groups
+    trainer.json            counters, optimizer param groups and the objective's scalar state
     adapter-<name>.safetensors   extra LoRA adapters (e.g. DiffusionNFT's "old" and "ema")
 """
 
@@ -73,6 +73,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path) -> Path:
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"generator": state["generator"], "torch_rng": state["torch_rng"]}, str(tmp / "rng.safetensors"))
     meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "nfe": state.get("nfe", 0), "optimizer": opt_meta}
+    meta["objective"] = state.get("objective", {})  # JSON scalars of the objective (e.g. SAGE-GRPO's adaptive beta)
     _atomic_json(tmp / "trainer.json", meta)
     if directory.exists():
         shutil.rmtree(directory)
@@ -107,4 +108,5 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "iteration": meta["iteration"],
         "samples_seen": meta["samples_seen"],
         "nfe": meta.get("nfe", 0),
+        "objective": meta.get("objective", {}),
     }

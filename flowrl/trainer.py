@@ -29,6 +29,7 @@ from .samplers.rollout import sde_noise_levels
 from .scoring import RolloutScorer, batch_index
 from .samplers.schedules import make_sigmas
 from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
+from .tree_rollouts import TreeCollector, uses_tree
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
@@ -73,6 +74,7 @@ class Trainer:
         if cfg.memory.free_encoders_when_cached:
             self._free_encoders()
         self.window_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
+        self.tree = TreeCollector(cfg, self.objective.rollout == "tree") if uses_tree(cfg, self.objective) else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
@@ -93,6 +95,8 @@ class Trainer:
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
+        if self.tree is not None:  # BranchGRPO, or solver objectives on tree leaves (flowrl/tree_rollouts.py)
+            return self.tree.collect(self, prompts, cond)
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator)
         first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size)

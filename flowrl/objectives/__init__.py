@@ -2,13 +2,15 @@
 
 from .awm import AWM
 from .base import Microbatch, Objective, RolloutBatch, chunk_indices, split_even
+from .branch_grpo import BranchGRPO
 from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO, clipped_policy_loss, gaussian_mean_kl
 
-OBJECTIVES = {"flow_grpo": FlowGRPO, "diffusion_nft": DiffusionNFT, "awm": AWM}
+OBJECTIVES = {"flow_grpo": FlowGRPO, "diffusion_nft": DiffusionNFT, "awm": AWM, "branch_grpo": BranchGRPO}
 
 __all__ = [
     "AWM",
+    "BranchGRPO",
     "DiffusionNFT",
     "FlowGRPO",
     "Microbatch",

@@ -8,7 +8,7 @@ AWM) can plug in by planning over clean samples instead.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ class RolloutBatch(NamedTuple):
         keep: (B,) bool, False for samples of zero-variance groups.
         chunk_size: the rollout micro-batch size; training reuses the same chunks so the
             forward pass sees the same batch geometry as sampling (ratio exactly 1).
+        tree: for tree rollouts of edge-trained objectives (BranchGRPO), the
+            :class:`~flowrl.tree_rollouts.TreeBatch` (nodes, edge log-probs, advantages, pruning
+            masks); ``samples`` are then the leaves. None otherwise.
     """
 
     prompts: list[str]
@@ -49,6 +52,7 @@ class RolloutBatch(NamedTuple):
     advantages: Tensor
     keep: Tensor
     chunk_size: int
+    tree: Any = None
 
 
 class Microbatch(NamedTuple):

@@ -47,6 +47,21 @@ class PromptConfig:
 
 
 @dataclass
+class TreeConfig:
+    """Branching tree rollouts (BranchGRPO; flowrl/tree_rollouts.py, docs/trees.md)."""
+
+    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # steps where every node branches
+    factors: list[int] = field(default_factory=lambda: [2])  # children per split: one value, or one per split
+    split_noise_scale: float = field(default=4.0, metadata=_rng(0, lo_open=True))  # std multiplier at splits (stored density matches)
+    fusion: Literal["mean", "softmax"] = "mean"  # inner-node reward: mean of leaves | softmax over child log-probs
+    depth_prune: list[int] = field(default_factory=list)  # child depths not trained (backward only)
+    depth_prune_slide_every: int = field(default=0, metadata=_rng(0))  # slide the window 1 depth rootward every N iterations
+    depth_prune_stop: int | None = None  # the window stops sliding at this depth (None = last split step)
+    width_keep: float = field(default=1.0, metadata=_rng(0, 1, lo_open=True))  # share of last-segment edges trained (best + worst)
+    prune_until: int | None = None  # prune only in the first N iterations (None = always)
+
+
+@dataclass
 class SamplerConfig:
     num_steps: int = field(default=10, metadata=_rng(1))
     schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
@@ -61,9 +76,10 @@ class SamplerConfig:
     window_range: list[int] = field(default_factory=lambda: [0, 9])  # "random": window inside [lo, hi)
     window_shift_every: int = field(default=25, metadata=_rng(1))  # "progressive"
     # rollouts of solver-based objectives (DiffusionNFT, AWM); Flow-GRPO always uses the Flow-SDE
-    solver: Literal["euler", "heun", "dpmpp_2m", "sde_window"] = "dpmpp_2m"
+    solver: Literal["euler", "heun", "dpmpp_2m", "sde_window", "tree"] = "dpmpp_2m"  # "tree": leaves of sampler.tree
     sde_window: list[float] = field(default_factory=lambda: [0.3, 0.9])  # sigma range with noise, for "sde_window"
     chunk_size: int = field(default=40, metadata=_rng(1))  # rollout micro-batch (also the train micro-batch)
+    tree: TreeConfig = field(default_factory=TreeConfig)  # tree rollouts: BranchGRPO, or solver "tree"
 
 
 @dataclass

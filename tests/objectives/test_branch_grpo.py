@@ -1,0 +1,120 @@
+"""BranchGRPO on the embedded model: ratio exactly 1, pruning cuts only the backward pass, runs end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError, load_config
+from flowrl.models import load_adapter
+from flowrl.prompts import load_prompts
+from flowrl.recipe import Run, build_reward
+from flowrl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["prompts.per_iteration=1", "sampler.chunk_size=8", "train.progress=false"]
+
+
+def _trainer(*overrides: str) -> Trainer:
+    cfg = load_config(REPO / "configs/branch/digits.yaml", SMALL + list(overrides))
+    torch.manual_seed(0)
+    return Trainer(cfg, load_adapter(cfg.model.path), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+
+
+def _perturb_lora(trainer: Trainer) -> None:
+    """A non-zero LoRA so the policy differs from the base model (the KL term is live)."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def test_ratio_is_exactly_one_on_the_first_update():
+    trainer = _trainer()
+    _perturb_lora(trainer)
+    batch, _ = trainer.collect()
+    plan = trainer.objective.plan(batch, torch.Generator().manual_seed(0))
+    edges = 0
+    for mb in plan[0]:
+        loss, stats = trainer.objective.loss(trainer.model, batch, mb)
+        assert stats["ratio"] == 1.0 and stats["approx_kl"] == 0.0, (mb.step, stats)
+        edges += int(stats["edges"])
+    assert edges == 58  # every edge of the tree trained exactly once
+    assert len(batch.samples) == 16 and batch.tree.rollout.leaves.shape[0] == 16
+
+
+def test_group_size_must_equal_the_leaves():
+    with pytest.raises(ConfigError, match="prompts.group_size=16"):
+        _trainer("prompts.group_size=8")
+
+
+def _total_loss(trainer, batch, plan, adv=None):
+    tb = batch.tree
+    if adv is not None:
+        batch = batch._replace(tree=tb._replace(advantages=adv))
+    trainer.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in plan[0]:
+        loss, _ = trainer.objective.loss(trainer.model, batch, mb)
+        (loss / len(plan[0])).backward()
+        total += float(loss.detach())
+    return total, [p.grad.clone() for p in trainer.params]
+
+
+def test_pruned_edges_get_no_gradient_and_leave_rollouts_and_rewards_unchanged():
+    prune = ["sampler.tree.depth_prune=[2,3]", "sampler.tree.width_keep=0.5", "sampler.tree.split_steps=[0,2,4,6]"]
+    full, pruned = _trainer("sampler.tree.split_steps=[0,2,4,6]"), _trainer(*prune)
+    a, _ = full.collect()
+    b, _ = pruned.collect()
+    for x, y in zip(a.tree.rollout.nodes, b.tree.rollout.nodes):  # forward pass unchanged
+        assert torch.equal(x, y)
+    for x, y in zip(a.tree.rollout.log_probs, b.tree.rollout.log_probs):
+        assert torch.equal(x, y)
+    assert torch.equal(a.rewards, b.rewards)
+    for x, y in zip(a.tree.advantages, b.tree.advantages):
+        assert torch.equal(x, y)
+    masks = b.tree.train
+    assert all(m.all() for m in a.tree.train)
+    assert not masks[1].any() and not masks[2].any()  # child depths 2 and 3
+    assert 0 < int(torch.cat(masks[7:]).sum()) < torch.cat(masks[7:]).numel()  # width pruning after the last split (6)
+    plan = pruned.objective.plan(b, torch.Generator().manual_seed(0))
+    assert sum(len(g) for g in plan) > 0
+    adv = [x.clone().requires_grad_(True) for x in b.tree.advantages]
+    _total_loss(pruned, b, plan, adv)
+    for t, (g, m) in enumerate(zip(adv, masks)):
+        grad = torch.zeros_like(g) if g.grad is None else g.grad
+        assert torch.equal(grad[~m], torch.zeros_like(grad[~m])), t  # pruned edges: no gradient
+        assert (grad[m] != 0).all(), t  # every trained edge: a gradient
+    # changing what pruned edges would teach changes nothing
+    wild = [torch.where(m, x, torch.full_like(x, 5.0)) for x, m in zip(b.tree.advantages, masks)]
+    loss1, grads1 = _total_loss(pruned, b, plan)
+    loss2, grads2 = _total_loss(pruned, b, plan, wild)
+    assert loss1 == loss2 and all(torch.equal(x, y) for x, y in zip(grads1, grads2))
+
+
+def _two_iterations(config: str, tmp_path, *extra: str) -> list[dict]:
+    small = ["prompts.per_iteration=2", "sampler.chunk_size=8", "train.iterations=2", "train.eval_every=2",
+             "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false", f"output.dir={tmp_path / 'run'}"]
+    cfg = load_config(REPO / config, small + list(extra))
+    summary = Run(cfg).execute()
+    assert summary["iterations"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert len(trained) == 2 and (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    return trained
+
+
+@pytest.mark.slow
+def test_branch_grpo_two_iterations_end_to_end(tmp_path):
+    rows = _two_iterations("configs/branch/digits.yaml", tmp_path)
+    assert rows[0]["train/first_ratio"] == 1.0
+    assert rows[0]["tree/trained_edges"] == 2 * 58
+    assert rows[0]["nfe"] == 2 * 43 + 2 * 2 * 43  # rollout: 43 per tree; training: policy + KL reference per parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/nft/digits.yaml", "configs/awm/digits.yaml"])
+def test_solver_objectives_train_on_tree_leaves(config, tmp_path):
+    rows = _two_iterations(config, tmp_path, "sampler.solver=tree", "prompts.group_size=16", "sampler.tree.split_noise_scale=1.0")
+    assert rows[0]["nfe"] > 2 * 43  # rollout of 2 trees + the objective's training passes

@@ -150,6 +150,7 @@ class Trainer:
         totals: dict[str, float] = {}
         count = 0
         first_ratio = None
+        update_stats: dict[str, float] = {}
         for group in self.objective.plan(batch, self.generator):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in group:
@@ -167,7 +168,10 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(group)
             self.optimizer.step()
+            after_update = getattr(self.objective, "after_update", None)  # optional hook (SAGE-GRPO)
+            update_stats = after_update(self.model) if after_update is not None else {}
         out = {k: v / max(count, 1) for k, v in totals.items()}
+        out.update(update_stats)
         if first_ratio is not None:
             out["first_ratio"] = first_ratio
         return out
@@ -239,6 +243,7 @@ class Trainer:
             "iteration": self.iteration,
             "samples_seen": self.samples_seen,
             "nfe": self.model.nfe,
+            "objective": self.objective.state_dict() if hasattr(self.objective, "state_dict") else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -252,3 +257,5 @@ class Trainer:
         self.iteration = int(state["iteration"])
         self.samples_seen = int(state["samples_seen"])
         self.model.nfe = int(state.get("nfe", 0))
+        if state.get("objective") and hasattr(self.objective, "load_state_dict"):
+            self.objective.load_state_dict(state["objective"])  # scalar state, e.g. SAGE-GRPO's beta

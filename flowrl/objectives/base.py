@@ -76,6 +76,11 @@ class Objective(Protocol):
             (clean samples from a black-box ODE/SDE solver, e.g. DiffusionNFT, AWM).
         sampling_adapter: the LoRA adapter that samples rollouts ("default" or e.g. "old").
         eval_adapter: the adapter used for evaluation and the saved LoRA ("default" or "ema").
+
+    Optional hooks, called only when an objective defines them (e.g. SAGE-GRPO):
+    ``after_update(model) -> dict[str, float]`` after every optimizer step, and
+    ``state_dict() -> dict`` / ``load_state_dict(state)`` for JSON-scalar state that
+    ``Trainer.state_dict`` checkpoints (extra LoRA adapters are saved without a hook).
     """
 
     name: str

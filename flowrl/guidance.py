@@ -135,7 +135,8 @@ class GuidedAdapter:
         both = {k: torch.cat([neg[k], pos[k]]) for k in pos}
         v = self._model.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         v_u, v_c = v.to(torch.promote_types(v.dtype, torch.float32)).chunk(2)  # half -> fp32; fp64 stays
-        return combine_cfg(v_u, v_c, self.scale)
+        combine = getattr(self._model, "combine_cfg", combine_cfg)  # a model's own rule (Qwen-Image: norm rescale)
+        return combine(v_u, v_c, self.scale)
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)

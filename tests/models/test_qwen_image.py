@@ -123,11 +123,26 @@ def test_saved_lora_loads_into_qwen_image_pipeline(tmp_path):
     torch.testing.assert_close(fresh.velocity(x, sigma, cond), trained, rtol=1e-5, atol=1e-6)
 
 
-def test_flow_grpo_update_through_the_trainer():
+def test_guided_adapter_uses_qwen_norm_rescaled_cfg(qwen):
+    """flowrl's true-CFG wrapper (one batched [uncond; cond] call) reproduces QwenImagePipeline's CFG sampling."""
+    from flowrl.guidance import GuidedAdapter
+
+    guided = GuidedAdapter(qwen, 4.0, negative_prompt=" ")
+    cond, x_init, sigmas = guided.encode_prompt(PROMPTS), _noise(qwen), qwen.sigmas(2, 16, 16)
+    ours = ode_solve(lambda x, s: guided.velocity(x, s, cond), x_init, sigmas, method="euler")
+    out = qwen.pipe(prompt=PROMPTS, negative_prompt=[" "] * 2, true_cfg_scale=4.0, latents=pack_latents(x_init),
+                    height=16, width=16, num_inference_steps=2, output_type="latent").images
+    torch.testing.assert_close(ours, unpack_latents(out, 8, 8), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+def test_flow_grpo_update_through_the_trainer(guidance_scale):
+    """First ratio exactly 1 without CFG and with true CFG (guided rollout and guided training)."""
     model = tiny_qwen_image()
     cfg = load_config(None, [
         "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2", "model.resolution=16",
         "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.05", "lora.rank=4", "lora.alpha=8",
+        f"sampler.guidance_scale={guidance_scale}", "prompts.negative=' '",
     ])
     prompts = load_prompts("digits-styles")
     trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
@@ -135,6 +150,8 @@ def test_flow_grpo_update_through_the_trainer():
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert any(not torch.equal(p, lora_b[n]) for n, p in model.transformer.named_parameters() if n in lora_b)
+    # NFE: rollout 4 samples x 2 steps + policy and KL-reference passes on 1 SDE step, x2 branches under CFG
+    assert metrics["nfe"] == (4 * 2 + 2 * 4) * (2 if guidance_scale > 1 else 1)
 
 
 def test_folder_loads_through_load_adapter_and_missing_weights_are_named(tmp_path):

@@ -51,7 +51,9 @@ def resize_longest_pad(images: Tensor, size: int) -> Tensor:
     """Resize the longer side to ``size`` (aspect kept) and zero-pad, centred, to (size, size).
 
     This is open_clip's ``ResizeMaxSize`` (used by HPSv2's evaluation transform): padding is added
-    before normalisation, with ``pad // 2`` on the top/left and the rest on the bottom/right.
+    before normalisation, with ``pad // 2`` on the top/left and the rest on the bottom/right. Unlike
+    some open_clip versions, a non-square image whose longer side already equals ``size`` is padded
+    too (the model needs a square input).
 
     Args:
         images: (B, 3, H, W) float in [0, 1].
@@ -62,7 +64,7 @@ def resize_longest_pad(images: Tensor, size: int) -> Tensor:
     """
     h, w = images.shape[-2:]
     scale = size / float(max(h, w))
-    if scale == 1.0:
+    if scale == 1.0 and h == w:
         return images
     new_h, new_w = round(h * scale), round(w * scale)
     resized = _bicubic(images, (new_h, new_w))

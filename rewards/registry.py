@@ -40,6 +40,7 @@ _BUILTINS: dict[str, str] = {
     "pickscore": "flowrl.rewards.pickscore:pickscore",
     "clipscore": "flowrl.rewards.clipscore:clipscore",
     "aesthetic": "flowrl.rewards.aesthetic:aesthetic",
+    "hpsv2": "flowrl.rewards.hpsv2:hpsv2",
     "remote": "flowrl.rewards.remote:remote",
     "temporal_consistency": "flowrl.rewards.video:temporal_consistency",
 }

@@ -10,6 +10,7 @@ from tiny_reward_weights import build_tiny_weights
 from flowrl.rewards import digit_correctness, ink, jpeg_compressibility, jpeg_incompressibility
 from flowrl.rewards.aesthetic import aesthetic
 from flowrl.rewards.clipscore import clipscore
+from flowrl.rewards.hpsv2 import hpsv2
 from flowrl.rewards.pickscore import pickscore
 from flowrl.rewards.testing import ConformanceError, check_reward
 
@@ -32,6 +33,7 @@ def tiny_model_weights(tmp_path_factory):
         (pickscore, "pickscore"),
         (clipscore, "clipscore"),
         (aesthetic, "aesthetic"),
+        (hpsv2, "hpsv2"),
     ],
 )
 def test_builtin_rewards_conform(factory, options, request):

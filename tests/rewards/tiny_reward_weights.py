@@ -76,10 +76,13 @@ def build_tiny_weights(root: Path) -> dict[str, dict[str, str]]:
     """Write every tiny model once; return each built-in model reward's factory options."""
     processor = str(save_clip_processor(root / "clip-processor"))
     clip = str(save_clip_processor(save_clip_folder(root / "clip-model")))  # model + processor, like OpenAI's repo
+    hps_arch = tiny_openclip_architecture(len(clip_tokenizer()))
     return {
         "pickscore": {"model": clip, "processor": processor},
         "clipscore": {"model": clip},
         "aesthetic": {"model": clip, "head": str(save_aesthetic_head(root / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"))},
+        "hpsv2": {"checkpoint": str(save_hps_checkpoint(root / "hps" / "HPS_v2.1_compressed.pt", openclip_state_dict(hps_arch))),
+                  "architecture": hps_arch, "tokenizer": processor, "backend": "transformers"},
     }
 
 
@@ -101,4 +104,55 @@ def save_aesthetic_head(path: Path, in_features: int = 12, seed: int = 0) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     head = laion_mlp(in_features, seed)
     torch.save(head.state_dict(), path)
+    return path
+
+
+def tiny_openclip_architecture(vocab_size: int, context_length: int = 24) -> dict:
+    """An open_clip model config (JSON format) for a 2-layer, width-16 ViT CLIP on 16 x 16 images."""
+    return {
+        "embed_dim": 12,
+        "vision_cfg": {"image_size": IMAGE, "layers": 2, "width": 16, "head_width": 8, "patch_size": PATCH},
+        "text_cfg": {"context_length": context_length, "vocab_size": vocab_size, "width": 16, "heads": 2, "layers": 2},
+    }
+
+
+def openclip_state_dict(arch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under open_clip's CLIP keys and shapes (MLP ratio 4, packed in_proj q/k/v)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2, offset=0.0):
+        return torch.randn(*shape, generator=gen) * scale + offset
+
+    sd: dict[str, torch.Tensor] = {}
+
+    def block(prefix: str, width: int) -> None:
+        for ln in ("ln_1", "ln_2"):
+            sd[f"{prefix}{ln}.weight"], sd[f"{prefix}{ln}.bias"] = rand(width, offset=1.0), rand(width)
+        sd[prefix + "attn.in_proj_weight"], sd[prefix + "attn.in_proj_bias"] = rand(3 * width, width), rand(3 * width)
+        sd[prefix + "attn.out_proj.weight"], sd[prefix + "attn.out_proj.bias"] = rand(width, width), rand(width)
+        sd[prefix + "mlp.c_fc.weight"], sd[prefix + "mlp.c_fc.bias"] = rand(4 * width, width), rand(4 * width)
+        sd[prefix + "mlp.c_proj.weight"], sd[prefix + "mlp.c_proj.bias"] = rand(width, 4 * width), rand(width)
+
+    v, t, embed = arch["vision_cfg"], arch["text_cfg"], arch["embed_dim"]
+    vw, grid = v["width"], v["image_size"] // v["patch_size"]
+    sd["visual.class_embedding"], sd["visual.positional_embedding"] = rand(vw), rand(grid * grid + 1, vw)
+    sd["visual.conv1.weight"] = rand(vw, 3, v["patch_size"], v["patch_size"])
+    sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"] = rand(vw, offset=1.0), rand(vw)
+    for i in range(v["layers"]):
+        block(f"visual.transformer.resblocks.{i}.", vw)
+    sd["visual.ln_post.weight"], sd["visual.ln_post.bias"] = rand(vw, offset=1.0), rand(vw)
+    sd["visual.proj"] = rand(vw, embed)
+    tw = t["width"]
+    sd["token_embedding.weight"], sd["positional_embedding"] = rand(t["vocab_size"], tw), rand(t["context_length"], tw)
+    for i in range(t["layers"]):
+        block(f"transformer.resblocks.{i}.", tw)
+    sd["ln_final.weight"], sd["ln_final.bias"] = rand(tw, offset=1.0), rand(tw)
+    sd["text_projection"], sd["logit_scale"] = rand(tw, embed), torch.tensor(4.6052)
+    return sd
+
+
+def save_hps_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    """``torch.save({"state_dict": ...})``, the layout of HPS_v2(.1)_compressed.pt."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": state}, path)
     return path

@@ -295,3 +295,11 @@ def test_two_iterations_through_the_recipe(tmp_path):
     assert trained[-1]["train/updates"] == 2.0 and "train/kl_beta" in trained[-1]
     assert (tmp_path / "run" / "checkpoints" / "iter-000002" / "adapter-anchor.safetensors").is_file()
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["digits.yaml", "sd3.5m_jpeg.yaml", "wan2.1_t2v_1.3b.yaml"])
+def test_shipped_configs_validate(name):
+    from flowrl.config import load_config
+
+    cfg = load_config(REPO / "configs/sage" / name)
+    assert cfg.objective["name"] == "sage_grpo" and cfg.sampler.sde == "sage" and cfg.sampler.noise_level == 0.5

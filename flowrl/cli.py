@@ -68,7 +68,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
     configure_threads(cfg.train.threads)
-    model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, distilled_guidance=cfg.model.distilled_guidance)
     if ns.lora:
         lora = Path(ns.lora)
         if lora.is_dir() and (lora / "lora").is_dir():

@@ -33,6 +33,7 @@ class ModelConfig:
     device: str = "cpu"
     resolution: int | None = None  # None = the model's default
     num_frames: int | None = field(default=None, metadata=_rng(1))  # video models (Wan: 4k + 1); None = the model's default
+    distilled_guidance: float | None = field(default=None, metadata=_rng(0))  # FLUX.1-dev guidance embedding; None = model default (3.5); null for schnell
 
 
 @dataclass

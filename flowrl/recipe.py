@@ -79,7 +79,9 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         reward = build_reward(cfg)
-        model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+        model = load_adapter(
+            cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, distilled_guidance=cfg.model.distilled_guidance
+        )
         self.trainer = Trainer(cfg, model, reward, train_prompts, eval_prompts)
         self.resume_state = load_checkpoint(resume) if resume else None
         self.is_digits = cfg.model.path == EMBEDDED

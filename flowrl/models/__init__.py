@@ -38,20 +38,25 @@ def _quiet_hub_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str = "cpu") -> ModelAdapter:
+def load_adapter(
+    path: str | None = None, *, dtype: str = "float32", device: str = "cpu", distilled_guidance: float | None = None
+) -> ModelAdapter:
     """Load a model adapter from a local diffusers folder, or the embedded model.
 
     Args:
         path: a diffusers pipeline folder, or None / "flowrl-digits" for the embedded model.
         dtype: "float32", "bfloat16" or "float16".
         device: torch device string.
+        distilled_guidance: ``model.distilled_guidance``: the guidance-embedding scale of a
+            guidance-distilled model (FLUX.1-dev); None = the model's default.
 
     Returns:
         A :class:`ModelAdapter`.
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (the message says how to fix it).
-        ValueError: the folder holds a pipeline class flowrl has no adapter for.
+        ValueError: the folder holds a pipeline class flowrl has no adapter for, or
+            ``distilled_guidance`` is set for a model without a guidance embedding.
     """
     from .sd3 import SD3Adapter
 
@@ -67,8 +72,15 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
         path = str(DIGITS_DIR)
     folder = resolve_model_path(path)  # local folder or cached hub id; one-line error when weights are missing
     cls_name = _pipeline_class(folder)
+    if distilled_guidance is not None and cls_name != "FluxPipeline":
+        raise ValueError(
+            f"model.distilled_guidance={distilled_guidance} but {cls_name} has no guidance embedding; remove it "
+            "(true CFG is sampler.guidance_scale)"
+        )
     if cls_name in FLOW_PIPELINES:
-        return load_flow_pipeline(cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
+        return load_flow_pipeline(
+            cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path), distilled_guidance=distilled_guidance
+        )
     if cls_name == "StableDiffusion3Pipeline":
         return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
     if cls_name == "WanPipeline":
@@ -76,5 +88,6 @@ def load_adapter(path: str | None = None, *, dtype: str = "float32", device: str
 
         return WanAdapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
     raise ValueError(
-        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline"
+        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline, "
+        f"{', '.join(FLOW_PIPELINES)}"
     )

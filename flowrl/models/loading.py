@@ -20,8 +20,19 @@ FLOW_PIPELINES = {
 """diffusers pipeline class name -> (module, adapter class)."""
 
 
-def load_flow_pipeline(cls_name: str, folder: Path, *, dtype: torch.dtype, device: str, model_id: str | None = None) -> Any:
+def load_flow_pipeline(
+    cls_name: str,
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    model_id: str | None = None,
+    distilled_guidance: float | None = None,
+) -> Any:
     """Load the adapter for ``cls_name`` from a resolved local pipeline folder.
+
+    ``distilled_guidance`` (``model.distilled_guidance``) goes to FLUX's guidance embedding; the
+    FLUX adapter rejects it for models without one (schnell).
 
     Raises:
         ValueError: ``cls_name`` is not one of :data:`FLOW_PIPELINES`.
@@ -30,4 +41,5 @@ def load_flow_pipeline(cls_name: str, folder: Path, *, dtype: torch.dtype, devic
         raise ValueError(f"no flow-pipeline adapter for {cls_name!r}; supported: {', '.join(FLOW_PIPELINES)}")
     module, name = FLOW_PIPELINES[cls_name]
     adapter_cls = getattr(importlib.import_module(module), name)
-    return adapter_cls.from_pretrained(folder, dtype=dtype, device=device, model_id=model_id)
+    extra = {"guidance_scale": distilled_guidance} if cls_name == "FluxPipeline" else {}
+    return adapter_cls.from_pretrained(folder, dtype=dtype, device=device, model_id=model_id, **extra)

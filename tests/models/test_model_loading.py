@@ -103,3 +103,54 @@ def test_unknown_pipeline_class_is_named(flux_folder, tmp_path):
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "MysteryPipeline"}))
     with pytest.raises(ValueError, match="MysteryPipeline"):
         load_adapter(str(other))
+
+
+def test_distilled_guidance_config_key_reaches_the_adapter(flux_folder, tmp_path):
+    from flowrl.config import ConfigError, load_config
+
+    assert load_config(None, ["model.distilled_guidance=2.5"]).model.distilled_guidance == 2.5
+    with pytest.raises(ConfigError, match="distilled_guidance"):
+        load_config(None, ["model.distilled_guidance=-1"])
+    model = load_adapter(str(flux_folder), distilled_guidance=2.0)  # overrides the model card's 5.0
+    seen = []
+    model.transformer.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True)
+    x = torch.zeros(1, *model.latent_shape(16, 16))
+    model.velocity(x, torch.tensor([0.5]), model.encode_prompt(["a 1"]))
+    assert model.guidance_scale == 2.0 and seen[0].tolist() == [2.0]
+    schnell = tmp_path / "schnell"
+    tiny_flux_pipeline(guidance_embeds=False).save_pretrained(str(schnell))
+    with pytest.raises(ValueError, match="guidance_embeds=False.*remove model.distilled_guidance"):
+        load_adapter(str(schnell), distilled_guidance=3.5)
+    other = tmp_path / "other"
+    shutil.copytree(flux_folder, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3Pipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusion3Pipeline has no guidance embedding"):
+        load_adapter(str(other), distilled_guidance=3.5)
+
+
+@pytest.mark.slow
+def test_flux_trains_and_samples_through_the_cli(flux_folder, tmp_path):
+    """`flowrl train` / `flowrl sample` on a FLUX folder, as a user runs them (subprocesses)."""
+    import os
+    import subprocess
+    import sys
+
+    def flowrl(*args):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    out = tmp_path / "run"
+    fast = ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
+            "sampler.schedule=dynamic_shift", "train.iterations=1", "train.eval_every=1", "train.eval_seeds=1",
+            "output.grid_seeds=1", "lora.rank=4", "lora.alpha=8", "model.distilled_guidance=4.0"]
+    result = flowrl("train", f"model.path={flux_folder}", *fast, f"output.dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    sample = flowrl("sample", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "--lora", str(out),
+                    "--prompt", "a bold handwritten 3", "--seeds", "2", "--out", str(tmp_path / "s.png"))
+    assert sample.returncode == 0 and (tmp_path / "s.png").is_file(), sample.stderr[-2000:]
+    bad = flowrl("train", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "model.path=no/such-model",
+                 f"output.dir={tmp_path / 'r2'}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "hf download no/such-model" in bad.stderr and "model.path=" in bad.stderr

@@ -36,6 +36,7 @@ CONFIGS = {
     "diffusion_nft": REPO / "configs/nft/digits.yaml",
     "awm": REPO / "configs/awm/digits.yaml",
     "sage_grpo": REPO / "configs/sage/digits.yaml",
+    "branch_grpo": REPO / "configs/branch/digits.yaml",
 }
 
 

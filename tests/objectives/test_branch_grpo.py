@@ -118,3 +118,15 @@ def test_branch_grpo_two_iterations_end_to_end(tmp_path):
 def test_solver_objectives_train_on_tree_leaves(config, tmp_path):
     rows = _two_iterations(config, tmp_path, "sampler.solver=tree", "prompts.group_size=16", "sampler.tree.split_noise_scale=1.0")
     assert rows[0]["nfe"] > 2 * 43  # rollout of 2 trees + the objective's training passes
+
+
+def test_every_shipped_tree_config_has_a_consistent_tree():
+    from flowrl.tree_rollouts import TreeCollector
+
+    found = 0
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        cfg = load_config(path)
+        if cfg.objective["name"] == "branch_grpo" or cfg.sampler.solver == "tree":
+            TreeCollector(cfg, cfg.objective["name"] == "branch_grpo")  # group size = leaves, valid splits
+            found += 1
+    assert found >= 3

@@ -73,9 +73,12 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         lora = Path(ns.lora)
         if lora.is_dir() and (lora / "lora").is_dir():
             lora = lora / "lora"
-        if not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
+        if hasattr(model, "load_lora") and lora.is_dir():  # LoRA in several files (Wan2.2: one per expert)
+            model.load_lora(lora)
+        elif not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
             raise FileNotFoundError(f"no LoRA at {ns.lora}; pass a run folder or its lora/ folder")
-        model.pipe.load_lora_weights(str(lora))
+        else:
+            model.pipe.load_lora_weights(str(lora))
     model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)  # the CFG training used
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]

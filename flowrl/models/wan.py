@@ -10,12 +10,14 @@ Timesteps follow ``WanPipeline``: the flow-matching scheduler's timestep is ``10
 
 Wan2.2-A14B is a two-expert model: ``transformer`` denoises the high-noise steps
 (``timestep >= boundary_ratio * 1000``) and ``transformer_2`` the low-noise ones. ``velocity``
-picks the expert per sample by sigma, exactly as the pipeline does. LoRA is trained on ONE expert,
-``lora_expert`` ("high" = ``transformer``, the default; "low" = ``transformer_2``; model card key
-``lora_expert``); the other expert stays frozen at its base weights. A LoRA trained on the low
-expert loads with ``pipe.load_lora_weights(path, load_into_transformer_2=True)``. Training both
-experts at once is not supported. Wan2.2-TI2V-5B (``expand_timesteps``) gets per-token timesteps
-as in the pipeline.
+picks the expert per sample by sigma, exactly as the pipeline does. ``lora_expert`` (model card
+key) says which expert LoRA trains: "high" (``transformer``, the default), "low"
+(``transformer_2``) or "both" (one adapter spanning the two, :class:`~flowrl.models.wan_experts.WanExperts`);
+an expert without LoRA stays frozen at its base weights. :meth:`WanAdapter.save_lora` writes the
+high expert's LoRA as ``pytorch_lora_weights.safetensors`` and the low expert's as
+``pytorch_lora_weights_transformer_2.safetensors``; :meth:`WanAdapter.load_lora` (or diffusers'
+``pipe.load_lora_weights(dir, weight_name=..., load_into_transformer_2=True)`` for the second file)
+loads them back. Wan2.2-TI2V-5B (``expand_timesteps``) gets per-token timesteps as in the pipeline.
 
 References:
     Wan Team, "Wan: Open and Advanced Large-Scale Video Generative Models", 2025.
@@ -31,12 +33,14 @@ from torch import Tensor
 
 from .adapter import Cond, select_cond
 from .sd3 import read_model_card
+from .wan_experts import WanExperts, split_expert_state
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
 DEFAULT_RESOLUTION = (480, 832)  # Wan2.1-T2V-1.3B's native 480p
 DEFAULT_FRAMES = 81
 DEFAULT_SHIFT = 3.0  # Wan2.1 480p flow_shift (5.0 for 720p; Wan2.2-A14B uses 12.0)
-EXPERTS = ("high", "low")
+EXPERTS = ("high", "low", "both")
+LORA_FILES = {"high": "pytorch_lora_weights.safetensors", "low": "pytorch_lora_weights_transformer_2.safetensors"}
 
 
 class WanAdapter:
@@ -47,7 +51,7 @@ class WanAdapter:
         max_sequence_length: text token length (Wan uses 512).
         resolution: default (height, width).
         num_frames: default frame count (``4k + 1``).
-        lora_expert: for two-expert pipelines, the expert LoRA trains: "high" or "low".
+        lora_expert: for two-expert pipelines, the expert(s) LoRA trains: "high", "low" or "both".
         shift: the model's recommended flow shift (``default_shift``; configs set
             ``sampler.schedule: shift`` and ``sampler.shift`` from it).
         model_id: name used in the prompt cache's fingerprint (the folder or hub id).
@@ -71,14 +75,15 @@ class WanAdapter:
         model_id: str | None = None,
     ):
         if lora_expert not in EXPERTS:
-            raise ValueError(f"Wan lora_expert must be 'high' or 'low'; got {lora_expert!r}")
+            raise ValueError(f"Wan lora_expert must be 'high', 'low' or 'both'; got {lora_expert!r}")
         self.pipe = pipe
         self.model_id = model_id or "WanAdapter"
         self.experts = {"high": pipe.transformer, "low": getattr(pipe, "transformer_2", None)}
-        if self.experts[lora_expert] is None:
+        if lora_expert != "high" and self.experts["low"] is None:
             raise ValueError(f"lora_expert='{lora_expert}' but this Wan pipeline has no transformer_2 (Wan2.1); use 'high'")
         self.lora_expert = lora_expert
-        self.transformer = self.experts[lora_expert]
+        both = lora_expert == "both"
+        self.transformer = WanExperts(self.experts["high"], self.experts["low"]) if both else self.experts[lora_expert]
         ratio = pipe.config.boundary_ratio if self.experts["low"] is not None else None
         self.boundary_timestep = None if ratio is None else float(ratio) * pipe.scheduler.config.num_train_timesteps
         self.num_train_timesteps = float(pipe.scheduler.config.num_train_timesteps)
@@ -90,7 +95,7 @@ class WanAdapter:
         sched = pipe.scheduler.config
         self.default_shift = float(shift or sched.get("flow_shift") or sched.get("shift") or DEFAULT_SHIFT)
         self.latent_shape(*self.default_resolution)  # validates the defaults
-        for module in (pipe.transformer, self.experts["low"], pipe.vae, pipe.text_encoder):
+        for module in (pipe.transformer, self.experts["low"], pipe.vae, pipe.text_encoder, self.transformer):
             if module is not None:
                 module.requires_grad_(False)
                 module.eval()
@@ -211,14 +216,42 @@ class WanAdapter:
             raise ValueError(f"Wan resolution must be a multiple of {s * p_h}x{s * p_w}; got {height}x{width}")
         return (self.transformer.config.in_channels, (frames - 1) // t + 1, height // s, width // s)
 
-    def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
-        """Write a LoRA in the layout ``WanPipeline.load_lora_weights(directory)`` reads.
+    def _lora_parts(self, lora_state: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+        """The LoRA state per trained expert ("high" / "low")."""
+        if self.lora_expert == "both":
+            return split_expert_state(lora_state)
+        return {self.lora_expert: lora_state}
 
-        A LoRA of the low-noise expert loads with ``load_into_transformer_2=True``.
+    def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
+        """Write the LoRA in the layout ``WanPipeline.load_lora_weights`` reads, one file per expert.
+
+        Returns:
+            The path of the first file written (the high expert's, or the low expert's when only
+            it is trained). The low expert's file loads with ``load_into_transformer_2=True``.
         """
         from diffusers import WanPipeline
 
         config = self.transformer.peft_config["default"].to_dict()
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        WanPipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config)
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        written = []
+        for expert, weights in self._lora_parts(lora_state).items():
+            WanPipeline.save_lora_weights(
+                str(directory), transformer_lora_layers=weights, weight_name=LORA_FILES[expert],
+                transformer_lora_adapter_metadata=config,
+            )
+            written.append(Path(directory) / LORA_FILES[expert])
+        return written[0]
+
+    def load_lora(self, directory: str | Path) -> None:
+        """Load LoRA files written by :meth:`save_lora` into the pipeline's experts (diffusers' loader).
+
+        Raises:
+            FileNotFoundError: no LoRA file for this model's experts in ``directory``.
+        """
+        found = [e for e, name in LORA_FILES.items() if (Path(directory) / name).is_file()]
+        if not found:
+            raise FileNotFoundError(f"no Wan LoRA ({' or '.join(LORA_FILES.values())}) in {directory}; pass the run's lora/ folder")
+        for expert in found:
+            if expert == "low" and self.experts["low"] is None:
+                raise FileNotFoundError(f"{directory} holds a low-noise-expert LoRA but this Wan pipeline has no transformer_2")
+            self.pipe.load_lora_weights(str(directory), weight_name=LORA_FILES[expert], load_into_transformer_2=expert == "low")

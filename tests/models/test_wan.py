@@ -232,9 +232,9 @@ def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
     assert model.transformer is model.pipe.transformer_2
     add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
     _randomize_lora(model.transformer)
-    model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    assert model.save_lora(tmp_path, lora_state_dict(model.transformer)).name == "pytorch_lora_weights_transformer_2.safetensors"
     fresh = tiny_wan_pipeline(two_experts=True)
-    fresh.load_lora_weights(str(tmp_path), load_into_transformer_2=True)
+    fresh.load_lora_weights(str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
     loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5, lora_expert="low")
     cond = model.encode_prompt(PROMPTS)
     x, sigma = _latents(model), torch.tensor([0.95, 0.3])  # one sample per expert
@@ -242,3 +242,67 @@ def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
         torch.testing.assert_close(loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="no transformer_2"):
         tiny_wan_adapter(lora_expert="low")
+
+
+def _two_expert_trainer(model, *extra):
+    from flowrl.config import load_config
+    from flowrl.prompts import Prompt
+    from flowrl.rewards.combine import MultiReward
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(None, [
+        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2",
+        "sampler.num_steps=4", "sampler.chunk_size=2", "sampler.guidance_scale=3.0", "objective.kl_beta=0.01",
+        "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1", *extra,
+    ])
+    prompts = [Prompt(t, {}) for t in PROMPTS]
+    return Trainer(cfg, model, MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+
+
+def test_one_lora_adapter_spans_both_experts(tmp_path):
+    """lora_expert='both': one peft adapter over the two experts; disabling it disables both; saved
+    as one diffusers file per expert that WanPipeline.load_lora_weights reads back."""
+    model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both")
+    trainer = _two_expert_trainer(model)
+    n_high = sum(p.numel() for n, p in model.transformer.named_parameters() if "lora_" in n and n.startswith("high."))
+    n_low = sum(p.numel() for n, p in model.transformer.named_parameters() if "lora_" in n and n.startswith("low."))
+    assert n_high == n_low > 0 and sum(p.numel() for p in trainer.params) == n_high + n_low
+    before = {n: p.detach().clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
+    metrics = trainer.train_step()  # SDE steps at sigma 1, 0.75 (high expert) and 0.5 (low expert)
+    assert metrics["train/first_ratio"] == 1.0
+    for prefix in ("high.", "low."):
+        assert any(not torch.equal(p, before[n]) for n, p in model.transformer.named_parameters() if n in before and n.startswith(prefix)), prefix
+    cond = model.encode_prompt(PROMPTS)
+    x, sigma = _latents(model), torch.tensor([0.9, 0.3])  # one sample per expert
+    with torch.no_grad():
+        trained = model.velocity(x, sigma, cond)
+        with adapters_disabled(model.transformer):
+            base = model.velocity(x, sigma, cond)
+    assert ((trained - base).flatten(1).abs().amax(1) > 1e-4).all()  # both experts moved, both switch off
+
+    model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"
+    ]
+    fresh = tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6)
+    fresh.load_lora_weights(str(tmp_path))
+    fresh.load_lora_weights(str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
+    loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5)
+    via_adapter = WanAdapter(tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6), max_sequence_length=8, resolution=(16, 16), num_frames=5)
+    via_adapter.load_lora(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.velocity(x, sigma, cond), trained, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(via_adapter.velocity(x, sigma, cond), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_both_experts_state_round_trips_through_the_trainer():
+    model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both")
+    trainer = _two_expert_trainer(model)
+    trainer.train_step()
+    state = trainer.state_dict()
+    expected = trainer.train_step()
+    twin = _two_expert_trainer(tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both"))
+    twin.load_state_dict(state)
+    got = twin.train_step()
+    for key in ("reward_mean", "train/loss", "train/grad_norm"):
+        assert got[key] == expected[key], key

@@ -63,7 +63,8 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .prompts import load_prompts
     from .rollouts import sample_images
     from .runtime import configure_threads
-    from .samplers.schedules import make_sigmas
+    from .models.adapter import model_latent_shape
+    from .models.pipeline_schedule import run_sigmas
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
@@ -85,7 +86,9 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
     res = cfg.model.resolution
     resolution = (res, res) if res else tuple(model.default_resolution)
-    sigmas = make_sigmas(cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift)
+    latent = model_latent_shape(model, resolution, cfg.model.num_frames)
+    sigmas = run_sigmas(model, cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift,
+                        resolution=resolution, latent=latent)
     with torch.no_grad():
         images = sample_images(model, prompts, seeds, sigmas, resolution=resolution, frames=cfg.model.num_frames)
     out = Path(ns.out)

@@ -65,7 +65,7 @@ class TreeConfig:
 @dataclass
 class SamplerConfig:
     num_steps: int = field(default=10, metadata=_rng(1))
-    schedule: Literal["linear", "shift", "dynamic_shift"] = "linear"
+    schedule: Literal["linear", "shift", "dynamic_shift", "model"] = "linear"  # "model": the pipeline's own grid (FLUX, Qwen-Image)
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
     guidance_scale: float = field(default=1.0, metadata=_rng(0))  # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass

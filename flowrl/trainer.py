@@ -27,7 +27,7 @@ from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
 from .scoring import RolloutScorer, batch_index
-from .samplers.schedules import make_sigmas
+from .models.pipeline_schedule import run_sigmas
 from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from .tree_rollouts import TreeCollector, uses_tree
 
@@ -62,7 +62,7 @@ class Trainer:
         self.resolution = (res, res) if res else tuple(model.default_resolution)
         self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
         s = cfg.sampler
-        self.sigmas = make_sigmas(s.schedule, s.num_steps, shift=s.shift, image_seq_len=math.prod(latent[1:]) // 4)
+        self.sigmas = run_sigmas(model, s.schedule, s.num_steps, shift=s.shift, resolution=self.resolution, latent=latent)
         self.noise_levels = sde_noise_levels(s.num_steps, s.noise_level)
         targets = cfg.lora.targets or list(model.lora_target_modules)
         self.params = add_lora(model.transformer, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)

@@ -62,3 +62,33 @@ def pipeline_sigmas(config: Mapping[str, Any], num_steps: int, image_seq_len: in
         one_minus = 1.0 - sigmas
         sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - terminal))
     return torch.cat([sigmas, sigmas.new_zeros(1)])
+
+
+def run_sigmas(model: Any, kind: str, num_steps: int, *, shift: float, resolution: tuple[int, int], latent: tuple[int, ...]) -> Tensor:
+    """A run's sigma grid: a named schedule, or ``"model"`` = the adapter's own pipeline grid.
+
+    Args:
+        model: the adapter (wrappers forward ``sigmas``).
+        kind: ``sampler.schedule``: "linear", "shift", "dynamic_shift" or "model".
+        num_steps: T.
+        shift: ``sampler.shift`` (for "shift").
+        resolution: (height, width) of the outputs.
+        latent: latent shape without batch; ``prod(latent[1:]) / 4`` tokens for "dynamic_shift".
+
+    Returns:
+        (T + 1,) float64 sigmas.
+
+    Raises:
+        ValueError: "model" for an adapter without a ``sigmas(num_steps, height, width)`` method.
+    """
+    from ..samplers.schedules import make_sigmas
+
+    if kind == "model":
+        own = getattr(model, "sigmas", None)
+        if not callable(own):
+            raise ValueError(
+                f"sampler.schedule='model' needs an adapter with its pipeline's sigma grid; {type(model).__name__} has none; "
+                "use 'linear', 'shift' or 'dynamic_shift'"
+            )
+        return own(num_steps, *resolution)
+    return make_sigmas(kind, num_steps, shift=shift, image_seq_len=math.prod(latent[1:]) // 4)

@@ -214,3 +214,18 @@ def test_flow_grpo_update_through_the_trainer(tmp_path):
     fresh = tiny_flux()
     fresh.pipe.load_lora_weights(str(tmp_path))
     torch.testing.assert_close(fresh.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-6)
+
+
+def test_run_sigmas_model_schedule(tiny_sd3):
+    from flowrl.models.pipeline_schedule import run_sigmas
+    from flowrl.samplers import make_sigmas
+
+    dev, schnell = tiny_flux(), tiny_flux(guidance_embeds=False)
+    latent = dev.latent_shape(32, 32)
+    grid = run_sigmas(dev, "model", 4, shift=1.0, resolution=(32, 32), latent=latent)
+    torch.testing.assert_close(grid, dev.sigmas(4, 32, 32), rtol=0, atol=0)
+    # FLUX.1-dev's scheduler config is the generic dynamic shift; schnell's is the plain linear grid
+    torch.testing.assert_close(grid, make_sigmas("dynamic_shift", 4, image_seq_len=64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(schnell.sigmas(4, 32, 32), make_sigmas("linear", 4), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="schedule='model'.*SD3Adapter"):
+        run_sigmas(tiny_sd3, "model", 4, shift=1.0, resolution=(8, 8), latent=(4, 4, 4))

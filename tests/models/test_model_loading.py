@@ -147,7 +147,7 @@ def test_flux_trains_and_samples_through_the_cli(flux_folder, tmp_path):
     result = flowrl("train", f"model.path={flux_folder}", *fast, f"output.dir={out}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    sample = flowrl("sample", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "--lora", str(out),
+    sample = flowrl("sample", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "sampler.schedule=model", "--lora", str(out),
                     "--prompt", "a bold handwritten 3", "--seeds", "2", "--out", str(tmp_path / "s.png"))
     assert sample.returncode == 0 and (tmp_path / "s.png").is_file(), sample.stderr[-2000:]
     bad = flowrl("train", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "model.path=no/such-model",

@@ -142,10 +142,11 @@ def test_flow_grpo_update_through_the_trainer(guidance_scale):
     cfg = load_config(None, [
         "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2", "model.resolution=16",
         "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.05", "lora.rank=4", "lora.alpha=8",
-        f"sampler.guidance_scale={guidance_scale}", "prompts.negative=' '",
+        f"sampler.guidance_scale={guidance_scale}", "prompts.negative=' '", "sampler.schedule=model",
     ])
     prompts = load_prompts("digits-styles")
     trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    torch.testing.assert_close(trainer.sigmas, model.sigmas(2, 16, 16), rtol=0, atol=0)  # the pipeline's own grid
     lora_b = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))

@@ -11,6 +11,7 @@ to know whether guidance is on.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -68,6 +69,14 @@ class ModelAdapter(Protocol):
 
         Video adapters take a third argument ``frames`` (``latent_shape(h, w, frames=None)``,
         None = ``default_num_frames``) and return (C, F_lat, H_lat, W_lat).
+        """
+
+    def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
+        """Write a LoRA state dict (``flowrl.lora.lora_state_dict(transformer)``) in the layout the
+        family's diffusers pipeline reads with ``pipe.load_lora_weights``; returns the main file.
+
+        An adapter whose LoRA spans several files (Wan2.2: one per expert) also defines
+        ``load_lora(directory)``, which ``flowrl sample --lora`` prefers over ``pipe.load_lora_weights``.
         """
 
 

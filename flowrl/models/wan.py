@@ -11,8 +11,9 @@ Timesteps follow ``WanPipeline``: the flow-matching scheduler's timestep is ``10
 Wan2.2-A14B is a two-expert model: ``transformer`` denoises the high-noise steps
 (``timestep >= boundary_ratio * 1000``) and ``transformer_2`` the low-noise ones. ``velocity``
 picks the expert per sample by sigma, exactly as the pipeline does. ``lora_expert`` (model card
-key) says which expert LoRA trains: "high" (``transformer``, the default), "low"
-(``transformer_2``) or "both" (one adapter spanning the two, :class:`~flowrl.models.wan_experts.WanExperts`);
+key) says which expert LoRA trains: "high" (``transformer``), "low" (``transformer_2``) or "both"
+(one adapter spanning the two, :class:`~flowrl.models.wan_experts.WanExperts`; the default when the
+pipeline has two experts);
 an expert without LoRA stays frozen at its base weights. :meth:`WanAdapter.save_lora` writes the
 high expert's LoRA as ``pytorch_lora_weights.safetensors`` and the low expert's as
 ``pytorch_lora_weights_transformer_2.safetensors``; :meth:`WanAdapter.load_lora` (or diffusers'
@@ -51,7 +52,8 @@ class WanAdapter:
         max_sequence_length: text token length (Wan uses 512).
         resolution: default (height, width).
         num_frames: default frame count (``4k + 1``).
-        lora_expert: for two-expert pipelines, the expert(s) LoRA trains: "high", "low" or "both".
+        lora_expert: the expert(s) LoRA trains: "high", "low" or "both"; None = "both" for a
+            two-expert pipeline (Wan2.2-A14B), "high" (the only one) otherwise.
         shift: the model's recommended flow shift (``default_shift``; configs set
             ``sampler.schedule: shift`` and ``sampler.shift`` from it).
         model_id: name used in the prompt cache's fingerprint (the folder or hub id).
@@ -70,10 +72,12 @@ class WanAdapter:
         max_sequence_length: int = 512,
         resolution: tuple[int, int] | None = None,
         num_frames: int = DEFAULT_FRAMES,
-        lora_expert: str = "high",
+        lora_expert: str | None = None,
         shift: float | None = None,
         model_id: str | None = None,
     ):
+        if lora_expert is None:
+            lora_expert = "both" if getattr(pipe, "transformer_2", None) is not None else "high"
         if lora_expert not in EXPERTS:
             raise ValueError(f"Wan lora_expert must be 'high', 'low' or 'both'; got {lora_expert!r}")
         self.pipe = pipe
@@ -132,7 +136,7 @@ class WanAdapter:
             max_sequence_length=int(card.get("max_sequence_length", 512)),
             resolution=(res, res) if isinstance(res, int) else res,
             num_frames=int(card.get("num_frames", DEFAULT_FRAMES)),
-            lora_expert=card.get("lora_expert", "high"),
+            lora_expert=card.get("lora_expert"),
             shift=card.get("shift"),
             model_id=model_id or str(path),
         )

@@ -204,7 +204,8 @@ def test_missing_wan_weights_are_one_line_with_the_download_command(wan_folder, 
 def test_two_experts_follow_the_pipeline_boundary():
     model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.5)
     pipe = model.pipe
-    assert model.boundary_timestep == 500.0 and model.transformer is pipe.transformer
+    assert model.boundary_timestep == 500.0 and model.lora_expert == "both"  # the default with two experts
+    assert tiny_wan_adapter().lora_expert == "high"
     cond = model.encode_prompt(PROMPTS)
     x, sigma = _latents(model), torch.tensor([0.9, 0.3])
     with torch.no_grad():

@@ -66,6 +66,7 @@ class RemoteReward:
         batch_size: images per request (None: the whole batch in one request).
         format: "safetensors" (exact float32) or "png" (JSON with 8-bit PNGs).
         token: bearer token; default: the ``FLOWRL_REWARD_TOKEN`` environment variable.
+        wire_dtype: safetensors pixels as "float32" (exact) or "uint8" (4x smaller, 8-bit).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class RemoteReward:
         batch_size: int | None = None,
         format: str = "safetensors",  # noqa: A002 - the config option's name
         token: str | None = None,
+        wire_dtype: str = "float32",
     ) -> None:
         parts = urlsplit(str(url))
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -89,7 +91,9 @@ class RemoteReward:
         self.retries = int(_positive("retries", retries, integer=True, zero=True))
         self.backoff_s = float(_positive("backoff_s", backoff_s, zero=True))
         self.batch_size = None if batch_size is None else int(_positive("batch_size", batch_size, integer=True))
-        self.format = format
+        if wire_dtype not in ("float32", "uint8"):
+            raise ValueError(f"remote reward option wire_dtype must be 'float32' or 'uint8'; got {wire_dtype!r}")
+        self.format, self.wire_dtype = format, wire_dtype
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.allows_nan = False  # set from each reply (the server's reward declares it)
         # talk to the server directly, never through an http_proxy from the environment
@@ -142,7 +146,7 @@ class RemoteReward:
         if self.format == "png":
             body, content_type = encode_batch_png(images, prompts, metadata), JSON
         else:
-            body, content_type = encode_batch(images, prompts, metadata), SAFETENSORS
+            body, content_type = encode_batch(images, prompts, metadata, dtype=self.wire_dtype), SAFETENSORS
 
         def attempt() -> Tensor:
             reply, reply_type = self._request("/score", body, content_type)
@@ -227,6 +231,7 @@ def remote(
     batch_size: int | None = None,
     format: str = "safetensors",  # noqa: A002 - the config option's name
     token: str | None = None,
+    wire_dtype: str = "float32",
 ) -> RemoteReward:
     """A reward scored over HTTP by `flowrl serve-reward` (timeouts, retries with backoff, batch splitting).
 
@@ -238,10 +243,12 @@ def remote(
         batch_size: images per request; None sends the whole batch at once.
         format: "safetensors" (exact) or "png" (8-bit, JSON).
         token: bearer token; default ``$FLOWRL_REWARD_TOKEN`` (keep tokens out of config files).
+        wire_dtype: "float32" (exact) or "uint8" (4x smaller requests, 8-bit pixels).
 
     Returns:
         A reward ``(images (B, 3, H, W) or clips (B, F, 3, H, W), prompts, **metadata) -> (B,) float32``.
     """
     return RemoteReward(
-        url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, batch_size=batch_size, format=format, token=token
+        url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, batch_size=batch_size, format=format, token=token,
+        wire_dtype=wire_dtype,
     )

@@ -68,11 +68,14 @@ def test_remote_scores_equal_in_process_and_split_batches(serve):
     got = client(x, PROMPTS, **meta)
     assert torch.equal(got, expected) and client.allows_nan  # exact float32 over safetensors
     assert server.batches == 3  # 7 images in requests of 3, 3, 1
+    quantised = local((x * 255).round() / 255, PROMPTS, **meta)
     png = build_reward("remote", url=server.url, format="png")(x, PROMPTS, **meta)
-    assert torch.allclose(png, local((x * 255).round() / 255, PROMPTS, **meta), atol=1e-6)
+    assert torch.allclose(png, quantised, atol=1e-6, equal_nan=True)
+    as_uint8 = build_reward("remote", url=server.url, wire_dtype="uint8")(x, PROMPTS, **meta)
+    assert torch.allclose(as_uint8, quantised, atol=1e-6, equal_nan=True)
     assert client.health() == {"status": "ok", "reward": "ink"}
     info = client.info()
-    assert info["name"] == "ink" and info["allows_nan"] is True and info["batches_scored"] == 4
+    assert info["name"] == "ink" and info["allows_nan"] is True and info["batches_scored"] == 5
 
 
 def test_remote_video_reward_and_multi_reward(serve):

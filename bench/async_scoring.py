@@ -1,0 +1,134 @@
+"""Async scoring on the embedded task: rollout + scoring wall time against the rollout alone.
+
+Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4]``.
+
+One Flow-GRPO iteration of the default job (160 samples, chunks of 40, 10 SDE steps, 1 torch
+thread per Python thread) is collected three ways, alternating within one process so all see the
+same host load, from the same generator state each time:
+
+- ``rollout alone``: the chunked SDE rollout only (no decode, no rewards);
+- ``collect, sync``: rollout, then decode + score each chunk inline (``train.rewards_async: false``);
+- ``collect, async``: decode + score chunk k on a worker thread while chunk k + 1 samples.
+
+The rewards are the default job's (ink, digit correctness) plus a model reward: a randomly
+initialised transformers ``CLIPVisionModelWithProjection`` (``--layers`` encoder layers, 32x32
+input) whose embedding is scored against a fixed direction, standing in for a CLIP-style scorer.
+Its cost is printed beside the sampling cost; the target (<= 1.1x) applies when it is lower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+
+
+class ClipLikeReward:
+    """Cosine between a random-init CLIP vision embedding of the image and a fixed direction."""
+
+    allows_nan = False
+
+    def __init__(self, layers: int = 4, seed: int = 0) -> None:
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        torch.manual_seed(seed)
+        cfg = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
+                               image_size=32, patch_size=4, projection_dim=128)
+        self.model = CLIPVisionModelWithProjection(cfg).eval().requires_grad_(False)
+        self.direction = torch.nn.functional.normalize(torch.randn(128, generator=torch.Generator().manual_seed(seed)), dim=0)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], **metadata: Any) -> torch.Tensor:
+        x = torch.nn.functional.interpolate(images.float(), size=(32, 32), mode="bilinear", align_corners=False)
+        embeds = self.model(pixel_values=x * 2 - 1).image_embeds
+        return torch.nn.functional.normalize(embeds, dim=-1) @ self.direction
+
+
+def _trainer(layers: int):
+    from flowrl.config import load_config
+    from flowrl.models import load_adapter
+    from flowrl.prompts import load_prompts
+    from flowrl.rewards import MultiReward, build_reward
+    from flowrl.runtime import configure_threads
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(None, ["train.progress=false"])
+    configure_threads(cfg.train.threads)
+    reward = MultiReward({
+        "ink": (build_reward("ink", target="prompt"), 1.0),
+        "digit_correctness": (build_reward("digit_correctness"), 0.5),
+        "clip_like": (ClipLikeReward(layers), 0.1),
+    })
+    prompts = load_prompts(cfg.prompts.train)
+    return Trainer(cfg, load_adapter(cfg.model.path), reward, prompts, prompts[:2])
+
+
+def _cases(trainer) -> dict[str, Any]:
+    from flowrl.prompts import sample_groups
+    from flowrl.scoring import RolloutScorer
+
+    p = trainer.cfg.prompts
+    state = trainer.generator.get_state()
+    prompts = sample_groups(trainer.train_prompts, p.per_iteration, p.group_size, trainer.generator)
+    cond = trainer.prompt_cache.encode(prompts.texts)
+    x_init = torch.randn((len(prompts.texts), *trainer.latent_shape), generator=trainer.generator)
+    samples, _ = trainer._rollout(cond, x_init)
+
+    def rollout_alone():
+        trainer.generator.set_state(state)
+        trainer._rollout(cond, x_init)
+
+    def scoring_alone():
+        with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata) as scorer:
+            for start in range(0, samples.shape[0], trainer.cfg.sampler.chunk_size):
+                rows = slice(start, start + trainer.cfg.sampler.chunk_size)
+                scorer.submit(rows, samples[rows])
+            scorer.result(samples)
+
+    def collect(async_: bool):
+        def run():
+            trainer.cfg.train.rewards_async = async_
+            trainer.generator.set_state(state)
+            trainer.collect()
+        return run
+
+    return {
+        "rollout alone": rollout_alone,
+        "decode + score alone (chunked)": scoring_alone,
+        "collect, sync scoring": collect(False),
+        "collect, async scoring": collect(True),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward")
+    args = parser.parse_args(argv)
+    trainer = _trainer(args.layers)
+    cases = _cases(trainer)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["rollout alone"])
+    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
+          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of 40")
+    print("| case | median s | min s | max s | median / rollout alone |")
+    print("|---|---|---|---|---|")
+    for name, values in times.items():
+        med = statistics.median(values)
+        print(f"| {name} | {med:.3f} | {min(values):.3f} | {max(values):.3f} | {med / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -154,3 +154,30 @@ def test_flux_trains_and_samples_through_the_cli(flux_folder, tmp_path):
                  f"output.dir={tmp_path / 'r2'}")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "hf download no/such-model" in bad.stderr and "model.path=" in bad.stderr
+
+
+def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
+    """Weights in the configured dtype, velocity as the model computes it, log-probs fp32, ratio exactly 1."""
+    from flowrl.config import load_config
+    from flowrl.prompts import load_prompts
+    from flowrl.rewards import build_multi_reward
+    from flowrl.rollouts import chunked_rollout
+    from flowrl.samplers import sde_noise_levels
+    from flowrl.trainer import Trainer
+
+    model = load_adapter(str(flux_folder), dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model.pipe.text_encoder_2.dtype == torch.bfloat16
+    cond = model.encode_prompt(["a bold handwritten 3", "a 2"])
+    assert all(v.dtype == torch.bfloat16 for v in cond.values())
+    x = torch.randn(2, *model.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
+    assert model.velocity(x, torch.tensor([0.5, 0.5]), cond).dtype == torch.bfloat16
+    traj = chunked_rollout(model, cond, x, model.sigmas(2, 16, 16), sde_noise_levels(2, 0.7), chunk_size=2,
+                           generator=torch.Generator().manual_seed(1))
+    assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
+    assert model.decode(traj.latents[:, -1]).dtype == torch.float32
+    cfg = load_config(None, ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
+                             "sampler.schedule=model", "model.dtype=bfloat16", "lora.rank=4", "lora.alpha=8"])
+    prompts = load_prompts("digits-styles")
+    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    assert all(p.dtype == torch.float32 for p in trainer.params)  # LoRA weights train in fp32
+    assert trainer.train_step()["train/first_ratio"] == 1.0

@@ -41,6 +41,7 @@ _BUILTINS: dict[str, str] = {
     "clipscore": "flowrl.rewards.clipscore:clipscore",
     "aesthetic": "flowrl.rewards.aesthetic:aesthetic",
     "hpsv2": "flowrl.rewards.hpsv2:hpsv2",
+    "imagereward": "flowrl.rewards.imagereward:imagereward",
     "remote": "flowrl.rewards.remote:remote",
     "temporal_consistency": "flowrl.rewards.video:temporal_consistency",
 }

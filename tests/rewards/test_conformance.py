@@ -11,6 +11,7 @@ from flowrl.rewards import digit_correctness, ink, jpeg_compressibility, jpeg_in
 from flowrl.rewards.aesthetic import aesthetic
 from flowrl.rewards.clipscore import clipscore
 from flowrl.rewards.hpsv2 import hpsv2
+from flowrl.rewards.imagereward import imagereward
 from flowrl.rewards.pickscore import pickscore
 from flowrl.rewards.testing import ConformanceError, check_reward
 
@@ -34,6 +35,7 @@ def tiny_model_weights(tmp_path_factory):
         (clipscore, "clipscore"),
         (aesthetic, "aesthetic"),
         (hpsv2, "hpsv2"),
+        (imagereward, "imagereward"),
     ],
 )
 def test_builtin_rewards_conform(factory, options, request):

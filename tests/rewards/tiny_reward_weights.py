@@ -77,12 +77,14 @@ def build_tiny_weights(root: Path) -> dict[str, dict[str, str]]:
     processor = str(save_clip_processor(root / "clip-processor"))
     clip = str(save_clip_processor(save_clip_folder(root / "clip-model")))  # model + processor, like OpenAI's repo
     hps_arch = tiny_openclip_architecture(len(clip_tokenizer()))
+    ir_ckpt, ir_tok, _ = save_imagereward(root / "imagereward")
     return {
         "pickscore": {"model": clip, "processor": processor},
         "clipscore": {"model": clip},
         "aesthetic": {"model": clip, "head": str(save_aesthetic_head(root / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"))},
         "hpsv2": {"checkpoint": str(save_hps_checkpoint(root / "hps" / "HPS_v2.1_compressed.pt", openclip_state_dict(hps_arch))),
                   "architecture": hps_arch, "tokenizer": processor, "backend": "transformers"},
+        "imagereward": {"checkpoint": str(ir_ckpt), "tokenizer": str(ir_tok), "architecture": IMAGEREWARD_TINY},
     }
 
 
@@ -156,3 +158,72 @@ def save_hps_checkpoint(path: Path, state: dict[str, torch.Tensor]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"state_dict": state}, path)
     return path
+
+
+def save_bert_tokenizer(folder: Path) -> Path:
+    """A real word-piece ``BertTokenizer`` (lower-case) with a tiny vocab, saved like bert-base-uncased."""
+    from transformers import BertTokenizer
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    vocab = specials + list(WORDS) + letters + ["##" + c for c in letters]
+    folder.mkdir(parents=True, exist_ok=True)
+    BertTokenizer(vocab={tok: i for i, tok in enumerate(vocab)}).save_pretrained(str(folder))
+    return folder
+
+
+IMAGEREWARD_TINY = {"vision_heads": 2, "text_heads": 2}
+
+
+def imagereward_state_dict(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under ImageReward.pt's keys: timm ViT (width 24), BLIP BERT (width 16), LAION-style mlp."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2, offset=0.0):
+        return torch.randn(*shape, generator=gen) * scale + offset
+
+    sd: dict[str, torch.Tensor] = {}
+
+    def linear(name: str, out_f: int, in_f: int) -> None:
+        sd[name + ".weight"], sd[name + ".bias"] = rand(out_f, in_f), rand(out_f)
+
+    def norm(name: str, width: int) -> None:
+        sd[name + ".weight"], sd[name + ".bias"] = rand(width, offset=1.0), rand(width)
+
+    vw, tw, grid = 24, 16, IMAGE // PATCH
+    v = "blip.visual_encoder."
+    sd[v + "cls_token"], sd[v + "pos_embed"] = rand(1, 1, vw), rand(1, grid * grid + 1, vw)
+    sd[v + "patch_embed.proj.weight"], sd[v + "patch_embed.proj.bias"] = rand(vw, 3, PATCH, PATCH), rand(vw)
+    for i in range(2):
+        b = f"{v}blocks.{i}."
+        norm(b + "norm1", vw), linear(b + "attn.qkv", 3 * vw, vw), linear(b + "attn.proj", vw, vw)
+        norm(b + "norm2", vw), linear(b + "mlp.fc1", 4 * vw, vw), linear(b + "mlp.fc2", vw, 4 * vw)
+    norm(v + "norm", vw)
+    t = "blip.text_encoder."
+    sd[t + "embeddings.word_embeddings.weight"] = rand(vocab_size, tw)
+    sd[t + "embeddings.position_embeddings.weight"] = rand(40, tw)
+    sd[t + "embeddings.position_ids"] = torch.arange(40).expand(1, -1)  # saved by BLIP's older BERT code
+    norm(t + "embeddings.LayerNorm", tw)
+    for i in range(2):
+        b = f"{t}encoder.layer.{i}."
+        for att, kv_width in (("attention", tw), ("crossattention", vw)):
+            linear(f"{b}{att}.self.query", tw, tw), linear(f"{b}{att}.self.key", tw, kv_width)
+            linear(f"{b}{att}.self.value", tw, kv_width), linear(f"{b}{att}.output.dense", tw, tw)
+            norm(f"{b}{att}.output.LayerNorm", tw)
+        linear(b + "intermediate.dense", 32, tw), linear(b + "output.dense", tw, 32), norm(b + "output.LayerNorm", tw)
+    linear("blip.vision_proj", 8, vw), linear("blip.text_proj", 8, tw)  # retrieval heads, unused by the score
+    widths = [tw, 32, 16, 8, 4, 1]
+    for index, (in_f, out_f) in zip((0, 2, 4, 6, 7), zip(widths, widths[1:])):
+        linear(f"mlp.layers.{index}", out_f, in_f)
+    return sd
+
+
+def save_imagereward(folder: Path, seed: int = 0) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """Write ``ImageReward.pt`` (torch.save of the flat state dict) and a BERT tokenizer folder."""
+    from transformers import AutoTokenizer
+
+    tokenizer = save_bert_tokenizer(folder / "bert-base-uncased")
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer))) + 2  # + BLIP's [DEC] and [ENC]
+    state = imagereward_state_dict(vocab, seed)
+    torch.save(state, folder / "ImageReward.pt")
+    return folder / "ImageReward.pt", tokenizer, state

@@ -146,8 +146,8 @@ def apply_guidance(model: ModelAdapter, scale: float, negative_prompt: str = "")
     """Wrap ``model`` for true CFG when it uses it and ``scale != 1``; otherwise return it unchanged.
 
     ``scale == 1`` is the "no-CFG" mode of the fast recipes: one conditional pass, bit-identical to
-    an unwrapped adapter. Distilled guidance (FLUX) lives inside the adapter, so its
-    ``sampler.guidance_scale`` must stay 1.
+    an unwrapped adapter. Distilled guidance (FLUX.1-dev) lives inside the adapter
+    (``model.distilled_guidance``), so its ``sampler.guidance_scale`` must stay 1.
 
     Raises:
         ValueError: ``scale != 1`` for an adapter without true CFG, or an unknown guidance kind.
@@ -159,8 +159,8 @@ def apply_guidance(model: ModelAdapter, scale: float, negative_prompt: str = "")
         return model
     if kind == "distilled":
         raise ValueError(
-            f"sampler.guidance_scale={scale} asks for true CFG but {type(model).__name__} uses distilled guidance "
-            "(set by the adapter itself); keep sampler.guidance_scale=1.0"
+            f"sampler.guidance_scale={scale} asks for true CFG but {type(model).__name__} uses distilled guidance; "
+            "set model.distilled_guidance instead and keep sampler.guidance_scale=1.0"
         )
     if kind == "none":
         raise ValueError(f"sampler.guidance_scale={scale} but {type(model).__name__} has no guidance; set sampler.guidance_scale=1.0")

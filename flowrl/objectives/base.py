@@ -30,7 +30,7 @@ class RolloutBatch(NamedTuple):
             the rollout used a black-box solver.
         sigmas: (T + 1,) the rollout's sigma grid (forward-process objectives draw their
             training sigmas from it).
-        images: (B, 3, H, W) decoded final samples in [0, 1].
+        images: decoded final samples in [0, 1]: images (B, 3, H, W) or videos (B, F, 3, H, W).
         rewards: (B,) combined reward.
         advantages: (B,) float32.
         keep: (B,) bool, False for samples of zero-variance groups.

@@ -3,6 +3,11 @@
 Usage::
 
     python -m bench.convergence [--budget 300] [--eval-every-s 30] [--algos flow_grpo,diffusion_nft,awm]
+    python -m bench.convergence --iterations 36 --eval-every-it 2 --eval-steps 10   # count-based budget
+
+Besides wall time it counts model evaluations (NFE: rollout + training forwards) and a
+compute equivalent (NFE + 2 x the forwards that are backpropagated, i.e. forward+backward = 3),
+which the shared host cannot distort.
 
 Each algorithm trains from the same base model, prompts, rewards and seed under the same
 wall-clock budget (evaluation excluded). Eval reward = ODE samples on held-out seeds. Writes a
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import time
@@ -24,10 +30,13 @@ from pathlib import Path
 import torch
 
 from flowrl.config import load_config
+from flowrl.guidance import apply_guidance
 from flowrl.models import load_adapter
+from flowrl.models.adapter import CountingAdapter
 from flowrl.prompts import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.runtime import configure_threads
+from flowrl.samplers.schedules import make_sigmas
 from flowrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,21 +49,103 @@ CONFIGS = {
 }
 
 
-def run_one(name: str, budget: float, eval_every: float, overrides: list[str]) -> list[dict[str, float]]:
-    """Train one algorithm for ``budget`` seconds of training; returns eval points."""
-    cfg = load_config(CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides])
+class ComputeCounter(CountingAdapter):
+    """Counts model evaluations by kind: ``nfe`` (all), ``grad_nfe`` (with autograd on, i.e.
+    forwards that are also backpropagated) and, via :func:`run_one`, ``rollout_nfe``."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.grad_nfe = 0
+        self.rollout_nfe = 0
+
+    def velocity(self, x, sigma, cond):
+        if torch.is_grad_enabled():
+            self.grad_nfe += x.shape[0] * int(getattr(self._model, "evaluations_per_sample", 1))
+        return super().velocity(x, sigma, cond)
+
+
+def compute_equivalent(nfe: int, grad_nfe: int) -> int:
+    """Forward-equivalent cost: every evaluation counts 1 and a backward pass ~2 more, so a
+    train forward+backward counts 3 (rollout NFE + no-grad train NFE + 3 x grad NFE)."""
+    return nfe + 2 * grad_nfe
+
+
+def _evaluate(trainer: Trainer, eval_sigmas: torch.Tensor | None) -> dict[str, float]:
+    """``trainer.evaluate()``, optionally on a fixed ODE schedule (same for every variant)."""
+    if eval_sigmas is None:
+        return trainer.evaluate()
+    saved, trainer.sigmas = trainer.sigmas, eval_sigmas
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.sigmas = saved
+
+
+def run_one(
+    name: str,
+    budget: float | None,
+    eval_every: float,
+    overrides: list[str],
+    *,
+    config: Path | None = None,
+    iterations: int | None = None,
+    nfe_budget: float | None = None,
+    eval_every_it: int | None = None,
+    eval_steps: int | None = None,
+    stop_at: float | None = None,
+) -> list[dict[str, float]]:
+    """Train one algorithm and return its eval points.
+
+    Stops at the first of: ``budget`` seconds of training (None = no time limit), ``iterations``,
+    ``nfe_budget`` compute-equivalents, or an eval reward >= ``stop_at``. Evaluates every
+    ``eval_every`` training seconds, or every ``eval_every_it`` iterations when given, on a
+    fixed ``eval_steps``-step ODE schedule when given (else the run's own sampler steps).
+    """
+    cfg = load_config(config or CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides])
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
-    trainer = Trainer(cfg, load_adapter(cfg.model.path), build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
-    points = [{"wall_s": 0.0, "nfe": 0, "iteration": 0, **trainer.evaluate()}]
+    model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), cfg.sampler.guidance_scale, cfg.prompts.negative))
+    trainer = Trainer(cfg, model, build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
+    eval_sigmas = None
+    if eval_steps:
+        s, latent = cfg.sampler, model.latent_shape(*trainer.resolution)
+        eval_sigmas = make_sigmas(s.schedule, eval_steps, shift=s.shift, image_seq_len=math.prod(latent[1:]) // 4)
+    collect = trainer.collect
+
+    def counted_collect():
+        before = model.nfe
+        out = collect()
+        model.rollout_nfe += model.nfe - before
+        return out
+
+    trainer.collect = counted_collect
+
+    def point(wall: float) -> dict[str, float]:
+        return {
+            "wall_s": wall, "nfe": model.nfe, "grad_nfe": model.grad_nfe, "rollout_nfe": model.rollout_nfe,
+            "compute": compute_equivalent(model.nfe, model.grad_nfe), "iteration": trainer.iteration,
+            **_evaluate(trainer, eval_sigmas),
+        }
+
+    points = [point(0.0)]
     train_s, next_eval = 0.0, eval_every
-    while train_s < budget:
+
+    def done() -> bool:
+        return (
+            (budget is not None and train_s >= budget)
+            or (iterations is not None and trainer.iteration >= iterations)
+            or (nfe_budget is not None and compute_equivalent(model.nfe, model.grad_nfe) >= nfe_budget)
+            or (stop_at is not None and points[-1]["eval/reward_mean"] >= stop_at)
+        )
+
+    while not done():
         t0 = time.perf_counter()
         trainer.train_step()
         train_s += time.perf_counter() - t0
-        if train_s >= next_eval or train_s >= budget:
-            points.append({"wall_s": train_s, "nfe": trainer.model.nfe, "iteration": trainer.iteration, **trainer.evaluate()})
+        due = trainer.iteration % eval_every_it == 0 if eval_every_it else train_s >= next_eval
+        if due or done():
+            points.append(point(train_s))
             next_eval += eval_every
             print(f"  {name}: {train_s:6.1f}s it {trainer.iteration:4d} eval reward {points[-1]['eval/reward_mean']:.4f}", flush=True)
     return points
@@ -86,17 +177,18 @@ def plot(results: dict[str, list[dict[str, float]]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(results: dict[str, list[dict[str, float]]], budget: float, command: str) -> str:
+def report(results: dict[str, list[dict[str, float]]], budget: float | str, command: str) -> str:
     """Markdown section with the table of time/NFE to Flow-GRPO's final reward."""
     base = results.get("flow_grpo")
     target = base[-1]["eval/reward_mean"] if base else None
     lines = [
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
-        f"date {dt.date.today().isoformat()}; budget {budget:.0f} s of training per algorithm.",
+        f"date {dt.date.today().isoformat()}; budget {budget_text(budget)} per algorithm.",
         "",
-        "| algorithm | start reward | final reward | iterations | time to Flow-GRPO's final (s) | ratio | NFE to it | NFE ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| algorithm | start reward | final reward | iterations | time to Flow-GRPO's final (s) | ratio | NFE to it | NFE ratio "
+        "| compute-eq. to it | compute ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     hit_base = first_reach(base, target) if base else None
     for name, points in results.items():
@@ -105,31 +197,48 @@ def report(results: dict[str, list[dict[str, float]]], budget: float, command: s
         n = f"{hit['nfe']:,}" if hit else "–"
         ratio = f"{hit['wall_s'] / hit_base['wall_s']:.2f}" if hit and hit_base and hit_base["wall_s"] > 0 else "–"
         nratio = f"{hit['nfe'] / hit_base['nfe']:.2f}" if hit and hit_base and hit_base["nfe"] > 0 else "–"
+        c = f"{hit['compute']:,}" if hit and "compute" in hit else "–"
+        cratio = f"{hit['compute'] / hit_base['compute']:.2f}" if hit and hit_base and hit_base.get("compute") else "–"
         lines.append(
             f"| {name} | {points[0]['eval/reward_mean']:.4f} | {points[-1]['eval/reward_mean']:.4f} | {points[-1]['iteration']} "
-            f"| {t} | {ratio} | {n} | {nratio} |"
+            f"| {t} | {ratio} | {n} | {nratio} | {c} | {cratio} |"
         )
     return "\n".join(lines)
+
+
+def budget_text(budget: float | str) -> str:
+    """``240`` -> "240 s of training"; a string (iterations / compute budget) is used as is."""
+    return f"{budget:.0f} s of training" if isinstance(budget, (int, float)) else budget
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per algorithm")
     parser.add_argument("--eval-every-s", type=float, default=30.0)
+    parser.add_argument("--iterations", type=int, help="iteration budget per algorithm (replaces --budget)")
+    parser.add_argument("--nfe-budget", type=float, help="compute-equivalent budget (NFE + 2 x grad NFE; replaces --budget)")
+    parser.add_argument("--eval-every-it", type=int, help="evaluate every N iterations instead of every N seconds")
+    parser.add_argument("--eval-steps", type=int, help="fixed ODE steps for evaluation (default: each run's sampler steps)")
     parser.add_argument("--algos", default="flow_grpo,diffusion_nft,awm")
     parser.add_argument("--out", default=str(REPO / "docs"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to every algorithm")
     args = parser.parse_args(argv)
     results = {}
+    count_budget = args.iterations is not None or args.nfe_budget is not None
+    budget = None if count_budget else args.budget
     for name in args.algos.split(","):
-        print(f"running {name} for {args.budget:.0f} s", flush=True)
-        results[name] = run_one(name, args.budget, args.eval_every_s, args.overrides)
+        print(f"running {name}", flush=True)
+        results[name] = run_one(
+            name, budget, args.eval_every_s, args.overrides, iterations=args.iterations, nfe_budget=args.nfe_budget,
+            eval_every_it=args.eval_every_it, eval_steps=args.eval_steps,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "benchmarks-convergence.png")
     (out / "benchmarks-convergence.json").write_text(json.dumps(results, indent=1))
     command = "python -m bench.convergence " + " ".join(argv if argv is not None else os.sys.argv[1:])
-    section = report(results, args.budget, command.strip())
+    limits = [f"{args.iterations} iterations" if args.iterations else "", f"{args.nfe_budget:,.0f} compute-eq." if args.nfe_budget else ""]
+    section = report(results, " / ".join(x for x in limits if x) if count_budget else args.budget, command.strip())
     print(section)
     update_docs(out / "benchmarks.md", section)
 

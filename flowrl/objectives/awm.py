@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..lora import add_frozen_copy, soft_update
 from ..models.adapter import ModelAdapter
-from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, velocity_penalty
+from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -73,6 +73,8 @@ class AWM:
         num_timesteps: training sigmas per sample (6).
         timestep_fraction: last usable rollout step fraction (0.9).
         ema_decay_rate, ema_decay_max: ``d = min(rate * iteration, max)`` (0.001, 0.3).
+        updates_per_iteration: optimizer steps per iteration (1, as the reference: strictly
+            on-policy); more splits the shuffled micro-batches into that many steps.
     """
 
     power: float | None = 0.25
@@ -83,17 +85,23 @@ class AWM:
     timestep_fraction: float = 0.9
     ema_decay_rate: float = 0.001
     ema_decay_max: float = 0.3
+    updates_per_iteration: int = 1
     name: str = "awm"
     rollout = "solver"
     sampling_adapter = "default"
     eval_adapter = "default"
+
+    def __post_init__(self) -> None:
+        if self.updates_per_iteration < 1:
+            raise ValueError(f"objective.updates_per_iteration must be >= 1; got {self.updates_per_iteration}")
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "ema" adapter (the trust-region anchor)."""
         add_frozen_copy(model.transformer, "ema")
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
-        """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all."""
+        """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all
+        (or ``updates_per_iteration`` steps over the shuffled micro-batches)."""
         steps = stratified_steps(len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator)
         mbs = []
         for idx in chunk_indices(len(batch.prompts), batch.chunk_size):
@@ -101,7 +109,12 @@ class AWM:
                 continue
             for j in steps:
                 mbs.append(Microbatch(idx, j, torch.randn(batch.samples[idx].shape, generator=generator)))
-        return [mbs] if mbs else []
+        if not mbs:
+            return []
+        if self.updates_per_iteration == 1:
+            return [mbs]
+        order = torch.randperm(len(mbs), generator=generator).tolist()
+        return split_even([mbs[i] for i in order], self.updates_per_iteration)
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Advantage-weighted flow-matching loss on one chunk at one sigma."""

@@ -1,5 +1,6 @@
 """DiffusionNFT and AWM: float64 identities of their losses and schedules."""
 
+import pytest
 import torch
 
 from flowrl.objectives.awm import AWM, stratified_steps, weighted_log_likelihood
@@ -116,3 +117,23 @@ def test_nft_old_adapter_soft_update_follows_its_formula(tiny_sd3):
     assert abs(stats["old_decay"] - eta) < 1e-12
     for key, value in adapter_parameters(tiny_sd3.transformer, "old").items():
         torch.testing.assert_close(value, eta * old[key] + (1 - eta) * new[key])
+
+
+def _plan_batch(b=12, chunk=4, steps=10):
+    from flowrl.objectives.base import RolloutBatch
+
+    x = torch.zeros(b, 2, 3, 3)
+    sigmas = torch.linspace(1, 0, steps + 1)
+    keep = torch.ones(b, dtype=torch.bool)
+    return RolloutBatch([f"p{i}" for i in range(b)], torch.arange(b) // 4, {}, x, None, sigmas, x, x[:, 0, 0, 0], x[:, 0, 0, 0], keep, chunk)
+
+
+def test_awm_updates_per_iteration_split_the_same_microbatches():
+    batch = _plan_batch()
+    one = AWM(updates_per_iteration=1).plan(batch, torch.Generator().manual_seed(0))
+    three = AWM(updates_per_iteration=3).plan(batch, torch.Generator().manual_seed(0))
+    assert len(one) == 1 and len(three) == 3 and all(len(g) == 6 for g in three)  # 3 chunks x 6 sigmas
+    key = lambda mb: (tuple(mb.index.tolist()), mb.step)  # noqa: E731
+    assert sorted(map(key, one[0])) == sorted(key(mb) for g in three for mb in g)
+    with pytest.raises(ValueError, match="updates_per_iteration"):
+        AWM(updates_per_iteration=0)

@@ -1,0 +1,183 @@
+"""Sweep DiffusionNFT / AWM settings against a Flow-GRPO baseline on the embedded task.
+
+Usage::
+
+    # 1. the baseline curve (Flow-GRPO at its tuned default, 36 iterations, eval every 2)
+    python -m bench.convergence --algos flow_grpo --iterations 36 --eval-every-it 2 --eval-steps 10 --out OUT/base
+    # 2. variants (named below), two processes at a time, each stopped once it reaches the target
+    python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --variants nft_ref,awm_ref
+    # 3. the table of everything run so far
+    python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --table
+
+The target is the baseline's final eval reward. Each variant trains until its eval reward (10-step
+ODE, held-out seeds, evaluated every iteration) reaches the target, or until it has spent
+``--cap`` times the baseline's compute to the target. Reported per variant: iterations, NFE,
+compute equivalent (NFE + 2 x backpropagated forwards) and training wall time to the target,
+each as a ratio to the baseline's; wall time on a shared host is indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.convergence import REPO, ComputeCounter, first_reach, run_one
+
+NFT = REPO / "configs/nft/digits.yaml"
+AWM = REPO / "configs/awm/digits.yaml"
+GRPO = REPO / "configs/grpo/digits.yaml"
+
+# name -> (algorithm, config, overrides). "ref" = the shipped config (reference defaults).
+FAST_SAMPLER = ["sampler.num_steps=5", "sampler.solver=dpmpp_2m"]
+VARIANTS: dict[str, tuple[str, Path, list[str]]] = {
+    "nft_ref": ("diffusion_nft", NFT, []),
+    "nft_lr3e-3": ("diffusion_nft", NFT, ["optim.lr=3e-3"]),
+    "nft_steps5": ("diffusion_nft", NFT, ["sampler.num_steps=5"]),
+    "nft_tf0.3": ("diffusion_nft", NFT, ["objective.train_fraction=0.3"]),
+    "nft_p10": ("diffusion_nft", NFT, ["prompts.per_iteration=10"]),
+    "nft_g4": ("diffusion_nft", NFT, ["prompts.group_size=4", "prompts.per_iteration=40"]),
+    "nft_beta0.1": ("diffusion_nft", NFT, ["objective.beta=0.1"]),
+    "nft_upd4": ("diffusion_nft", NFT, ["objective.updates_per_iteration=4"]),
+    "nft_ema0": ("diffusion_nft", NFT, ["objective.ema_decay_max=0.0"]),
+    "nft_kl0": ("diffusion_nft", NFT, ["objective.kl_beta=0.0"]),
+    "awm_ref": ("awm", AWM, []),
+    "awm_lr3e-3": ("awm", AWM, ["optim.lr=3e-3"]),
+    "awm_steps5": ("awm", AWM, FAST_SAMPLER),
+    "awm_ts2": ("awm", AWM, ["objective.num_timesteps=2"]),
+    "awm_p10": ("awm", AWM, ["prompts.per_iteration=10"]),
+    "awm_upd4": ("awm", AWM, ["objective.updates_per_iteration=4"]),
+    "grpo_lr3e-3": ("flow_grpo", GRPO, ["optim.lr=3e-3"]),
+}
+
+
+def parse_variant(spec: str) -> tuple[str, tuple[str, Path, list[str]]]:
+    """``name`` from :data:`VARIANTS`, or ``name=base:key=value;key=value`` (base = a VARIANTS name)."""
+    if "=" not in spec.split(":")[0]:
+        if spec not in VARIANTS:
+            raise ValueError(f"unknown variant {spec!r}; known: {', '.join(VARIANTS)} (or name=base:key=value;...)")
+        return spec, VARIANTS[spec]
+    name, rest = spec.split("=", 1)
+    base, _, extra = rest.partition(":")
+    if base not in VARIANTS:
+        raise ValueError(f"variant {name!r}: unknown base {base!r}; known: {', '.join(VARIANTS)}")
+    algo, config, overrides = VARIANTS[base]
+    return name, (algo, config, [*overrides, *[x for x in extra.split(";") if x]])
+
+
+def baseline_hit(path: Path) -> tuple[float, dict[str, float]]:
+    """Target (the baseline's final eval reward) and the baseline's first point reaching it."""
+    points = json.loads(path.read_text())["flow_grpo"]
+    target = points[-1]["eval/reward_mean"]
+    return target, first_reach(points, target)
+
+
+def run_variant(job: tuple[str, str, str, list[str], float, float, int, str]) -> str:
+    """Run one variant in a worker process and write OUT/name.json."""
+    name, algo, config, overrides, stop, cap, max_it, out = job
+    points = run_one(
+        f"{name}", None, 0.0, overrides, config=Path(config), iterations=max_it, nfe_budget=cap,
+        eval_every_it=1, eval_steps=10, stop_at=stop,
+    )
+    Path(out, f"{name}.json").write_text(json.dumps({"algo": algo, "config": str(Path(config).relative_to(REPO)), "overrides": overrides, "points": points}, indent=1))
+    return name
+
+
+def table(out: Path, target: float, base: dict[str, float], names: list[str] | None = None) -> str:
+    """Markdown table of the variants in ``out`` (all, or ``names`` in that order)."""
+    files = [out / f"{n}.json" for n in names] if names else sorted(out.glob("*.json"))
+    lines = [
+        f"Target: Flow-GRPO's final eval reward {target:.4f}, reached by the baseline at iteration {base['iteration']} "
+        f"({base['nfe']:,} NFE, {base['compute']:,} compute-eq., {base['wall_s']:.0f} s).",
+        "",
+        "| variant | settings (diff to the shipped config) | iterations | NFE ratio | compute ratio | wall ratio | ink / correctness at hit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in files:
+        if not f.is_file():
+            continue
+        d = json.loads(f.read_text())
+        hit = first_reach(d["points"], target)
+        last = d["points"][-1]
+        settings = f"`{d['config']}` " + (" ".join(f"`{o}`" for o in d["overrides"]) or "(as shipped)")
+        if hit is None:
+            lines.append(
+                f"| {f.stem} | {settings} | not reached in {last['iteration']} (best {max(p['eval/reward_mean'] for p in d['points']):.4f}) "
+                f"| > {last['nfe'] / base['nfe']:.2f} | > {last['compute'] / base['compute']:.2f} | – | – |"
+            )
+            continue
+        lines.append(
+            f"| {f.stem} | {settings} | {hit['iteration']} | {hit['nfe'] / base['nfe']:.3f} | {hit['compute'] / base['compute']:.3f} "
+            f"| {hit['wall_s'] / base['wall_s']:.2f} | {hit['eval/ink']:.3f} / {hit['eval/digit_correctness']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per training iteration of each variant, interleaved round by round in one process
+    so that every variant sees the same host load. Returns name -> list of per-round times."""
+    from flowrl.config import load_config
+    from flowrl.guidance import apply_guidance
+    from flowrl.models import load_adapter
+    from flowrl.prompts import load_prompts
+    from flowrl.recipe import build_reward
+    from flowrl.runtime import configure_threads
+    from flowrl.trainer import Trainer
+
+    trainers = {}
+    for name, (_, config, overrides) in specs:
+        cfg = load_config(config, ["train.progress=false", *overrides])
+        configure_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), cfg.sampler.guidance_scale, cfg.prompts.negative))
+        trainers[name] = Trainer(cfg, model, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            t0 = time.perf_counter()
+            trainer.train_step()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="benchmarks-convergence.json of a flow_grpo run")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", default="", help="comma-separated names or name=base:key=value;key=value")
+    parser.add_argument("--jobs", type=int, default=2, help="variants run in parallel (1 torch thread each)")
+    parser.add_argument("--cap", type=float, default=0.7, help="stop a variant at this fraction of the baseline's compute")
+    parser.add_argument("--max-iterations", type=int, default=200)
+    parser.add_argument("--stop-at", type=float, help="stop reward (default: the target); set it higher to keep points past the target")
+    parser.add_argument("--table", action="store_true", help="only print the table of what is in --out")
+    parser.add_argument("--time-rounds", type=int, help="only time iterations: flow_grpo baseline and the variants, interleaved")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, base = baseline_hit(Path(args.baseline))
+    specs = [parse_variant(s) for s in args.variants.split(",") if s]
+    if args.time_rounds:
+        times = time_per_iteration([("flow_grpo", ("flow_grpo", GRPO, [])), *specs], args.time_rounds)
+        (out / "iteration_times.json").write_text(json.dumps(times, indent=1))
+        ref = statistics.median(times["flow_grpo"])
+        print("| variant | median s / iteration | min | max | ratio to Flow-GRPO's median |\n|---|---|---|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} | {max(ts):.2f} | {statistics.median(ts) / ref:.3f} |")
+        return
+    if not args.table and specs:
+        cap = args.cap * base["compute"]
+        stop = args.stop_at if args.stop_at is not None else target
+        jobs = [(n, a, str(c), o, stop, cap, args.max_iterations, str(out)) for n, (a, c, o) in specs]
+        with mp.get_context("spawn").Pool(max(1, min(args.jobs, len(jobs)))) as pool:
+            for name in pool.imap_unordered(run_variant, jobs):
+                print(f"done {name}", flush=True)
+    print(table(out, target, base, [n for n, _ in specs] if args.table and specs else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -206,7 +206,7 @@ def test_non_http_reply():
         thread.start()
         err = score_through_trainer_path(f"http://127.0.0.1:{port}", retries=1, timeout_s=2)
         thread.join(timeout=5)
-    assert "after 2 attempts" in str(err)
+    assert "after 2 attempts: reply is not HTTP (BadStatusLine)" in str(err)
 
 
 def _raises(images, prompts, **metadata):

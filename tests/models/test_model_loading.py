@@ -181,3 +181,30 @@ def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
     trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
     assert all(p.dtype == torch.float32 for p in trainer.params)  # LoRA weights train in fp32
     assert trainer.train_step()["train/first_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["flux", "qwen_image"])
+def test_export_merge_writes_a_loadable_folder_with_the_trained_velocity(kind, tmp_path):
+    """`flowrl export --merge` on FLUX / Qwen-Image: the fused folder reproduces the LoRA policy's velocity."""
+    from flowrl.export import export_merged
+    from flowrl.lora import add_lora, lora_state_dict
+    from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
+
+    build_pipe, build = (tiny_flux_pipeline, tiny_flux) if kind == "flux" else (tiny_qwen_image_pipeline, tiny_qwen_image)
+    base = tmp_path / "base"
+    build_pipe().save_pretrained(str(base))
+    seq = 8 if kind == "flux" else 24
+    (base / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": seq}))
+    trained = build()
+    add_lora(trained.transformer, rank=4, alpha=8, targets=trained.lora_target_modules)
+    for name, p in trained.transformer.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.1)
+    trained.save_lora(tmp_path / "lora", lora_state_dict(trained.transformer))
+    out = export_merged(tmp_path / "lora", tmp_path / "merged", base=str(base))
+    merged = load_adapter(str(out))
+    assert type(merged) is type(trained) and not hasattr(merged.transformer, "peft_config")
+    cond = trained.encode_prompt(["a bold handwritten 3", "a 2"])
+    x = torch.randn(2, *trained.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.8, 0.3])
+    torch.testing.assert_close(merged.velocity(x, sigma, cond), trained.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)

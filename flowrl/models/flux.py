@@ -103,7 +103,8 @@ class FluxAdapter:
         """Load a local diffusers folder holding a ``FluxPipeline`` (never with remote code).
 
         ``flowrl.json`` next to ``model_index.json`` may set ``resolution``, ``max_sequence_length``
-        and ``guidance_scale``.
+        (default: 512 for guidance-distilled dev, 256 for schnell, as their model cards use) and
+        ``guidance_scale``.
         """
         from diffusers import FluxPipeline
 
@@ -116,7 +117,7 @@ class FluxAdapter:
         return cls(
             pipe,
             guidance_scale=guidance_scale,
-            max_sequence_length=int(card.get("max_sequence_length", 512)),
+            max_sequence_length=int(card.get("max_sequence_length", 512 if pipe.transformer.config.guidance_embeds else 256)),
             resolution=(res, res) if isinstance(res, int) else res,
             model_id=model_id or Path(path).name,
         )

@@ -9,6 +9,7 @@ and the config key, instead of the hub client's ~25 s of retries. Remote code is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -23,6 +24,7 @@ KNOWN_REPOS = {
 }
 """Example hub repos per pipeline class, used in download hints."""
 
+logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".gguf")
 PROBE_TIMEOUT_S = 3.0
@@ -122,10 +124,12 @@ def resolve_model_path(path: str, *, cache_dir: str | None = None) -> Path:
     try:
         folder = Path(snapshot_download(path, cache_dir=cache_dir, local_files_only=True))
     except OSError:  # LocalEntryNotFoundError: not cached
+        where = f"no local folder {path!r} and not in the local hub cache"
         if hub_offline():
-            raise FileNotFoundError(missing_weights_message(path, "not in the local hub cache and HF_HUB_OFFLINE is set")) from None
+            raise FileNotFoundError(missing_weights_message(path, f"{where}; HF_HUB_OFFLINE is set")) from None
         if not _hub_reachable():
-            raise FileNotFoundError(missing_weights_message(path, "not in the local hub cache and the hub is unreachable")) from None
+            raise FileNotFoundError(missing_weights_message(path, f"{where}; the hub is unreachable")) from None
+        logger.warning("downloading %s from the Hugging Face hub into its cache (set model.path to a local folder to skip)", path)
         try:
             folder = _download(path, cache_dir)
         except (HfHubHTTPError, OSError) as err:

@@ -117,7 +117,10 @@ def test_schnell_has_no_guidance_and_rejects_one():
 
 
 def test_batched_encoding_matches_single_prompts_and_shapes():
+    from flowrl.models import ModelAdapter
+
     model = tiny_flux()
+    assert isinstance(model, ModelAdapter) and isinstance(tiny_flux(guidance_embeds=False), ModelAdapter)
     both = model.encode_prompt(PROMPTS)
     assert both["encoder_hidden_states"].shape == (2, 8, 16) and both["pooled_projections"].shape == (2, 16)
     for i, prompt in enumerate(PROMPTS):

@@ -38,6 +38,7 @@ def test_flux_folder_loads_by_class_name_with_model_card(flux_folder):
 
 def test_schnell_folder_loads_without_guidance(tmp_path):
     tiny_flux_pipeline(guidance_embeds=False).save_pretrained(str(tmp_path))
+    assert load_adapter(str(tmp_path)).max_sequence_length == 256  # schnell's T5 length when the card does not say
     (tmp_path / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8, "guidance_scale": 3.5}))
     model = load_adapter(str(tmp_path))
     assert isinstance(model, FluxAdapter) and model.guidance_scale is None  # card guidance ignored: no embedding
@@ -65,7 +66,7 @@ def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
         resolve_model_path("black-forest-labs/FLUX.1-dev", cache_dir=str(tmp_path))
     assert time.perf_counter() - start < 2.0
     msg = str(err.value)
-    assert "\n" not in msg and "'black-forest-labs/FLUX.1-dev'" in msg and "HF_HUB_OFFLINE" in msg
+    assert "\n" not in msg and "'black-forest-labs/FLUX.1-dev'" in msg and "not in the local hub cache; HF_HUB_OFFLINE" in msg
     assert "hf download black-forest-labs/FLUX.1-dev --local-dir" in msg and "model.path=" in msg
 
 

@@ -32,6 +32,9 @@ def qwen():
 
 
 def test_prompts_are_padded_to_one_length_with_a_mask(qwen):
+    from flowrl.models import ModelAdapter
+
+    assert isinstance(qwen, ModelAdapter) and qwen.guidance == "cfg"
     cond = qwen.encode_prompt(PROMPTS)
     assert cond["encoder_hidden_states"].shape == (2, 24, 16) and cond["encoder_hidden_states_mask"].shape == (2, 24)
     lengths = cond["encoder_hidden_states_mask"].sum(1).tolist()

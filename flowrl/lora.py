@@ -61,7 +61,8 @@ def load_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: s
     from peft.utils import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter)
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    # with several adapters attached, peft lists the *other* adapters' weights as missing too
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{adapter}." in k]
     if missing or getattr(result, "unexpected_keys", []):
         raise ValueError(
             f"LoRA checkpoint does not match the model ({len(missing)} missing, "

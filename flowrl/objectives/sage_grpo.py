@@ -37,7 +37,7 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,7 +46,9 @@ from ..lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.flow_sde import SDEStep
 from ..samplers.sde_steps import get_sde_step
+from ..samplers.tree import branch_step
 from .base import Microbatch, RolloutBatch
+from .branch_grpo import BranchGRPO, chunk_children
 from .flow_grpo import FlowGRPO, clipped_policy_loss, gaussian_mean_kl
 
 ANCHOR = "anchor"
@@ -121,6 +123,64 @@ def transition_kl(mean: Tensor, other: Tensor, std: Tensor) -> Tensor:
     return torch.where(std > 0, gaussian_mean_kl(mean, other, safe), torch.zeros_like(safe))
 
 
+class Edges(NamedTuple):
+    """The stored transitions of one micro-batch: flat (one per sample) or tree edges.
+
+    Attributes:
+        x: (p, ...) parent latents the model runs on (once per parent).
+        cond: conditioning of the p parents.
+        local: (e,) parent row of each edge.
+        x_next: (e, ...) stored children.
+        old_log_prob: (e,) rollout-time log-density of each edge.
+        advantages: (e,) advantage of each edge.
+        weights: (e,) loss weight of each edge (``keep / kept`` flat; BranchGRPO's ``1 / E`` on trees).
+        step: index of the step in the grid.
+        sigmas, levels: (T + 1,) grid and (T,) noise levels.
+        noise_scales: (T,) std multipliers of a tree's split steps; None for flat trajectories.
+        sde: the SDE step's name.
+    """
+
+    x: Tensor
+    cond: Cond
+    local: Tensor
+    x_next: Tensor
+    old_log_prob: Tensor
+    advantages: Tensor
+    weights: Tensor
+    step: int
+    sigmas: Tensor
+    levels: Tensor
+    noise_scales: Tensor | None
+    sde: str
+
+    @property
+    def noise_scale(self) -> float:
+        return 1.0 if self.noise_scales is None else float(self.noise_scales[self.step])
+
+
+def flat_edges(batch: RolloutBatch, mb: Microbatch) -> Edges:
+    """A chunk of flat trajectories at one step; zero-variance groups weigh 0."""
+    traj, idx, j = batch.trajectory, mb.index, mb.step
+    keep = batch.keep[idx].float()
+    return Edges(
+        traj.latents[idx, j], select_cond(batch.cond, idx), torch.arange(len(idx)), traj.latents[idx, j + 1],
+        traj.log_probs[idx, j], batch.advantages[idx], keep / keep.sum().clamp(min=1.0), j,
+        traj.sigmas, traj.noise_levels, None, traj.sde,
+    )
+
+
+def tree_edges(batch: RolloutBatch, mb: Any) -> Edges:
+    """The trained edges below one frontier chunk of a tree step (BranchGRPO's micro-batch)."""
+    tb, t, parents = batch.tree, mb.step, mb.index
+    tr = tb.rollout
+    children, local = chunk_children(parents, int(tr.factors[t]), tb.train[t])
+    return Edges(
+        tr.nodes[t][parents], select_cond(tb.cond, tr.trees(t)[parents]), local, tr.nodes[t + 1][children],
+        tr.log_probs[t][children], tb.advantages[t][children], torch.full((len(children),), float(mb.weight)), t,
+        tr.sigmas, tr.noise_levels, tr.noise_scales, tr.sde,
+    )
+
+
 @dataclass
 class SageGRPO:
     """SAGE-GRPO objective (reference defaults in parentheses).
@@ -136,6 +196,8 @@ class SageGRPO:
         kl_target: the KL_eff the controller steers to (the reference passes ``kl_weight``, 1e-5).
         kl_rate: largest relative change of beta per update (0.2).
         updates_per_iteration: optimizer steps per iteration.
+        tree: train on branching tree rollouts (``sampler.tree``), one loss term per edge with
+            BranchGRPO's depth-wise advantages and edge weighting, instead of flat trajectories.
     """
 
     clip_range: float = 1e-4
@@ -149,8 +211,8 @@ class SageGRPO:
     kl_target: float = 1e-5
     kl_rate: float = 0.2
     updates_per_iteration: int = 1
+    tree: bool = False
     name: str = "sage_grpo"
-    rollout = "sde"
     sampling_adapter = "default"
     eval_adapter = "default"
 
@@ -190,53 +252,61 @@ class SageGRPO:
         if self.uses_rollout_adapter:
             add_frozen_copy(model.transformer, ROLLOUT)
 
+    @property
+    def rollout(self) -> str:
+        """"tree" (branching tree rollouts, trained per edge) or "sde" (flat trajectories)."""
+        return "tree" if self.tree else "sde"
+
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
-        """Every (chunk, stochastic step) pair once, as Flow-GRPO plans it."""
+        """Every (chunk, stochastic step) pair once as Flow-GRPO plans it; on trees, every
+        (step, frontier chunk) with a trained edge once, as BranchGRPO plans it."""
+        if batch.tree is not None:
+            return BranchGRPO(updates_per_iteration=self.updates_per_iteration).plan(batch, generator)
         return FlowGRPO(updates_per_iteration=self.updates_per_iteration).plan(batch, generator)
 
-    def step_scale(self, batch: RolloutBatch, step: int) -> float:
-        """The equaliser's ``c_j`` for one step of the batch's trajectory (1 when off)."""
+    def step_scale(self, sde: str, sigmas: Tensor, levels: Tensor, noise_scales: Tensor | None, step: int) -> float:
+        """The equaliser's ``c_j`` (1 when off); a tree's split steps have their std scaled, so g / scale."""
         if not self.equalise:
             return 1.0
-        traj = batch.trajectory
-        levels = traj.noise_levels
-        g = step_sensitivity(traj.sde, traj.sigmas, levels)
+        g = step_sensitivity(sde, sigmas, levels)
+        if noise_scales is not None:
+            g = g / noise_scales.double()
         g = torch.where(levels > 0, g, torch.full_like(g, float("nan")))  # median over stochastic steps
         return float(equaliser_scales(g)[step])
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
-        """Equalised clipped ratio loss plus beta times the dual-trust-region KL, one chunk at one step."""
-        traj, idx, j = batch.trajectory, mb.index, mb.step
-        x, x_next = traj.latents[idx, j], traj.latents[idx, j + 1]
-        sigma = traj.sigmas[j].float().expand(len(idx))
-        sigma_next = traj.sigmas[j + 1].float().expand(len(idx))
-        level = float(traj.noise_levels[j])
-        cond = select_cond(batch.cond, idx)
-        step_fn = get_sde_step(traj.sde)
+        """Equalised clipped ratio loss plus beta times the dual-trust-region KL of one micro-batch."""
+        edges = tree_edges(batch, mb) if batch.tree is not None else flat_edges(batch, mb)
+        step_fn = get_sde_step(edges.sde)
+        n_parents, n_edges = len(edges.x), len(edges.local)
+        sigma_p = edges.sigmas[edges.step].float().expand(n_parents)
+        sigma = edges.sigmas[edges.step].float().expand(n_edges)
+        sigma_next = edges.sigmas[edges.step + 1].float().expand(n_edges)
+        level = float(edges.levels[edges.step])
 
         def recompute(adapter: str | None = "default") -> SDEStep:
-            return step_fn(x, velocity_under(model, adapter, x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
+            v = velocity_under(model, adapter, edges.x, sigma_p, edges.cond)[edges.local]
+            x = edges.x[edges.local]
+            return branch_step(step_fn, x, v, sigma, sigma_next, level, edges.noise_scale, prev_sample=edges.x_next)
 
         step = recompute()
-        keep = batch.keep[idx].float()
-        denom = keep.sum().clamp(min=1.0)
-        per_sample, ratio = clipped_policy_loss(step.log_prob, traj.log_probs[idx, j], batch.advantages[idx], self.clip_range)
-        scale = self.step_scale(batch, j)
-        policy = scale * (per_sample * keep).sum() / denom
+        per_edge, ratio = clipped_policy_loss(step.log_prob, edges.old_log_prob, edges.advantages, self.clip_range)
+        scale = self.step_scale(edges.sde, edges.sigmas, edges.levels, edges.noise_scales, edges.step)
+        policy = scale * (per_edge * edges.weights).sum()
         anchor_mean = self._other_mean(self._anchor_adapter(), step, recompute)
-        kl_anchor = (transition_kl(step.mean, anchor_mean, step.std) * keep).sum() / denom
+        kl_anchor = (transition_kl(step.mean, anchor_mean, step.std) * edges.weights).sum()
         kl_step = torch.zeros((), dtype=policy.dtype)
         if self.step_kl_weight > 0:
             rollout_adapter = ROLLOUT if self.iteration_updates > 0 else "current"
             old_mean = self._other_mean(rollout_adapter, step, recompute)
-            kl_step = (transition_kl(step.mean, old_mean, step.std) * keep).sum() / denom
+            kl_step = (transition_kl(step.mean, old_mean, step.std) * edges.weights).sum()
         kl_eff = self.anchor_weight * kl_anchor + self.step_kl_weight * kl_step
         self._kl_sum += float(kl_eff.detach())
         self._kl_count += 1
         stats = {
             "ratio": float(ratio.detach().mean()),
             "clipfrac": float(((ratio.detach() - 1).abs() > self.clip_range).float().mean()),
-            "approx_kl": float(0.5 * ((step.log_prob.detach() - traj.log_probs[idx, j]) ** 2).mean()),
+            "approx_kl": float(0.5 * ((step.log_prob.detach() - edges.old_log_prob) ** 2).mean()),
             "policy_loss": float(policy.detach()),
             "eq_scale": scale,
             "kl_anchor": float(kl_anchor.detach()),

@@ -303,3 +303,44 @@ def test_shipped_configs_validate(name):
 
     cfg = load_config(REPO / "configs/sage" / name)
     assert cfg.objective["name"] == "sage_grpo" and cfg.sampler.sde == "sage" and cfg.sampler.noise_level == 0.5
+
+
+def test_lora_loads_with_several_adapters_attached(tiny_sd3):
+    from flowrl.lora import add_frozen_copy, load_lora_state, lora_state_dict
+
+    _lora(tiny_sd3)
+    add_frozen_copy(tiny_sd3.transformer, "anchor")  # peft then reports the anchor's keys as "missing"
+    state = lora_state_dict(tiny_sd3.transformer)
+    _perturb(tiny_sd3)
+    load_lora_state(tiny_sd3.transformer, state)
+    back = lora_state_dict(tiny_sd3.transformer)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    partial = {k: v for i, (k, v) in enumerate(state.items()) if i > 0}
+    with pytest.raises(ValueError, match="1 missing"):  # a real mismatch is still reported
+        load_lora_state(tiny_sd3.transformer, partial)
+
+
+@pytest.mark.slow
+def test_tree_rollouts_ratio_one_and_split_step_equaliser():
+    trainer = _trainer(["objective.tree=true", "prompts.per_iteration=1", "prompts.group_size=16", "sampler.tree.split_steps=[0,3,6,9]",
+                        "sampler.tree.factors=[2]", "sampler.tree.split_noise_scale=4.0"])
+    assert trainer.objective.rollout == "tree"
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    batch, _ = trainer.collect()
+    tr = batch.tree.rollout
+    assert tr.sde == "sage" and len(batch.samples) == 16
+    g = step_sensitivity("sage", tr.sigmas, tr.noise_levels) / tr.noise_scales  # split steps: 4x std
+    scales = equaliser_scales(torch.where(tr.noise_levels > 0, g, torch.nan))
+    edges = 0
+    for group in trainer.objective.plan(batch, torch.Generator().manual_seed(0)):
+        for mb in group:
+            loss, stats = trainer.objective.loss(trainer.model, batch, mb)
+            assert stats["ratio"] == 1.0 and stats["approx_kl"] == 0.0 and stats["kl_anchor"] == 0.0, (mb.step, stats)
+            assert stats["eq_scale"] == pytest.approx(float(scales[mb.step]), rel=1e-6)
+            assert torch.isfinite(loss)
+            edges += int(batch.tree.train[mb.step].reshape(-1, int(tr.factors[mb.step]))[mb.index].sum())
+    assert edges == 58  # every edge of the tree once (2 + 2 + 2 + 4 + ... as in BranchGRPO)
+    metrics = trainer.train_step()
+    assert metrics["train/first_ratio"] == 1.0 and metrics["train/updates"] == 1.0

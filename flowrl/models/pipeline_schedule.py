@@ -58,7 +58,7 @@ def pipeline_sigmas(config: Mapping[str, Any], num_steps: int, image_seq_len: in
     else:
         sigmas = shift_sigmas(sigmas, float(config.get("shift", 1.0)))
     terminal = config.get("shift_terminal")
-    if terminal:
+    if terminal and num_steps > 1:  # one step: nothing to stretch (diffusers would divide 0 by 0)
         one_minus = 1.0 - sigmas
         sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - terminal))
     return torch.cat([sigmas, sigmas.new_zeros(1)])

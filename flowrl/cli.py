@@ -63,7 +63,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .prompts import load_prompts
     from .rollouts import sample_images
     from .runtime import configure_threads
-    from .models.adapter import model_latent_shape
+    from .models.adapter import model_latent_shape, output_resolution
     from .models.pipeline_schedule import run_sigmas
 
     config, overrides = _split_config_args(ns.args)
@@ -84,8 +84,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    res = cfg.model.resolution
-    resolution = (res, res) if res else tuple(model.default_resolution)
+    resolution = output_resolution(cfg.model.resolution, model)
     latent = model_latent_shape(model, resolution, cfg.model.num_frames)
     sigmas = run_sigmas(model, cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift,
                         resolution=resolution, latent=latent)

@@ -31,7 +31,7 @@ class ModelConfig:
     path: str = "flowrl-digits"  # "flowrl-digits" (embedded) or a local diffusers folder
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
-    resolution: int | None = None  # None = the model's default
+    resolution: int | list[int] | None = None  # an int (square) or [height, width]; None = the model's default
     num_frames: int | None = field(default=None, metadata=_rng(1))  # video models (Wan: 4k + 1); None = the model's default
     distilled_guidance: float | None = field(default=None, metadata=_rng(0))  # FLUX.1-dev guidance embedding; None = model default (3.5); null for schnell
 

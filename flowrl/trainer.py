@@ -19,7 +19,7 @@ from .advantages import compute_advantages
 from .config import Config
 from .guidance import apply_guidance
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
-from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape
+from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape, output_resolution
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .memory import apply_memory_settings
 from .prompt_cache import PromptCache
@@ -58,8 +58,7 @@ class Trainer:
             model = CountingAdapter(apply_memory_settings(model, cfg.memory))
         self.model = model
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
-        res = cfg.model.resolution
-        self.resolution = (res, res) if res else tuple(model.default_resolution)
+        self.resolution = output_resolution(cfg.model.resolution, model)
         self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
         s = cfg.sampler
         self.sigmas = run_sigmas(model, s.schedule, s.num_steps, shift=s.shift, resolution=self.resolution, latent=latent)

@@ -85,6 +85,21 @@ def is_video(model: object) -> bool:
     return getattr(model, "default_num_frames", None) is not None
 
 
+def output_resolution(resolution: int | Sequence[int] | None, model: ModelAdapter) -> tuple[int, int]:
+    """(height, width) from ``model.resolution``: an int (square), [height, width], or None (model default).
+
+    Raises:
+        ValueError: anything else (one line naming the key and the allowed forms).
+    """
+    if resolution is None:
+        return tuple(model.default_resolution)
+    if isinstance(resolution, int) and not isinstance(resolution, bool) and resolution > 0:
+        return (resolution, resolution)
+    if isinstance(resolution, (list, tuple)) and len(resolution) == 2 and all(isinstance(r, int) and r > 0 for r in resolution):
+        return (int(resolution[0]), int(resolution[1]))
+    raise ValueError(f"model.resolution must be a positive int (square) or [height, width]; got {resolution!r}")
+
+
 def model_latent_shape(model: ModelAdapter, resolution: tuple[int, int], frames: int | None = None) -> tuple[int, ...]:
     """Latent shape for a resolution and (video models only) a frame count.
 

@@ -307,3 +307,16 @@ def test_both_experts_state_round_trips_through_the_trainer():
     got = twin.train_step()
     for key in ("reward_mean", "train/loss", "train/grad_norm"):
         assert got[key] == expected[key], key
+
+
+def test_non_square_resolution_from_the_config():
+    from flowrl.models.adapter import output_resolution
+
+    model = tiny_wan_adapter()
+    assert output_resolution(None, model) == (16, 16) and output_resolution(32, model) == (32, 32)
+    assert output_resolution([32, 16], model) == (32, 16)
+    with pytest.raises(ValueError, match="model.resolution"):
+        output_resolution([32, 16, 8], model)
+    trainer = _two_expert_trainer(model, "model.resolution=[32, 16]")
+    assert trainer.resolution == (32, 16) and trainer.latent_shape == (16, 2, 4, 2)
+    assert trainer.sample(trainer.eval_prompts, [1, 2]).shape == (2, 5, 3, 32, 16)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -55,6 +56,10 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
+class _ThreadingHTTPServer6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class RewardServer:
     """Serve one reward over HTTP.
 
@@ -88,7 +93,8 @@ class RewardServer:
         self.batches = 0
         self._score_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        server_class = _ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer
+        self.httpd = server_class((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         self.httpd.block_on_close = False  # stop() must not wait for a slow reward
 
@@ -170,11 +176,15 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
                 sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
         def _send(self, status: int, body: bytes, content_type: str = JSON) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout): nothing to answer
+                self.close_connection = True
+                self.log_message("client left before the reply (%d)", status)
 
         def _error(self, status: int, message: str) -> None:
             self.close_connection = True

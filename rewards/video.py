@@ -78,7 +78,11 @@ class FrameReward:
         self.reward = reward
         self.reduce = _check_reduction(reduce, f"reward {name!r}: option video")
         self.name = name
-        self.allows_nan = reward_allows_nan(reward)
+
+    @property
+    def allows_nan(self) -> bool:
+        """The image reward's own declaration, read at call time (a remote reward learns it from the server)."""
+        return reward_allows_nan(self.reward)
 
     def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
         """Scores (B,) for clips (B, F, 3, H, W) or images (B, 3, H, W) in [0, 1]."""

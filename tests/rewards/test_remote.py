@@ -78,6 +78,28 @@ def test_remote_scores_equal_in_process_and_split_batches(serve):
     assert info["name"] == "ink" and info["allows_nan"] is True and info["batches_scored"] == 5
 
 
+def test_frame_wrapped_remote_learns_allows_nan_from_the_server(serve):
+    server = serve(ink("prompt"), "ink")
+    reward = build_multi_reward({"judge": {"reward": "remote", "url": server.url, "video": "mean"}})
+    clips = torch.rand(3, 2, 3, 8, 8)
+    out = reward(clips, ["a bold handwritten 1", "a handwritten 2", "a thin handwritten 3"])
+    assert out.components["judge"][1].isnan() and not out.components["judge"][[0, 2]].isnan().any()
+
+
+def test_ipv6_loopback(serve):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    try:
+        server = RewardServer(ink("bold"), "ink", host="::1", port=0).start()
+    except OSError as err:
+        pytest.skip(f"IPv6 loopback unavailable here ({err})")
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert torch.equal(RemoteReward(server.url)(images(), PROMPTS), ink("bold")(images(), PROMPTS))
+    finally:
+        server.stop()
+
+
 def test_remote_video_reward_and_multi_reward(serve):
     server = serve(build_reward("ink", target="bold", video="min"), "ink-video")
     clips = torch.rand(4, 3, 3, 8, 8)

@@ -178,7 +178,7 @@ class FluxAdapter:
             guidance = torch.full((b,), self.guidance_scale, device=x.device, dtype=torch.float32)
         out = self.transformer(
             hidden_states=pack_latents(x.to(self.dtype)),
-            timestep=sigma.to(device=x.device, dtype=self.dtype),
+            timestep=(sigma * 1000).to(device=x.device, dtype=self.dtype) / 1000,  # rounded as the pipeline rounds it
             guidance=guidance,
             pooled_projections=cond["pooled_projections"],
             encoder_hidden_states=text,

@@ -156,7 +156,7 @@ class QwenImageAdapter:
             hidden_states=pack_latents(x.to(self.dtype)),
             encoder_hidden_states=cond["encoder_hidden_states"][:, :length],
             encoder_hidden_states_mask=mask[:, :length],
-            timestep=sigma.to(device=x.device, dtype=self.dtype),
+            timestep=(sigma * 1000).to(device=x.device, dtype=self.dtype) / 1000,  # rounded as the pipeline rounds it
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]

@@ -33,8 +33,11 @@ def tiny_wan_transformer():
     )
 
 
-def tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False, boundary_ratio: float = 0.875, shift: float = 3.0):
-    """A random-init WanPipeline (Wan2.1 layout; ``two_experts`` adds transformer_2 + boundary_ratio as Wan2.2)."""
+def tiny_wan_pipeline(
+    seed: int = 0, *, two_experts: bool = False, boundary_ratio: float = 0.875, shift: float = 3.0, expand_timesteps: bool = False
+):
+    """A random-init WanPipeline (Wan2.1 layout; ``two_experts`` adds transformer_2 + boundary_ratio as
+    Wan2.2-A14B; ``expand_timesteps`` gives per-token timesteps as Wan2.2-TI2V-5B)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from transformers import T5Config, T5EncoderModel
 
@@ -46,7 +49,7 @@ def tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False, boundary_rati
     extra = {"transformer_2": tiny_wan_transformer(), "boundary_ratio": boundary_ratio} if two_experts else {}
     return WanPipeline(
         tokenizer=tok, text_encoder=text_encoder, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
-        transformer=transformer, **extra,
+        transformer=transformer, expand_timesteps=expand_timesteps, **extra,
     )
 
 
@@ -54,5 +57,5 @@ def tiny_wan_adapter(seed: int = 0, **kwargs):
     """A WanAdapter over :func:`tiny_wan_pipeline`: 16x16 videos of 5 frames (latents 16 x 2 x 2 x 2)."""
     from flowrl.models.wan import WanAdapter
 
-    pipe_kwargs = {k: kwargs.pop(k) for k in ("two_experts", "boundary_ratio") if k in kwargs}
+    pipe_kwargs = {k: kwargs.pop(k) for k in ("two_experts", "boundary_ratio", "expand_timesteps") if k in kwargs}
     return WanAdapter(tiny_wan_pipeline(seed, **pipe_kwargs), max_sequence_length=8, resolution=(16, 16), num_frames=5, **kwargs)

@@ -75,6 +75,21 @@ def test_guided_euler_and_decode_match_the_wan_pipeline():
     torch.testing.assert_close(video, frames.float(), rtol=1e-4, atol=1e-4)
 
 
+def test_per_token_timesteps_match_the_pipeline():
+    """expand_timesteps (Wan2.2-TI2V layout): one timestep per latent token, as WanPipeline builds it."""
+    model = tiny_wan_adapter(expand_timesteps=True)
+    x = torch.randn(2, *model.latent_shape(32, 32, 9), generator=torch.Generator().manual_seed(4))
+    ref = model.pipe(
+        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=32, width=32, num_frames=9, num_inference_steps=2,
+        guidance_scale=2.0, latents=x.clone(), output_type="latent", max_sequence_length=8,
+    ).frames
+    guided = GuidedAdapter(model, 2.0, NEGATIVE)
+    cond = guided.encode_prompt(PROMPTS)
+    with torch.no_grad():
+        ours = ode_solve(lambda z, s: guided.velocity(z, s, cond), x, model.pipe.scheduler.sigmas.double())
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_cfg_batching_one_call_equals_two_calls():
     model = tiny_wan_adapter()
     guided = GuidedAdapter(model, 4.0, NEGATIVE)

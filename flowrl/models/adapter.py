@@ -31,7 +31,7 @@ class ModelAdapter(Protocol):
 
     Attributes:
         transformer: the denoiser module LoRA is attached to (for a two-expert model such as
-            Wan2.2-A14B: the expert being trained).
+            Wan2.2-A14B: the trained expert, or ``WanExperts`` holding both).
         lora_target_modules: default LoRA target module names for this family.
         dtype: the dtype the model weights run in (log-probs and SDE means stay fp32 regardless).
         default_resolution: (height, width) used when a config does not say.

@@ -28,6 +28,10 @@ w_stp KL_stp`` (proportional controller of Ziegler et al., 2019):
 and every K-th update the "anchor" adapter becomes a hard copy of theta (K = 0: the anchor is
 the base model, LoRA switched off).
 
+With ``tree: true`` the same loss runs on the edges of branching tree rollouts (BranchGRPO's
+micro-batches, depth-wise advantages and ``1 / E`` edge weights); a split step's std is scaled,
+so its sensitivity is ``g_j / scale_j``. docs/sage-grpo.md lists the knobs.
+
 References:
     Zheng et al., "Manifold-Aware Exploration for RL in Video Generation" (SAGE-GRPO),
     arXiv 2603.21872, 2026 (Tencent-Hunyuan/SAGE-GRPO).

@@ -77,7 +77,7 @@ def load_adapter(
             f"model.distilled_guidance={distilled_guidance} but {cls_name} has no guidance embedding; remove it "
             "(true CFG is sampler.guidance_scale)"
         )
-    if cls_name in FLOW_PIPELINES:
+    if isinstance(cls_name, str) and cls_name in FLOW_PIPELINES:
         return load_flow_pipeline(
             cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path), distilled_guidance=distilled_guidance
         )

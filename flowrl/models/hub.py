@@ -78,7 +78,8 @@ def check_weights(folder: Path, model: str) -> None:
             f"model folder {folder} has no model_index.json; point model.path at a diffusers pipeline folder"
         )
     listed = json.loads(index.read_text())
-    repo = KNOWN_REPOS.get(listed.get("_class_name", ""))
+    cls_name = listed.get("_class_name")
+    repo = KNOWN_REPOS.get(cls_name) if isinstance(cls_name, str) else None
     for name, spec in listed.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
             continue

@@ -42,4 +42,12 @@ def load_flow_pipeline(
     module, name = FLOW_PIPELINES[cls_name]
     adapter_cls = getattr(importlib.import_module(module), name)
     extra = {"guidance_scale": distilled_guidance} if cls_name == "FluxPipeline" else {}
-    return adapter_cls.from_pretrained(folder, dtype=dtype, device=device, model_id=model_id, **extra)
+    try:
+        return adapter_cls.from_pretrained(folder, dtype=dtype, device=device, model_id=model_id, **extra)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(
+            f"{folder} ships custom model code that flowrl does not run (trust_remote_code stays off); "
+            "point model.path at a standard diffusers folder"
+        ) from None

@@ -209,3 +209,23 @@ def test_export_merge_writes_a_loadable_folder_with_the_trained_velocity(kind, t
     x = torch.randn(2, *trained.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.8, 0.3])
     torch.testing.assert_close(merged.velocity(x, sigma, cond), trained.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+
+
+def test_custom_code_in_a_folder_is_never_run(flux_folder, tmp_path):
+    """trust_remote_code stays off: a component that needs the folder's own Python module is refused, unexecuted."""
+    folder = tmp_path / "custom"
+    shutil.copytree(flux_folder, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "transformer": ["my_transformer", "MyTransformer"]}))
+    marker = tmp_path / "executed"
+    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom diffusers import FluxTransformer2DModel as MyTransformer\n"
+    for where in (folder, folder / "transformer"):
+        (where / "my_transformer.py").write_text(code)
+    with pytest.raises(ValueError) as err:
+        load_adapter(str(folder))
+    assert "trust_remote_code stays off" in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": ["my_pipeline", "MyPipeline"]}))
+    with pytest.raises(ValueError, match="no flowrl adapter for pipeline class"):
+        load_adapter(str(folder))
+    assert not marker.exists()

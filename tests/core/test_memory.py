@@ -153,3 +153,21 @@ def test_free_encoders_under_true_cfg_keeps_the_negative_in_each_entry(tiny_sd3)
     assert any(k.startswith("uncond.") for k in cond)
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
+
+
+def test_every_memory_control_on_wan_video_with_true_cfg(tmp_path):
+    from tiny_wan import tiny_wan_adapter
+
+    model = tiny_wan_adapter()
+    cfg = load_config(None, [
+        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2",
+        "sampler.chunk_size=2", "sampler.guidance_scale=3.0", "lora.rank=4", "lora.alpha=8", f"prompts.cache_dir={tmp_path}",
+        "memory.gradient_checkpointing=true", "memory.autocast=bf16", "memory.vae_tiling=true", "memory.vae_slicing=true",
+        "memory.offload_encoders=true", "memory.offload_vae=true", "memory.free_encoders_when_cached=true",
+    ])
+    prompts = load_prompts("digits-styles")
+    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:3], prompts[:1])
+    assert model.transformer.gradient_checkpointing and model.vae.use_tiling and model.pipe.text_encoder is None
+    metrics = trainer.train_step()
+    assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert metrics["prompt_cache/misses"] == 3 and len(list(tmp_path.rglob("*.safetensors"))) == 3  # 3 distinct prompts

@@ -53,11 +53,16 @@ def missing_weights_message(model: str, reason: str, repo: str | None = None) ->
     )
 
 
-def _hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """One TCP connect to the hub endpoint; any failure (DNS, refused, blocked) counts as unreachable."""
+def _endpoint() -> str:
+    """The hub endpoint (``HF_ENDPOINT`` read at call time), used by the probe and the download alike."""
     from huggingface_hub import constants
 
-    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """One TCP connect to the hub endpoint; any failure (DNS, refused, blocked) counts as unreachable."""
+    url = urlparse(_endpoint())
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         with socket.create_connection((url.hostname, port), timeout=timeout):
@@ -94,10 +99,11 @@ def _download(repo_id: str, cache_dir: str | None) -> Path:
     """Download model_index.json, then only the component folders it names (not single-file checkpoints)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    index = Path(hf_hub_download(repo_id, "model_index.json", cache_dir=cache_dir))
+    endpoint = _endpoint()
+    index = Path(hf_hub_download(repo_id, "model_index.json", cache_dir=cache_dir, endpoint=endpoint))
     parts = [k for k, v in json.loads(index.read_text()).items() if not k.startswith("_") and isinstance(v, list) and v[0]]
     patterns = ["model_index.json", *(f"{p}/*" for p in parts)]
-    return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns))
+    return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns, endpoint=endpoint))
 
 
 def resolve_model_path(path: str, *, cache_dir: str | None = None) -> Path:

@@ -229,3 +229,38 @@ def test_custom_code_in_a_folder_is_never_run(flux_folder, tmp_path):
     with pytest.raises(ValueError, match="no flowrl adapter for pipeline class"):
         load_adapter(str(folder))
     assert not marker.exists()
+
+
+def test_reachable_hub_that_fails_gives_one_line_quickly(tmp_path, monkeypatch):
+    """Offline mode off and a hub that answers (a local stub replying 404): the download attempt fails in one line."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from huggingface_hub import constants
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)  # read at call time by the probe and the download
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(FileNotFoundError) as err:
+            resolve_model_path("some-org/some-model", cache_dir=str(tmp_path))
+    finally:
+        server.shutdown()
+    assert time.perf_counter() - start < 10.0
+    msg = str(err.value)
+    assert "\n" not in msg and "download failed" in msg and "hf download some-org/some-model" in msg

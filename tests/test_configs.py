@@ -93,3 +93,38 @@ def test_train_refuses_a_multi_process_launch(monkeypatch, capsys):
     assert main(["train", "configs/grpo/digits.yaml"]) == 2
     err = capsys.readouterr().err
     assert "flowrl trains on one process per run (WORLD_SIZE=2)" in err and "--num_processes 1" in err
+
+
+@pytest.mark.slow
+def test_the_header_accelerate_command_trains_and_the_run_exports(tmp_path):
+    """The launch prefix every GPU config header uses, on the embedded model: 1 iteration, then export."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    header = (ROOT / "configs/grpo/sd3.5m_pickscore.yaml").read_text()
+    command = next(c for c in _launch_commands(Path("configs/grpo/sd3.5m_pickscore.yaml")) if c[0] == "accelerate")
+    prefix = command[: command.index("train") + 1]
+    assert " ".join(prefix) in header
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    run = tmp_path / "run"
+    overrides = ["train.iterations=1", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.chunk_size=4",
+                 "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false", f"output.dir={run}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([accelerate, *prefix[1:], "configs/grpo/digits.yaml", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    from flowrl.export import export_merged
+    from flowrl.models import load_adapter
+
+    merged = load_adapter(str(export_merged(run, tmp_path / "merged")))
+    trained = load_adapter("flowrl-digits")
+    trained.pipe.load_lora_weights(str(run / "lora"))
+    x = torch.randn((2, *trained.latent_shape(*trained.default_resolution)), generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.tensor([0.8, 0.3]), trained.encode_prompt(["a bold handwritten 4", "a thin handwritten 8"])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.velocity(x, sigma, cond), trained.velocity(x, sigma, cond), rtol=1e-4, atol=1e-4)

@@ -61,3 +61,29 @@ def test_export_cli_and_errors(tmp_path, capsys):
     assert main(["export", "--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "n")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no LoRA at" in err
+
+
+def test_merged_export_of_a_flux_lora(tmp_path):
+    """The merge goes through diffusers' generic LoRA API, so FLUX (attention + MLP targets) exports too."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
+
+    base = tmp_path / "flux"
+    tiny_flux_pipeline().save_pretrained(str(base))
+    (base / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8}))
+    trained = tiny_flux()
+    params = add_lora(trained.transformer, rank=4, alpha=8.0, targets=trained.lora_target_modules)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    (tmp_path / "lora").mkdir()
+    trained.save_lora(tmp_path / "lora", lora_state_dict(trained.transformer))
+    out = export_merged(tmp_path / "lora", tmp_path / "merged", base=str(base))
+    merged = load_adapter(str(out))
+    assert type(merged).__name__ == "FluxAdapter" and (out / "flowrl.json").is_file()
+    torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)

@@ -1,7 +1,7 @@
 """Prompt-embedding cache: encode each distinct prompt once, in memory and optionally on disk.
 
-Keys combine a model fingerprint (the adapter's model id and its text-encoder configs) with a
-SHA-256 of the prompt, so a cache folder can be shared across runs of the same model and is never
+Keys combine a model fingerprint (the adapter's model id, its text encoders' configs and weights,
+and its tokenizers' vocabularies) with a SHA-256 of the prompt, so a cache folder can be shared across runs of the same model and is never
 reused for another one. Files are safetensors, one per prompt.
 """
 
@@ -18,8 +18,16 @@ from safetensors.torch import load_file, save_file
 from .models.adapter import Cond, ModelAdapter
 
 
+def _tokenizer_identity(tokenizer: object) -> str:
+    """Class, size and a hash of the vocabulary: a changed tokenizer changes every embedding."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    return f"{type(tokenizer).__name__}:{len(vocab)}:{digest}"
+
+
 def model_fingerprint(model: ModelAdapter) -> str:
-    """Short hash of the model identity and its text-encoder configs (what the embeddings depend on)."""
+    """Short hash of what the embeddings depend on: the model id, each text encoder's config and
+    weights (a checksum), and each tokenizer's vocabulary."""
     pipe = getattr(model, "pipe", None)
     parts = {"model": getattr(model, "model_id", type(model).__name__), "max_len": getattr(model, "max_sequence_length", None)}
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
@@ -27,6 +35,10 @@ def model_fingerprint(model: ModelAdapter) -> str:
         if encoder is not None:
             parts[name] = encoder.config.to_json_string(use_diff=False)
             parts[name + "_weights"] = float(sum(p.double().sum() for p in encoder.parameters()))
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        tokenizer = getattr(pipe, name, None)
+        if tokenizer is not None:
+            parts[name] = _tokenizer_identity(tokenizer)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -35,3 +35,9 @@ def test_other_weights_give_another_fingerprint(tiny_sd3):
     other = SD3Adapter(tiny_sd3_pipeline(seed=1), max_sequence_length=2, resolution=(8, 8))
     assert model_fingerprint(tiny_sd3) != model_fingerprint(other)
     assert model_fingerprint(tiny_sd3) == model_fingerprint(SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2))
+
+
+def test_fingerprint_covers_the_tokenizer(tiny_sd3):
+    before = model_fingerprint(tiny_sd3)
+    tiny_sd3.pipe.tokenizer.add_tokens(["zebra"])  # same encoders, another vocabulary
+    assert model_fingerprint(tiny_sd3) != before

@@ -38,8 +38,8 @@ class ModelConfig:
 
 @dataclass
 class PromptConfig:
-    train: str = "digits-styles"  # built-in set name or a .txt / .jsonl file
-    eval: str = "digits-styles"
+    train: str = "digits-styles"  # built-in set, a .txt/.jsonl/.csv/.json file, or a folder (its train.* file)
+    eval: str = "digits-styles"  # same; a folder gives its test.* file
     per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
     group_size: int = field(default=8, metadata=_rng(2))  # samples per prompt (GRPO group K)
     test_fraction: float | None = field(default=None, metadata=_rng(0, 1, lo_open=True))  # hold out this share of prompts.train (by prompt hash) as the eval set

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import time
@@ -36,7 +35,6 @@ from flowrl.models.adapter import CountingAdapter
 from flowrl.prompts import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.runtime import configure_threads
-from flowrl.samplers.schedules import make_sigmas
 from flowrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,17 +68,6 @@ def compute_equivalent(nfe: int, grad_nfe: int) -> int:
     return nfe + 2 * grad_nfe
 
 
-def _evaluate(trainer: Trainer, eval_sigmas: torch.Tensor | None) -> dict[str, float]:
-    """``trainer.evaluate()``, optionally on a fixed ODE schedule (same for every variant)."""
-    if eval_sigmas is None:
-        return trainer.evaluate()
-    saved, trainer.sigmas = trainer.sigmas, eval_sigmas
-    try:
-        return trainer.evaluate()
-    finally:
-        trainer.sigmas = saved
-
-
 def run_one(
     name: str,
     budget: float | None,
@@ -101,16 +88,13 @@ def run_one(
     ``eval_every`` training seconds, or every ``eval_every_it`` iterations when given, on a
     fixed ``eval_steps``-step ODE schedule when given (else the run's own sampler steps).
     """
-    cfg = load_config(config or CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides])
+    fixed_eval = [f"train.eval_steps={eval_steps}"] if eval_steps else []
+    cfg = load_config(config or CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides, *fixed_eval])
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
     model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), cfg.sampler.guidance_scale, cfg.prompts.negative))
     trainer = Trainer(cfg, model, build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
-    eval_sigmas = None
-    if eval_steps:
-        s, latent = cfg.sampler, model.latent_shape(*trainer.resolution)
-        eval_sigmas = make_sigmas(s.schedule, eval_steps, shift=s.shift, image_seq_len=math.prod(latent[1:]) // 4)
     collect = trainer.collect
 
     def counted_collect():
@@ -125,7 +109,7 @@ def run_one(
         return {
             "wall_s": wall, "nfe": model.nfe, "grad_nfe": model.grad_nfe, "rollout_nfe": model.rollout_nfe,
             "compute": compute_equivalent(model.nfe, model.grad_nfe), "iteration": trainer.iteration,
-            **_evaluate(trainer, eval_sigmas),
+            **trainer.evaluate(),
         }
 
     points = [point(0.0)]

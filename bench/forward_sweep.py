@@ -46,13 +46,17 @@ VARIANTS: dict[str, tuple[str, Path, list[str]]] = {
     "nft_upd4": ("diffusion_nft", NFT, ["objective.updates_per_iteration=4"]),
     "nft_ema0": ("diffusion_nft", NFT, ["objective.ema_decay_max=0.0"]),
     "nft_kl0": ("diffusion_nft", NFT, ["objective.kl_beta=0.0"]),
+    "nft_fastA": ("diffusion_nft", NFT, ["optim.lr=3e-3", "sampler.num_steps=5", "objective.train_fraction=0.5"]),
     "awm_ref": ("awm", AWM, []),
+    "awm_fastA": ("awm", AWM, ["optim.lr=3e-3", *FAST_SAMPLER, "objective.num_timesteps=2"]),
     "awm_lr3e-3": ("awm", AWM, ["optim.lr=3e-3"]),
     "awm_steps5": ("awm", AWM, FAST_SAMPLER),
     "awm_ts2": ("awm", AWM, ["objective.num_timesteps=2"]),
     "awm_p10": ("awm", AWM, ["prompts.per_iteration=10"]),
     "awm_upd4": ("awm", AWM, ["objective.updates_per_iteration=4"]),
+    "grpo_ref": ("flow_grpo", GRPO, []),
     "grpo_lr3e-3": ("flow_grpo", GRPO, ["optim.lr=3e-3"]),
+    "grpo_fast": ("flow_grpo", GRPO, ["sampler.window=random", "sampler.window_size=2"]),
 }
 
 

@@ -135,6 +135,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2
     eval_every: int = field(default=10, metadata=_rng(1))
     eval_seeds: int = field(default=4, metadata=_rng(1))  # held-out seeds per eval prompt
+    eval_steps: int | None = field(default=None, metadata=_rng(1))  # Euler ODE steps of evaluation; None = sampler.num_steps
     save_every: int = field(default=50, metadata=_rng(1))
     progress: bool = True
     rewards_async: bool = False  # decode + score rollout chunk k on a thread while chunk k+1 samples (bit-identical results)

@@ -62,6 +62,10 @@ class Trainer:
         self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
         s = cfg.sampler
         self.sigmas = run_sigmas(model, s.schedule, s.num_steps, shift=s.shift, resolution=self.resolution, latent=latent)
+        eval_steps = cfg.train.eval_steps
+        self.eval_sigmas = self.sigmas if eval_steps is None else run_sigmas(
+            model, s.schedule, eval_steps, shift=s.shift, resolution=self.resolution, latent=latent
+        )
         self.noise_levels = sde_noise_levels(s.num_steps, s.noise_level)
         targets = cfg.lora.targets or list(model.lora_target_modules)
         self.params = add_lora(model.transformer, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)
@@ -201,7 +205,8 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
 
     def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
-        """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W).
+        """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W),
+        on ``train.eval_steps`` Euler steps (default: the rollout's ``sampler.num_steps``).
 
         Evaluation is not counted in the training NFE.
         """
@@ -209,7 +214,7 @@ class Trainer:
         try:
             with use_adapter(self.model.transformer, self.objective.eval_adapter):
                 return sample_images(
-                    self.model, batch.texts, seeds, self.sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64),
+                    self.model, batch.texts, seeds, self.eval_sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64),
                     frames=self.cfg.model.num_frames, encode=self.prompt_cache.encode,
                 )
         finally:

@@ -87,3 +87,14 @@ def test_sde_window_trains_only_window_steps(tiny_sd3, mode):
     steps = {mb.step for group in trainer.objective.plan(batch, torch.Generator().manual_seed(0)) for mb in group}
     assert steps == {j for j in range(4) if stored[j] > 0}  # only window steps are trained
     assert (batch.trajectory.log_probs[:, stored == 0] == 0).all()  # ODE steps carry no density
+
+
+def test_eval_steps_sets_the_evaluation_grid_only(tiny_sd3):
+    trainer = _trainer(tiny_sd3, "train.eval_steps=5")
+    assert len(trainer.sigmas) == 4 and len(trainer.eval_sigmas) == 6  # rollouts keep sampler.num_steps=3
+    trainer.model.nfe = 0
+    calls = []
+    velocity = trainer.model._model.velocity
+    trainer.model._model.velocity = lambda x, s, c: calls.append(len(x)) or velocity(x, s, c)
+    trainer.evaluate()
+    assert sum(calls) == 2 * 5 and trainer.model.nfe == 0  # 2 eval prompts x 1 seed x 5 steps, not counted

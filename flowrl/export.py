@@ -4,7 +4,8 @@ The merged folder is a plain diffusers pipeline (``model_index.json`` + one subf
 component, safetensors weights): ``<PipelineClass>.from_pretrained(DIR)`` loads it offline with
 no peft and no LoRA, and ``flowrl train/sample model.path=DIR`` uses it as a new base model.
 The merge goes through diffusers itself: ``pipe.load_lora_weights`` (the same call users run),
-``pipe.fuse_lora`` (W <- W + (alpha / r) B A) and ``pipe.unload_lora_weights``.
+``pipe.fuse_lora`` (W <- W + (alpha / r) B A, on every denoiser that holds a LoRA: Wan2.2's
+two experts included) and ``pipe.unload_lora_weights``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import yaml
 from .models import EMBEDDED, load_adapter
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILES = (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors")  # Wan2.2 writes one file per expert
+DENOISERS = ("transformer", "transformer_2")
 
 
 def find_lora(source: str | Path) -> Path:
@@ -27,7 +30,7 @@ def find_lora(source: str | Path) -> Path:
     """
     path = Path(source)
     for candidate in (path / "lora", path):
-        if (candidate / LORA_FILE).is_file():
+        if any((candidate / name).is_file() for name in LORA_FILES):
             return candidate
     if path.is_file() and path.suffix == ".safetensors":
         return path
@@ -78,8 +81,12 @@ def export_merged(source: str | Path, out: str | Path, *, base: str | None = Non
         raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
     model = load_adapter(base, dtype=dtype, device="cpu")
     pipe = model.pipe
-    pipe.load_lora_weights(str(lora), adapter_name="flowrl")
-    pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=["flowrl"])
+    if lora.is_dir() and hasattr(model, "load_lora"):  # adapters with several LoRA files (Wan2.2 experts)
+        model.load_lora(lora)
+    else:
+        pipe.load_lora_weights(str(lora))
+    adapted = [c for c in DENOISERS if getattr(getattr(pipe, c, None), "peft_config", None)]
+    pipe.fuse_lora(components=adapted, lora_scale=1.0)
     pipe.unload_lora_weights()
     if out.exists():
         shutil.rmtree(out)

@@ -87,3 +87,36 @@ def test_merged_export_of_a_flux_lora(tmp_path):
     merged = load_adapter(str(out))
     assert type(merged).__name__ == "FluxAdapter" and (out / "flowrl.json").is_file()
     torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)
+
+
+def test_merged_export_of_a_two_expert_wan_lora(tmp_path):
+    """Wan2.2 writes one LoRA file per expert; the export fuses both into their transformers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_wan import tiny_wan_adapter
+
+    trained = tiny_wan_adapter(two_experts=True)
+    base = tmp_path / "wan"
+    trained.pipe.save_pretrained(str(base))
+    params = add_lora(trained.transformer, rank=4, alpha=8.0, targets=trained.lora_target_modules)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    (tmp_path / "lora").mkdir()
+    trained.save_lora(tmp_path / "lora", lora_state_dict(trained.transformer))
+    assert len(list((tmp_path / "lora").glob("*.safetensors"))) == 2
+    out = export_merged(tmp_path / "lora", tmp_path / "merged", base=str(base))
+    merged = load_adapter(str(out))
+    assert merged.pipe.transformer_2 is not None
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((2, *trained.latent_shape(16, 16)), generator=gen)
+    sigma = torch.tensor([0.95, 0.1])  # one sample per expert
+    cond = trained.encode_prompt(["a bold handwritten 3", "a thin handwritten 7"])
+    with torch.no_grad():
+        expected, got = trained.velocity(x, sigma, cond), merged.velocity(x, sigma, cond)
+        base_v = load_adapter(str(base)).velocity(x, sigma, cond)
+    assert (expected - base_v).abs().amax(dim=tuple(range(1, x.ndim))).min() > 1e-4  # both experts changed
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

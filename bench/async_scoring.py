@@ -1,6 +1,6 @@
 """Async scoring on the embedded task: rollout + scoring wall time against the rollout alone.
 
-Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4]``.
+Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4] [--chunk-size 40] [--remote]``.
 
 One Flow-GRPO iteration of the default job (160 samples, chunks of 40, 10 SDE steps, 1 torch
 thread per Python thread) is collected three ways, alternating within one process so all see the
@@ -14,6 +14,9 @@ The rewards are the default job's (ink, digit correctness) plus a model reward: 
 initialised transformers ``CLIPVisionModelWithProjection`` (``--layers`` encoder layers, 32x32
 input) whose embedding is scored against a fixed direction, standing in for a CLIP-style scorer.
 Its cost is printed beside the sampling cost; the target (<= 1.1x) applies when it is lower.
+With ``--remote`` that model reward runs in its own process behind ``flowrl serve-reward``
+(the deployment for heavy scorers), so the worker thread only waits on a socket.
+The ``CPU s`` column is the process's CPU time (all threads; a remote server's is not counted).
 """
 
 from __future__ import annotations
@@ -49,7 +52,25 @@ class ClipLikeReward:
         return torch.nn.functional.normalize(embeds, dim=-1) @ self.direction
 
 
-def _trainer(layers: int):
+def clip_like(layers: int = 4) -> ClipLikeReward:
+    """CLIP-like model reward for benchmarks: random-init CLIP vision tower, cosine to a fixed direction."""
+    return ClipLikeReward(layers)
+
+
+def _serve(layers: int):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl", "serve-reward", "bench.async_scoring:clip_like", f"layers={layers}",
+                             "--port", "0"], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = proc.stdout.readline()
+    if not line.startswith("serving reward"):
+        proc.kill()
+        raise RuntimeError(f"serve-reward did not start: {line!r}")
+    return proc, line.split(" at ")[1].split(" ")[0]
+
+
+def _trainer(layers: int, chunk_size: int, url: str | None = None):
     from flowrl.config import load_config
     from flowrl.models import load_adapter
     from flowrl.prompts import load_prompts
@@ -57,12 +78,12 @@ def _trainer(layers: int):
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
 
-    cfg = load_config(None, ["train.progress=false"])
+    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}"])
     configure_threads(cfg.train.threads)
     reward = MultiReward({
         "ink": (build_reward("ink", target="prompt"), 1.0),
         "digit_correctness": (build_reward("digit_correctness"), 0.5),
-        "clip_like": (ClipLikeReward(layers), 0.1),
+        "clip_like": (build_reward("remote", url=url) if url else ClipLikeReward(layers), 0.1),
     })
     prompts = load_prompts(cfg.prompts.train)
     return Trainer(cfg, load_adapter(cfg.model.path), reward, prompts, prompts[:2])
@@ -109,25 +130,37 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward")
+    parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
+    parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
     args = parser.parse_args(argv)
-    trainer = _trainer(args.layers)
-    cases = _cases(trainer)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():
-        fn()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    server, url = _serve(args.layers) if args.remote else (None, None)
+    try:
+        trainer = _trainer(args.layers, args.chunk_size, url)
+        cases = _cases(trainer)
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
+        for fn in cases.values():
+            fn()  # warm-up
+        for _ in range(args.repeats):
+            for name, fn in cases.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
     base = statistics.median(times["rollout alone"])
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
-          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of 40")
-    print("| case | median s | min s | max s | median / rollout alone |")
-    print("|---|---|---|---|---|")
+          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| case | median s | min s | max s | CPU s (median) | median / rollout alone |")
+    print("|---|---|---|---|---|---|")
     for name, values in times.items():
         med = statistics.median(values)
-        print(f"| {name} | {med:.3f} | {min(values):.3f} | {max(values):.3f} | {med / base:.2f} |")
+        print(f"| {name} | {med:.3f} | {min(values):.3f} | {max(values):.3f} | {statistics.median(cpu[name]):.3f} | {med / base:.2f} |")
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,7 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "flowrl-reward"
+        timeout = 120  # seconds a client may stall while sending (a stuck client never holds a thread for good)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
             if server.log:

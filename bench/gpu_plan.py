@@ -192,10 +192,19 @@ def main() -> None:
         n = params(module)
         print(f"| {name} | {n / 1e6:,.0f} M | {2 * n / GB:.2f} | {4 * n / GB:.2f} |")
 
+    # SD3.5-L at 512^2 (1024 + 333 tokens) and 1024^2 (4096 + 333 tokens), for its own configs
+    sd3l = _meta(lambda: sd3_transformer(large=True)).to(torch.bfloat16)
+    for side in (64, 128):
+        n = (side // 2) ** 2
+        lp = measure(sd3l, dict(hidden_states=_bf16(1, 16, side, side, grad=True), encoder_hidden_states=_bf16(1, 333, 4096),
+                                pooled_projections=_bf16(1, 2048), timestep=ts), {n + 333}, 38, (n + 333) * 2432)
+        rows.append((f"SD3.5-L {side * 8}²", sd3l, lp, lora_params(sd3l, SD3_LORA_TARGETS, 32), "r32 attention"))
+
     print("\n## One denoiser pass per sample (training geometry), bf16, flash-style attention\n")
     print("| model | tokens | forward TFLOP | backward TFLOP (frozen base) | saved activations GB | with per-block checkpointing GB | LoRA params | LoRA + grad + AdamW GB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    tokens = {"SD3.5-M": "1024 img + 333 txt", "FLUX.1-dev": "1024 img + 512 txt", "Wan2.1-1.3B": "3600 video + 512 txt (cross)"}
+    tokens = {"SD3.5-M": "1024 img + 333 txt", "FLUX.1-dev": "1024 img + 512 txt", "Wan2.1-1.3B": "3600 video + 512 txt (cross)",
+              "SD3.5-L 512²": "1024 img + 333 txt", "SD3.5-L 1024²": "4096 img + 333 txt"}
     for name, _, p, lora, kind in rows:
         print(f"| {name} | {tokens[name]} | {p.forward_tflop:.2f} | {p.backward_tflop:.2f} | {p.saved_gb:.2f} | {p.checkpointed_gb:.2f} | "
               f"{lora / 1e6:.1f} M ({kind}) | {16 * lora / GB:.2f} |")

@@ -58,6 +58,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 
     from .config import load_config
     from .guidance import apply_guidance
+    from .memory import apply_memory_settings
     from .models import load_adapter
     from .outputs import image_grid, save_png
     from .prompts import load_prompts
@@ -81,6 +82,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         else:
             model.pipe.load_lora_weights(str(lora))
     model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)  # the CFG training used
+    model = apply_memory_settings(model, cfg.memory)  # VAE tiling/slicing, offload, autocast, attention backend
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]

@@ -171,3 +171,14 @@ def test_every_memory_control_on_wan_video_with_true_cfg(tmp_path):
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert metrics["prompt_cache/misses"] == 3 and len(list(tmp_path.rglob("*.safetensors"))) == 3  # 3 distinct prompts
+
+
+def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
+    from flowrl.cli import main
+
+    out = tmp_path / "grid.png"
+    args = ["sample", "memory.vae_slicing=true", "memory.offload_encoders=true", "memory.autocast=bf16", "sampler.num_steps=2",
+            "--prompt", "a bold handwritten 3", "--seeds", "2", "--out", str(out)]
+    assert main(args) == 0 and out.is_file()
+    assert main(["sample", "memory.attention_backend=xformers", "--prompt", "a 3", "--out", str(out)]) == 2
+    assert "memory.attention_backend=xformers" in capsys.readouterr().err

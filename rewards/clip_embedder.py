@@ -115,10 +115,10 @@ def quiet_transformers() -> None:
 
 def load_clip_model(spec: str, source: WeightSource, device: torch.device, dtype: torch.dtype) -> Any:
     """A frozen ``transformers.CLIPModel`` from a local folder or hub id, on ``device`` in ``dtype``."""
+    folder = resolve_model_folder(spec, source)  # before importing transformers: missing weights fail fast
     from transformers import CLIPModel
 
     quiet_transformers()
-    folder = resolve_model_folder(spec, source)
     model = CLIPModel.from_pretrained(str(folder), dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 
@@ -130,10 +130,10 @@ def load_clip_processor(spec: str, source: WeightSource) -> tuple[Any, dict[str,
         ``(tokenizer, geometry)`` where geometry holds ``image_size`` (shorter side), ``crop``
         (h, w), ``mean`` and ``std`` read from the folder's ``preprocessor_config.json``.
     """
+    folder = resolve_model_folder(spec, source, weights=False)
     from transformers import AutoImageProcessor, AutoTokenizer
 
     quiet_transformers()
-    folder = resolve_model_folder(spec, source, weights=False)
     if not (folder / "preprocessor_config.json").is_file():
         raise FileNotFoundError(f"{source.model}: {folder} has no preprocessor_config.json; set {source.config_key} to a CLIP processor folder")
     image_processor = AutoImageProcessor.from_pretrained(str(folder))
@@ -160,6 +160,7 @@ def load_transformers_clip(
 ) -> TransformersClipEmbedder:
     """Load a CLIP model and its processor into a :class:`TransformersClipEmbedder`."""
     device = torch.device(device)
+    resolve_model_folder(model, model_source)  # both folders are checked before anything heavy loads
     tokenizer, geometry = load_clip_processor(processor, processor_source)
     clip = load_clip_model(model, model_source, device, dtype)
     return TransformersClipEmbedder(clip, tokenizer, longest_pad=False, device=device, dtype=dtype, **geometry)

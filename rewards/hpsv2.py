@@ -21,6 +21,7 @@ open_clip environment).
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -98,12 +99,11 @@ def _openclip_embedder(state: dict[str, Tensor], architecture: str | Mapping[str
 
 
 def _transformers_embedder(
-    state: dict[str, Tensor], architecture: str | Mapping[str, Any], tokenizer: str, where: str, device: torch.device, dtype: torch.dtype
+    state: dict[str, Tensor], architecture: str | Mapping[str, Any], folder: Path, where: str, device: torch.device, dtype: torch.dtype
 ) -> TransformersClipEmbedder:
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    folder = resolve_model_folder(tokenizer, WeightSource("HPSv2's CLIP-H tokenizer", "rewards.hpsv2.tokenizer"), weights=False)
     tok = AutoTokenizer.from_pretrained(str(folder))
     cfg = architecture_config(architecture)
     model = openclip_to_transformers(state, cfg, tok.eos_token_id, where).to(device=device, dtype=dtype)
@@ -145,12 +145,13 @@ def hpsv2(
     if backend == "open_clip" and not openclip_installed():
         raise ImportError("hpsv2 backend 'open_clip' needs open_clip: pip install 'flowrl[openclip]', or set rewards.hpsv2.backend=transformers")
     architecture_config(architecture)  # fail on a bad architecture before reading gigabytes
-    source = WeightSource(f"HPS{version}", "rewards.hpsv2.checkpoint")
-    path = resolve_file(checkpoint, source, HPS_FILES[version])
-    state = load_checkpoint(path, nested_key="state_dict")
+    use_open_clip = backend == "open_clip" or (backend == "auto" and openclip_installed())
     device_, dtype_ = torch.device(device), torch_dtype(dtype)
-    if backend == "open_clip" or (backend == "auto" and openclip_installed()):
+    path = resolve_file(checkpoint, WeightSource(f"HPS{version}", "rewards.hpsv2.checkpoint"), HPS_FILES[version])
+    tok_folder = None if use_open_clip else resolve_model_folder(tokenizer, WeightSource("HPSv2's CLIP-H tokenizer", "rewards.hpsv2.tokenizer"), weights=False)
+    state = load_checkpoint(path, nested_key="state_dict")
+    if tok_folder is None:
         embedder: ClipEmbedder = _openclip_embedder(state, architecture, device_, dtype_)
     else:
-        embedder = _transformers_embedder(state, architecture, tokenizer, str(path), device_, dtype_)
+        embedder = _transformers_embedder(state, architecture, tok_folder, str(path), device_, dtype_)
     return HPSv2(embedder, batch_size)

@@ -164,9 +164,9 @@ class ImageReward(ModelReward):
 
 def load_blip_tokenizer(spec: str) -> Any:
     """bert-base-uncased plus BLIP's added specials ``[DEC]`` (bos) and ``[ENC]``."""
+    folder = resolve_model_folder(spec, WeightSource("ImageReward's BERT tokenizer (bert-base-uncased)", "rewards.imagereward.tokenizer"), weights=False)
     from transformers import AutoTokenizer
 
-    folder = resolve_model_folder(spec, WeightSource("ImageReward's BERT tokenizer (bert-base-uncased)", "rewards.imagereward.tokenizer"), weights=False)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
     return tokenizer
@@ -194,9 +194,9 @@ def imagereward(
     Returns:
         A reward ``(images (B, 3, H, W) in [0, 1], prompts) -> (B,) float32``.
     """
-    quiet_transformers()
     arch = dict(IMAGEREWARD_V1, **(architecture or {}))
     path = resolve_file(checkpoint, WeightSource("ImageReward-v1.0", "rewards.imagereward.checkpoint"), IMAGEREWARD_FILE)
+    quiet_transformers()
     where = str(path)
     vision_state, text_state, head_state = split_checkpoint(load_checkpoint(path, nested_key="state_dict"), where)
     tok = load_blip_tokenizer(tokenizer)

@@ -65,7 +65,7 @@ def _download_hint(repo_id: str, filename: str | None, source: WeightSource) -> 
     target = f"/models/{repo_id.split('/')[-1]}"
     value = f"{target}/{filename}" if filename else target
     return (
-        f"download it on a machine with hub access (`huggingface-cli download {what} --local-dir {target}`) "
+        f"download it on a machine with hub access (`hf download {what} --local-dir {target}`) "
         f"and set {source.config_key}={value}"
     )
 

@@ -121,7 +121,7 @@ def test_missing_hub_checkpoint_offline(monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         hpsv2(backend="transformers")
     message = str(err.value)
-    assert "\n" not in message and "huggingface-cli download xswu/HPSv2 HPS_v2.1_compressed.pt" in message
+    assert "\n" not in message and "hf download xswu/HPSv2 HPS_v2.1_compressed.pt" in message
     assert "rewards.hpsv2.checkpoint=" in message
 
 

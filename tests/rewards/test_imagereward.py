@@ -106,5 +106,5 @@ def test_missing_checkpoint_offline(monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         imagereward()
     message = str(err.value)
-    assert "\n" not in message and "huggingface-cli download THUDM/ImageReward ImageReward.pt" in message
+    assert "\n" not in message and "hf download THUDM/ImageReward ImageReward.pt" in message
     assert "rewards.imagereward.checkpoint=" in message

@@ -82,7 +82,7 @@ def test_missing_weights_one_line_error_without_retries(monkeypatch):
         pickscore(model="flowrl-tests/not-a-pickscore", processor="flowrl-tests/not-a-processor")
     message = str(err.value)
     assert time.perf_counter() - start < 5
-    assert "\n" not in message and "huggingface-cli download flowrl-tests/not-a-" in message
+    assert "\n" not in message and "hf download flowrl-tests/not-a-" in message
     assert "rewards.pickscore." in message and "HF_HUB_OFFLINE" in message
 
 

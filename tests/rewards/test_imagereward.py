@@ -108,3 +108,13 @@ def test_missing_checkpoint_offline(monkeypatch):
     message = str(err.value)
     assert "\n" not in message and "hf download THUDM/ImageReward ImageReward.pt" in message
     assert "rewards.imagereward.checkpoint=" in message
+
+
+def test_bfloat16_towers_score_in_float32(published):
+    ckpt, tokenizer, _ = published
+    images = torch.rand(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(4))
+    full = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY)(images, PROMPTS[:2])
+    reward = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY, dtype="bfloat16")
+    half = reward(images, PROMPTS[:2])
+    assert reward.vision.dtype == torch.bfloat16 and half.dtype == torch.float32
+    torch.testing.assert_close(half, full, rtol=0.1, atol=0.1)

@@ -89,3 +89,12 @@ def test_missing_weights_one_line_error_without_retries(monkeypatch):
 def test_missing_local_folder_names_the_key(tmp_path, folders):
     with pytest.raises(FileNotFoundError, match="rewards.pickscore.model"):
         pickscore(model=str(tmp_path / "nope"), processor=str(folders[1]))
+
+
+def test_bfloat16_weights_score_in_float32(folders):
+    images = torch.rand(3, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(6))
+    full = pickscore(model=str(folders[0]), processor=str(folders[1]))(images, PROMPTS)
+    reward = pickscore(model=str(folders[0]), processor=str(folders[1]), dtype="bfloat16")
+    half = reward(images, PROMPTS)
+    assert reward.embedder.model.dtype == torch.bfloat16 and half.dtype == torch.float32
+    torch.testing.assert_close(half, full, rtol=0.05, atol=0.05)

@@ -11,7 +11,11 @@ SMALL = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=
          "train.eval_every=2", "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false"]
 
 
-@pytest.mark.parametrize("config", ["configs/grpo/digits.yaml", "configs/nft/digits.yaml", "configs/awm/digits.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    ["configs/grpo/digits.yaml", "configs/nft/digits.yaml", "configs/awm/digits.yaml",
+     "configs/nft/digits_fast.yaml", "configs/awm/digits_fast.yaml"],
+)
 def test_two_iterations(config, tmp_path):
     from pathlib import Path
 
@@ -26,3 +30,5 @@ def test_two_iterations(config, tmp_path):
     if cfg.objective["name"] == "diffusion_nft":
         assert (tmp_path / "run" / "checkpoints" / "iter-000002" / "adapter-old.safetensors").is_file()
         assert rows[-1]["train/old_decay"] == pytest.approx(0.002)
+    if config.endswith("_fast.yaml"):  # 8 samples x 5 rollout steps + 8 x 2 sigmas x 3 passes (trained, old/EMA, base)
+        assert trained[0]["nfe"] == 8 * 5 + 8 * 2 * 3

@@ -1,0 +1,60 @@
+"""Weight resolution for model rewards: hub ids from the local cache, one-line errors, no retry waits."""
+
+import shutil
+import time
+
+import pytest
+import torch
+from tiny_reward_weights import IMAGE, save_clip_folder, save_clip_processor
+
+from flowrl.rewards.pickscore import pickscore
+from flowrl.rewards.weights import WeightSource, load_checkpoint, resolve_file
+
+
+def _cache_repo(cache, repo_id, source_folder, commit="0" * 40):
+    """Lay a folder out as huggingface_hub's cache does: refs/main -> snapshots/<commit>/files."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(source_folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_hub_ids_load_from_the_local_cache_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    model = save_clip_folder(tmp_path / "src-model", seed=4)
+    processor = save_clip_processor(tmp_path / "src-processor")
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "flowrl-tests/tiny-pickscore", model)
+    _cache_repo(cache, "flowrl-tests/tiny-clip-processor", processor)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    images = torch.rand(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(0))
+    from_hub = pickscore(model="flowrl-tests/tiny-pickscore", processor="flowrl-tests/tiny-clip-processor")(images, ["a cat", "a dog"])
+    from_disk = pickscore(model=str(model), processor=str(processor))(images, ["a cat", "a dog"])
+    torch.testing.assert_close(from_hub, from_disk)
+
+
+def test_unreachable_hub_fails_in_one_line_without_retry_loop(monkeypatch):
+    """Online mode, hub endpoint refusing connections (a closed loopback port): one attempt, one line."""
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_file("flowrl-tests/not-there", WeightSource("HPSv2.1", "rewards.hpsv2.checkpoint"), "HPS_v2.1_compressed.pt")
+    assert time.perf_counter() - start < 10  # the hub client alone retries for ~25 s
+    message = str(err.value)
+    assert "\n" not in message and "could not be downloaded" in message
+    assert "hf download flowrl-tests/not-there HPS_v2.1_compressed.pt" in message and "rewards.hpsv2.checkpoint=" in message
+
+
+def test_checkpoints_unwrap_state_dict_and_data_parallel_prefix(tmp_path):
+    torch.save({"state_dict": {"module.a": torch.ones(2)}, "epoch": 3}, tmp_path / "x.pt")
+    assert list(load_checkpoint(tmp_path / "x.pt", nested_key="state_dict")) == ["a"]
+    torch.save({"a": [1, 2]}, tmp_path / "y.pt")
+    with pytest.raises(ValueError, match="flat dict of tensors"):
+        load_checkpoint(tmp_path / "y.pt")

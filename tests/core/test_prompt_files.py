@@ -90,3 +90,15 @@ def test_holdout_split_is_disjoint_and_deterministic():
     assert [p.text for p in holdout_split(prompts, 0.3, "test")] == [p.text for p in test]
     with pytest.raises(ValueError, match="test_fraction must be in"):
         holdout_split(prompts, 1.0, "train")
+
+
+def test_run_prompts_from_a_folder_or_a_held_out_fraction():
+    from flowrl.config import load_config
+    from flowrl.recipe import load_run_prompts
+
+    folder = str(DATA / "ocr")
+    train, test = load_run_prompts(load_config(None, [f"prompts.train={folder}", f"prompts.eval={folder}"]))
+    assert len(train) == 3 and len(test) == 2 and test[0].metadata == {"ocr_text": "SLOW DOWN"}
+    cfg = load_config(None, [f"prompts.train={DATA / 'geneval' / 'train_metadata.jsonl'}", "prompts.test_fraction=0.5"])
+    train, test = load_run_prompts(cfg)
+    assert len(train) + len(test) == 5 and {p.text for p in train}.isdisjoint({p.text for p in test})

@@ -62,7 +62,7 @@ def _serve(layers: int):
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "flowrl", "serve-reward", "bench.async_scoring:clip_like", f"layers={layers}",
-                             "--port", "0"], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             "--port", "0", "--idle-exit", "300"], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     line = proc.stdout.readline()
     if not line.startswith("serving reward"):
         proc.kill()

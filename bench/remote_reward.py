@@ -28,7 +28,7 @@ import torch
 
 def _serve(name: str, *options: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flowrl", "serve-reward", name, *options, "--port", "0"],
+        [sys.executable, "-m", "flowrl", "serve-reward", name, *options, "--port", "0", "--idle-exit", "300"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     line = proc.stdout.readline()

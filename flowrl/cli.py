@@ -129,7 +129,8 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
     check_bind(ns.host, token)  # before loading a possibly large model
     reward = build_reward(ns.name, **options)
     try:
-        server = RewardServer(reward, ns.name, host=ns.host, port=ns.port, token=token, max_body_mb=ns.max_body_mb, log=ns.log)
+        server = RewardServer(reward, ns.name, host=ns.host, port=ns.port, token=token, max_body_mb=ns.max_body_mb, log=ns.log,
+                              idle_exit_s=ns.idle_exit)
     except OSError as err:
         raise ValueError(f"cannot serve on {ns.host}:{ns.port} ({err.strerror or err}); pick another --port or --host") from None
     print(f"serving reward {ns.name!r} at {server.url} (POST /score, GET /health, GET /info; "
@@ -140,6 +141,8 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+    if server.stopped_idle:
+        print(f"no request for {ns.idle_exit:g} s; stopped", flush=True)
     return 0
 
 
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $FLOWRL_REWARD_TOKEN)")
     serve.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request accepted")
     serve.add_argument("--log", action="store_true", help="print one line per request")
+    serve.add_argument("--idle-exit", type=float, metavar="SECONDS", help="stop after SECONDS without a request (default: never)")
     serve.set_defaults(func=cmd_serve_reward)
 
     export = sub.add_parser("export", help="write base model + trained LoRA fused, as a diffusers folder")

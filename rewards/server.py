@@ -22,6 +22,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -70,6 +71,8 @@ class RewardServer:
         port: TCP port; 0 picks a free one (see :attr:`url`).
         token: shared secret required as ``Authorization: Bearer TOKEN`` on /score and /info.
         max_body_mb: largest request body accepted.
+        idle_exit_s: stop serving after this many seconds without a request (None: never);
+            lets a server started by a job or a test end on its own.
         log: print one line per request to stderr.
     """
 
@@ -83,6 +86,7 @@ class RewardServer:
         token: str | None = None,
         max_body_mb: float = 1024.0,
         log: bool = False,
+        idle_exit_s: float | None = None,
     ) -> None:
         check_bind(host, token)
         if not callable(reward):
@@ -90,6 +94,9 @@ class RewardServer:
         self.reward, self.name, self.token, self.log = reward, name, token or None, log
         self.max_body = int(max_body_mb * 1024 * 1024)
         self.requests = 0
+        self.idle_exit_s = idle_exit_s
+        self.last_request = time.monotonic()
+        self.stopped_idle = False
         self.batches = 0
         self._score_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -142,8 +149,19 @@ class RewardServer:
         return encode_scores(scores, allows_nan), SAFETENSORS
 
     def serve_forever(self) -> None:
-        """Serve until :meth:`stop` (or Ctrl-C in the caller)."""
+        """Serve until :meth:`stop`, Ctrl-C in the caller, or ``idle_exit_s`` without requests."""
+        if self.idle_exit_s is not None:
+            threading.Thread(target=self._watch_idle, name="reward-server-idle", daemon=True).start()
         self.httpd.serve_forever(poll_interval=0.1)
+
+    def _watch_idle(self) -> None:
+        while True:
+            idle = time.monotonic() - self.last_request
+            if idle >= self.idle_exit_s and not self._score_lock.locked():
+                self.stopped_idle = True
+                self.httpd.shutdown()
+                return
+            time.sleep(min(0.2, max(self.idle_exit_s - idle, 0.01)))
 
     def start(self) -> "RewardServer":
         """Serve from a daemon thread; returns self."""
@@ -202,6 +220,7 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             server.requests += 1
+            server.last_request = time.monotonic()
             if self.path == "/health":
                 self._send(200, json.dumps({"status": "ok", "reward": server.name}).encode())
             elif self.path == "/info":
@@ -212,6 +231,7 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
             server.requests += 1
+            server.last_request = time.monotonic()
             if self.path != "/score":
                 self._error(404, f"no endpoint {self.path}; POST batches to /score")
                 return

@@ -39,6 +39,8 @@ def server_process():
     procs = []
 
     def start(*args, env=None):
+        if "--idle-exit" not in args:
+            args = (*args, "--idle-exit", "60")  # even if this test process dies, the server ends on its own
         proc = spawn(*args, env=env)
         procs.append(proc)
         line = first_line(proc)
@@ -75,6 +77,14 @@ def test_serve_reward_token_from_env(server_process):
     assert torch.equal(RemoteReward(url, token="abc")(x, ["a", "b"]), 1 - x.mean(dim=(1, 2, 3)))
     with pytest.raises(Exception, match="HTTP 401"):
         RemoteReward(url, token="nope")(x, ["a", "b"])
+
+
+def test_serve_reward_stops_itself_when_idle(server_process):
+    proc, url = server_process("ink", "--port", "0", "--idle-exit", "1.5")
+    x = torch.rand(2, 3, 8, 8)
+    assert RemoteReward(url)(x, ["a", "b"]).shape == (2,)
+    assert proc.wait(timeout=30) == 0  # no request for 1.5 s: it stops on its own
+    assert "no request for 1.5 s; stopped" in proc.stdout.read()
 
 
 @pytest.mark.parametrize(

@@ -101,3 +101,23 @@ def test_frame_reward_names_a_broken_image_reward():
     reward = MultiReward({"broken": (frame_reward(per_clip, "mean", "broken"), 1.0)})
     with pytest.raises(RewardError, match=r"reward 'broken' \(batch 5\) raised ValueError: .* returned \(2,\) for 4 clips x 3 frames"):
         reward(clips(), ["p"] * 4, batch_index=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_weights(tmp_path_factory):
+    from tiny_reward_weights import build_tiny_weights
+
+    return build_tiny_weights(tmp_path_factory.mktemp("tiny-reward-weights"))
+
+
+@pytest.mark.slow  # builds every tiny model reward (about 20 s on the shared 2-core machine)
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "hpsv2", "imagereward"])
+def test_model_rewards_score_video_frame_by_frame(name, tiny_model_weights):
+    options = tiny_model_weights[name]
+    scores = check_reward(lambda **o: build_reward(name, **o), name=f"{name}/video", options={**options, "video": "mean"}, video=True)
+    images, prompts, _ = default_batch()
+    clip = torch.stack([images, images.flip(-1)], dim=1)  # two different frames per clip
+    image_reward = build_reward(name, **options)
+    expected = (image_reward(clip[:, 0], prompts) + image_reward(clip[:, 1], prompts)) / 2
+    assert torch.allclose(build_reward(name, **options, video="mean")(clip, prompts), expected, atol=1e-5)
+    assert scores.shape == (4,)

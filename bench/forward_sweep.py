@@ -8,6 +8,10 @@ Usage::
     python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --variants nft_ref,awm_ref
     # 3. the table of everything run so far
     python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --table
+    # 4. seconds per iteration, variants interleaved with the baseline in one process (wall-clock ratios)
+    python -m bench.forward_sweep --baseline ... --out OUT/timing --time-rounds 3 --variants nft_fastA,awm_fastA
+    # 5. eval reward of the untrained model with true CFG (what a CFG baseline starts from)
+    python -m bench.forward_sweep --baseline ... --out OUT/cfg --cfg-scales 1,1.5,3,4.5
 
 The target is the baseline's final eval reward. Each variant trains until its eval reward (10-step
 ODE, held-out seeds, evaluated every iteration) reaches the target, or until it has spent
@@ -149,6 +153,27 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
     return times
 
 
+def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
+    """Eval reward of the untrained base model sampled with true CFG at each scale (the same
+    held-out seeds and 10-step ODE as every eval here; CFG costs 2 evaluations per step)."""
+    from flowrl.config import load_config
+    from flowrl.guidance import apply_guidance
+    from flowrl.models import load_adapter
+    from flowrl.prompts import load_prompts
+    from flowrl.recipe import build_reward
+    from flowrl.runtime import configure_threads
+    from flowrl.trainer import Trainer
+
+    out = {}
+    for scale in scales:
+        cfg = load_config(GRPO, [f"sampler.guidance_scale={scale}", "train.progress=false", "train.eval_steps=10"])
+        configure_threads(cfg.train.threads)
+        model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), scale, cfg.prompts.negative))
+        trainer = Trainer(cfg, model, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+        out[scale] = trainer.evaluate()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="benchmarks-convergence.json of a flow_grpo run")
@@ -160,11 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-at", type=float, help="stop reward (default: the target); set it higher to keep points past the target")
     parser.add_argument("--table", action="store_true", help="only print the table of what is in --out")
     parser.add_argument("--time-rounds", type=int, help="only time iterations: flow_grpo baseline and the variants, interleaved")
+    parser.add_argument("--cfg-scales", help="only evaluate the base model with true CFG at these comma-separated scales")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, base = baseline_hit(Path(args.baseline))
     specs = [parse_variant(s) for s in args.variants.split(",") if s]
+    if args.cfg_scales:
+        print("| CFG scale | eval reward | ink | digit correctness |\n|---|---|---|---|")
+        for scale, ev in cfg_baseline_rewards([float(x) for x in args.cfg_scales.split(",")]).items():
+            print(f"| {scale:g} | {ev['eval/reward_mean']:.4f} | {ev['eval/ink']:.4f} | {ev['eval/digit_correctness']:.4f} |")
+        return
     if args.time_rounds:
         times = time_per_iteration([("flow_grpo", ("flow_grpo", GRPO, [])), *specs], args.time_rounds)
         (out / "iteration_times.json").write_text(json.dumps(times, indent=1))

@@ -1,6 +1,8 @@
 """Async scoring on the embedded task: rollout + scoring wall time against the rollout alone.
 
-Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4] [--chunk-size 40] [--remote]``.
+Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4] [--chunk-size 40] [--remote]``,
+or ``python -m bench.async_scoring --cpu-share`` to check whether this process can use two cores
+at once at all (two threads of GIL-free 384x384 matmuls: CPU seconds per wall second).
 
 One Flow-GRPO iteration of the default job (160 samples, chunks of 40, 10 SDE steps, 1 torch
 thread per Python thread) is collected three ways, alternating within one process so all see the
@@ -126,13 +128,43 @@ def _cases(trainer) -> dict[str, Any]:
     }
 
 
+def cpu_share(repeats: int) -> None:
+    """Print CPU seconds per wall second of 1 and 2 threads running GIL-free matmuls."""
+    import threading
+
+    torch.set_num_threads(1)
+    a = torch.rand(384, 384)
+
+    def work() -> None:
+        for _ in range(200):
+            a @ a
+
+    print(f"# load average {os.getloadavg()[0]:.1f}")
+    print("| threads | wall s | CPU s | CPU s per wall s |")
+    print("|---|---|---|---|")
+    for _ in range(repeats):
+        for count in (1, 2):
+            threads = [threading.Thread(target=work) for _ in range(count)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            print(f"| {count} | {wall:.2f} | {cpu:.2f} | {cpu / wall:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward")
     parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
     parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
+    parser.add_argument("--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get")
     args = parser.parse_args(argv)
+    if args.cpu_share:
+        cpu_share(args.repeats)
+        return
     server, url = _serve(args.layers) if args.remote else (None, None)
     try:
         trainer = _trainer(args.layers, args.chunk_size, url)

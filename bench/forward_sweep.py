@@ -17,7 +17,8 @@ The target is the baseline's final eval reward. Each variant trains until its ev
 ODE, held-out seeds, evaluated every iteration) reaches the target, or until it has spent
 ``--cap`` times the baseline's compute to the target. Reported per variant: iterations, NFE,
 compute equivalent (NFE + 2 x backpropagated forwards) and training wall time to the target,
-each as a ratio to the baseline's; wall time on a shared host is indicative only.
+each as a ratio to the baseline's (wall time: use ``--time-rounds``, which interleaves the
+configurations in one process, since a shared host distorts separate runs).
 """
 
 from __future__ import annotations
@@ -96,15 +97,18 @@ def run_variant(job: tuple[str, str, str, list[str], float, float, int, str]) ->
     return name
 
 
-def table(out: Path, target: float, base: dict[str, float], names: list[str] | None = None) -> str:
-    """Markdown table of the variants in ``out`` (all, or ``names`` in that order)."""
+def table(out: Path, target: float, base: dict[str, float], names: list[str] | None = None, vs: str | None = None) -> str:
+    """Markdown table of the variants in ``out`` (all, or ``names`` in that order); with ``vs``
+    (a variant in ``out``, e.g. a stronger Flow-GRPO) also the compute ratio to that variant's hit."""
     files = [out / f"{n}.json" for n in names] if names else sorted(out.glob("*.json"))
+    strong = first_reach(json.loads((out / f"{vs}.json").read_text())["points"], target) if vs else None
     lines = [
         f"Target: Flow-GRPO's final eval reward {target:.4f}, reached by the baseline at iteration {base['iteration']} "
         f"({base['nfe']:,} NFE, {base['compute']:,} compute-eq., {base['wall_s']:.0f} s).",
         "",
-        "| variant | settings (diff to the shipped config) | iterations | NFE ratio | compute ratio | wall ratio | ink / correctness at hit |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | settings (diff to the shipped config) | compute-eq. / iteration | iterations | NFE ratio | compute ratio "
+        + (f"| compute ratio vs {vs} " if strong else "") + "| ink / correctness at hit |",
+        "|---|---|---|---|---|---|" + ("---|" if strong else "") + "---|",
     ]
     for f in files:
         if not f.is_file():
@@ -112,16 +116,19 @@ def table(out: Path, target: float, base: dict[str, float], names: list[str] | N
         d = json.loads(f.read_text())
         hit = first_reach(d["points"], target)
         last = d["points"][-1]
-        settings = f"`{d['config']}` " + (" ".join(f"`{o}`" for o in d["overrides"]) or "(as shipped)")
+        overrides = {o.split("=", 1)[0]: o for o in d["overrides"]}  # a later value of a key replaces an earlier one
+        settings = f"`{d['config']}` " + (" ".join(f"`{o}`" for o in overrides.values()) or "(as shipped)")
+        per_it = f"{d['points'][1]['compute'] / d['points'][1]['iteration']:,.0f}" if len(d["points"]) > 1 else "–"
         if hit is None:
             lines.append(
-                f"| {f.stem} | {settings} | not reached in {last['iteration']} (best {max(p['eval/reward_mean'] for p in d['points']):.4f}) "
-                f"| > {last['nfe'] / base['nfe']:.2f} | > {last['compute'] / base['compute']:.2f} | – | – |"
+                f"| {f.stem} | {settings} | {per_it} | not reached in {last['iteration']} (best {max(p['eval/reward_mean'] for p in d['points']):.4f}) "
+                f"| > {last['nfe'] / base['nfe']:.2f} | > {last['compute'] / base['compute']:.2f} " + ("| – " if strong else "") + "| – |"
             )
             continue
         lines.append(
-            f"| {f.stem} | {settings} | {hit['iteration']} | {hit['nfe'] / base['nfe']:.3f} | {hit['compute'] / base['compute']:.3f} "
-            f"| {hit['wall_s'] / base['wall_s']:.2f} | {hit['eval/ink']:.3f} / {hit['eval/digit_correctness']:.3f} |"
+            f"| {f.stem} | {settings} | {per_it} | {hit['iteration']} | {hit['nfe'] / base['nfe']:.3f} | {hit['compute'] / base['compute']:.3f} "
+            + (f"| {hit['compute'] / strong['compute']:.3f} " if strong else "")
+            + f"| {hit['eval/ink']:.3f} / {hit['eval/digit_correctness']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-at", type=float, help="stop reward (default: the target); set it higher to keep points past the target")
     parser.add_argument("--table", action="store_true", help="only print the table of what is in --out")
     parser.add_argument("--time-rounds", type=int, help="only time iterations: flow_grpo baseline and the variants, interleaved")
+    parser.add_argument("--vs", help="with --table: also the compute ratio to this variant (e.g. grpo_lr3e-3)")
     parser.add_argument("--cfg-scales", help="only evaluate the base model with true CFG at these comma-separated scales")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         with mp.get_context("spawn").Pool(max(1, min(args.jobs, len(jobs)))) as pool:
             for name in pool.imap_unordered(run_variant, jobs):
                 print(f"done {name}", flush=True)
-    print(table(out, target, base, [n for n, _ in specs] if args.table and specs else None))
+    print(table(out, target, base, [n for n, _ in specs] if args.table and specs else None, args.vs if args.table else None))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Parts:
   flat Flow-GRPO (configs/grpo/digits.yaml) against BranchGRPO (configs/branch/digits.yaml),
   alternating iterations of the two trainers so both see the same machine load; medians and
   their ratio. Also run with the KL term off for both.
+- ``diversity``: base-model leaf reward and within-group reward std of trees (several SDE /
+  split-noise settings) against 16 flat Flow-SDE samples per prompt (20 prompts).
 - ``leaves``: DiffusionNFT and AWM trained on tree leaves (``sampler.solver=tree``, group of 16
   per prompt, 10 prompts) against their flat configs (20 prompts x 8, their own solvers), the
   same number of iterations: eval reward, model evaluations and training time.
@@ -75,6 +77,29 @@ def part_nfe(steps: int = 10) -> str:
         leaves = tree.leaves.shape[0]
         formula = tree_nfe(factors)
         rows.append(f"| {name} | {tree_widths(factors)} | {formula} | {model.nfe} | {model.nfe / leaves:.2f} | {model.nfe / flat:.1%} |")
+    return "\n".join(rows)
+
+
+def part_diversity(prompts_n: int = 20) -> str:
+    """Mean leaf reward and mean within-group reward std of the base model: trees vs flat."""
+    cfg = load_config(REPO / "configs/branch/digits.yaml")
+    model, reward = load_adapter("flowrl-digits"), build_reward(cfg)
+    from flowrl.prompts import sample_groups
+
+    batch = sample_groups(load_prompts("digits-styles"), prompts_n, 16, torch.Generator().manual_seed(0))
+    cond = model.encode_prompt(batch.texts)
+    sigmas, factors = linear_sigmas(10), split_factors(10, [0, 3, 6, 9], [2])
+    rows = ["| rollout | SDE, level | split noise | mean leaf reward | within-group reward std |", "|---|---|---|---|---|"]
+    for sde, level, scale in [("dance", 0.3, 4.0), ("dance", 0.3, 1.0), ("flow", 0.7, 1.0), ("flow", 0.7, 4.0)]:
+        gen = torch.Generator().manual_seed(1)
+        tree = chunked_tree_rollout(model, {k: v[::16] for k, v in cond.items()}, torch.randn(prompts_n, 4, 8, 8, generator=gen), sigmas,
+                                    torch.full((10,), level, dtype=torch.float64), factors, chunk_size=40, split_noise_scale=scale, sde=sde, generator=gen)
+        r = reward(model.decode(tree.leaves), batch.texts, **batch.metadata).total
+        rows.append(f"| tree 0,3,6,9 x2 | {sde}, {level} | {scale:g}x | {float(r.mean()):.4f} | {float(r.view(prompts_n, 16).std(1).mean()):.4f} |")
+    gen = torch.Generator().manual_seed(1)
+    traj = chunked_rollout(model, cond, torch.randn(prompts_n * 16, 4, 8, 8, generator=gen), sigmas, sde_noise_levels(10, 0.7), chunk_size=40, generator=gen)
+    r = reward(model.decode(traj.latents[:, -1]), batch.texts, **batch.metadata).total
+    rows.append(f"| flat, 16 independent samples | flow, 0.7 (last step ODE) | – | {float(r.mean()):.4f} | {float(r.view(prompts_n, 16).std(1).mean()):.4f} |")
     return "\n".join(rows)
 
 
@@ -162,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n## NFE per leaf\n\n" + part_nfe(), flush=True)
     if "iteration" in parts:
         print("\n## Wall time per training iteration (equal leaves)\n\n" + part_iteration(args.repeats), flush=True)
+    if "diversity" in parts:
+        print("\n## Leaf reward and group diversity (base model)\n\n" + part_diversity(), flush=True)
     if "leaves" in parts:
         print("\n## NFT / AWM on tree leaves\n\n" + part_leaves(args.leaf_iterations), flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end", flush=True)

@@ -38,30 +38,35 @@ NFT = REPO / "configs/nft/digits.yaml"
 AWM = REPO / "configs/awm/digits.yaml"
 GRPO = REPO / "configs/grpo/digits.yaml"
 
-# name -> (algorithm, config, overrides). "ref" = the shipped config (reference defaults).
+# name -> (algorithm, config, overrides): the variants measured in docs/benchmarks.md.
+# "ref" = the shipped config (reference defaults); "fastA" = configs/{nft,awm}/digits_fast.yaml.
 FAST_SAMPLER = ["sampler.num_steps=5", "sampler.solver=dpmpp_2m"]
+NFT_FAST = ["optim.lr=3e-3", "sampler.num_steps=5", "objective.train_fraction=0.5"]
+AWM_FAST = ["optim.lr=3e-3", *FAST_SAMPLER, "objective.num_timesteps=2"]
 VARIANTS: dict[str, tuple[str, Path, list[str]]] = {
-    "nft_ref": ("diffusion_nft", NFT, []),
-    "nft_lr3e-3": ("diffusion_nft", NFT, ["optim.lr=3e-3"]),
-    "nft_steps5": ("diffusion_nft", NFT, ["sampler.num_steps=5"]),
-    "nft_tf0.3": ("diffusion_nft", NFT, ["objective.train_fraction=0.3"]),
-    "nft_p10": ("diffusion_nft", NFT, ["prompts.per_iteration=10"]),
-    "nft_g4": ("diffusion_nft", NFT, ["prompts.group_size=4", "prompts.per_iteration=40"]),
-    "nft_beta0.1": ("diffusion_nft", NFT, ["objective.beta=0.1"]),
-    "nft_upd4": ("diffusion_nft", NFT, ["objective.updates_per_iteration=4"]),
-    "nft_ema0": ("diffusion_nft", NFT, ["objective.ema_decay_max=0.0"]),
-    "nft_kl0": ("diffusion_nft", NFT, ["objective.kl_beta=0.0"]),
-    "nft_fastA": ("diffusion_nft", NFT, ["optim.lr=3e-3", "sampler.num_steps=5", "objective.train_fraction=0.5"]),
-    "awm_ref": ("awm", AWM, []),
-    "awm_fastA": ("awm", AWM, ["optim.lr=3e-3", *FAST_SAMPLER, "objective.num_timesteps=2"]),
-    "awm_lr3e-3": ("awm", AWM, ["optim.lr=3e-3"]),
-    "awm_steps5": ("awm", AWM, FAST_SAMPLER),
-    "awm_ts2": ("awm", AWM, ["objective.num_timesteps=2"]),
-    "awm_p10": ("awm", AWM, ["prompts.per_iteration=10"]),
-    "awm_upd4": ("awm", AWM, ["objective.updates_per_iteration=4"]),
     "grpo_ref": ("flow_grpo", GRPO, []),
     "grpo_lr3e-3": ("flow_grpo", GRPO, ["optim.lr=3e-3"]),
-    "grpo_fast": ("flow_grpo", GRPO, ["sampler.window=random", "sampler.window_size=2"]),
+    "grpo_paperlike": ("flow_grpo", GRPO, ["optim.lr=3e-4", "objective.updates_per_iteration=2"]),
+    "grpo_fast_lr3e-3": ("flow_grpo", GRPO, ["sampler.window=random", "sampler.window_size=2", "optim.lr=3e-3"]),
+    "nft_ref": ("diffusion_nft", NFT, []),
+    "nft_fastA": ("diffusion_nft", NFT, NFT_FAST),
+    "nft_fast1": ("diffusion_nft", NFT, [*NFT_FAST, "prompts.per_iteration=10", "objective.updates_per_iteration=2"]),
+    "nftA_lr1e-3": ("diffusion_nft", NFT, [*NFT_FAST, "optim.lr=1e-3"]),
+    "nftA_steps10": ("diffusion_nft", NFT, [*NFT_FAST, "sampler.num_steps=10", "objective.train_fraction=0.2"]),
+    "nftA_upd2": ("diffusion_nft", NFT, [*NFT_FAST, "objective.updates_per_iteration=2"]),
+    "nftA_beta0.1": ("diffusion_nft", NFT, [*NFT_FAST, "objective.beta=0.1"]),
+    "nftA_g4": ("diffusion_nft", NFT, [*NFT_FAST, "prompts.group_size=4", "prompts.per_iteration=40"]),
+    "nft_fastB": ("diffusion_nft", NFT, [*NFT_FAST, "objective.kl_beta=0.0", "objective.ema_decay_max=0.0"]),
+    "nft_fastC": ("diffusion_nft", NFT, [*NFT_FAST, "objective.kl_beta=0.0", "objective.ema_decay_max=0.0",
+                                         "prompts.group_size=4", "prompts.per_iteration=40"]),
+    "awm_ref": ("awm", AWM, []),
+    "awm_fastA": ("awm", AWM, AWM_FAST),
+    "awmA_lr1e-3": ("awm", AWM, [*AWM_FAST, "optim.lr=1e-3"]),
+    "awmA_sde10": ("awm", AWM, [*AWM_FAST, "sampler.num_steps=10", "sampler.solver=sde_window"]),
+    "awmA_ts6": ("awm", AWM, [*AWM_FAST, "objective.num_timesteps=6"]),
+    "awmA_upd2": ("awm", AWM, [*AWM_FAST, "objective.updates_per_iteration=2"]),
+    "awmA_g4": ("awm", AWM, [*AWM_FAST, "prompts.group_size=4", "prompts.per_iteration=40"]),
+    "awmA_nokl": ("awm", AWM, [*AWM_FAST, "objective.kl_beta=0.0", "objective.ema_beta=0.0"]),
 }
 
 
@@ -114,6 +119,8 @@ def table(out: Path, target: float, base: dict[str, float], names: list[str] | N
         if not f.is_file():
             continue
         d = json.loads(f.read_text())
+        if "points" not in d:  # e.g. the baseline or timing files kept beside the variants
+            continue
         hit = first_reach(d["points"], target)
         last = d["points"][-1]
         overrides = {o.split("=", 1)[0]: o for o in d["overrides"]}  # a later value of a key replaces an earlier one
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, base = baseline_hit(Path(args.baseline))
-    specs = [parse_variant(s) for s in args.variants.split(",") if s]
+    names = [v for v in args.variants.split(",") if v]
+    specs = [] if args.table else [parse_variant(v) for v in names]
     if args.cfg_scales:
         print("| CFG scale | eval reward | ink | digit correctness |\n|---|---|---|---|")
         for scale, ev in cfg_baseline_rewards([float(x) for x in args.cfg_scales.split(",")]).items():
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         with mp.get_context("spawn").Pool(max(1, min(args.jobs, len(jobs)))) as pool:
             for name in pool.imap_unordered(run_variant, jobs):
                 print(f"done {name}", flush=True)
-    print(table(out, target, base, [n for n, _ in specs] if args.table and specs else None, args.vs if args.table else None))
+    print(table(out, target, base, names if args.table and names else None, args.vs if args.table else None))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ class SlowInk:
 
     def __init__(self, events, delay=0.02):
         self.events, self.delay, self.ink = events, delay, ink("prompt")
+        self.started = threading.Event()
 
     def __call__(self, images, prompts, **metadata):
         self.events.append(("score-start", threading.current_thread().name, time.perf_counter()))
+        self.started.set()
         time.sleep(self.delay)
         out = self.ink(images, prompts, **metadata)
         self.events.append(("score-end", threading.current_thread().name, time.perf_counter()))
@@ -69,10 +71,17 @@ def test_async_scoring_is_bit_identical(objective):
 def test_chunks_are_scored_on_a_worker_while_sampling():
     events = []
     t = trainer(True, "prompts.per_iteration=6", events=events)  # 18 samples: chunks of 5, 5, 5, 3
-    t.reward.rewards["ink"][0].delay = 0.3
+    slow = t.reward.rewards["ink"][0]
+    slow.delay = 0.3
     velocity = t.model.velocity
+    calls = []
 
     def logged_velocity(x, sigma, cond):
+        calls.append(1)
+        if len(calls) == 4:  # first step of chunk 1 (3 steps per chunk): chunk 0 is with the worker
+            # wait until the worker is scoring chunk 0, so a slow decode on a loaded host can't
+            # make the main thread finish sampling first (that would hang in sync mode: never set)
+            assert slow.started.wait(timeout=60)
         events.append(("velocity", threading.current_thread().name, time.perf_counter()))
         return velocity(x, sigma, cond)
 

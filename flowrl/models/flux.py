@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from .adapter import Cond
-from .packing import latent_image_ids, pack_latents, unpack_latents
+from .packing import packed_latent_shape, latent_image_ids, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
-from .sd3 import read_model_card
+from .sd3 import decode_scaled, read_model_card
 
 FLUX_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 FLUX_MLP_TARGETS = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp")
@@ -191,17 +191,11 @@ class FluxAdapter:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        images = self.vae.decode(z, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_scaled(self.vae, latents)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""
-        f = self.pipe.vae_scale_factor
-        if height % (2 * f) or width % (2 * f):
-            raise ValueError(f"FLUX resolution must be a multiple of {2 * f}; got {height}x{width}")
-        return (self.transformer.config.in_channels // 4, height // f, width // f)
+        return packed_latent_shape("FLUX", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The (num_steps + 1,) float64 sigma grid ``FluxPipeline`` uses at this resolution.

@@ -48,3 +48,20 @@ def latent_image_ids(height: int, width: int, *, device: torch.device | str = "c
     ids[..., 1] = torch.arange(rows)[:, None]
     ids[..., 2] = torch.arange(cols)[None, :]
     return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)
+
+
+def packed_latent_shape(family: str, in_channels: int, vae_factor: int, height: int, width: int) -> tuple[int, int, int]:
+    """Unpacked latent shape (C, H / f, W / f) of a 2x2-packed model (FLUX, Qwen-Image).
+
+    Args:
+        family: model name for the error message.
+        in_channels: the transformer's input channels (4 x the latent channels, 2x2 packed).
+        vae_factor: the VAE's spatial downsampling factor f.
+        height, width: output resolution; multiples of 2f.
+
+    Raises:
+        ValueError: for a resolution that does not pack into whole 2x2 patches.
+    """
+    if height % (2 * vae_factor) or width % (2 * vae_factor):
+        raise ValueError(f"{family} resolution must be a multiple of {2 * vae_factor}; got {height}x{width}")
+    return (in_channels // 4, height // vae_factor, width // vae_factor)

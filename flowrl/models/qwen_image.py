@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..samplers._broadcast import compute_dtype
 from .adapter import Cond
-from .packing import pack_latents, unpack_latents
+from .packing import packed_latent_shape, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import read_model_card
 
@@ -174,10 +174,7 @@ class QwenImageAdapter:
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""
-        f = self.pipe.vae_scale_factor
-        if height % (2 * f) or width % (2 * f):
-            raise ValueError(f"Qwen-Image resolution must be a multiple of {2 * f}; got {height}x{width}")
-        return (self.transformer.config.in_channels // 4, height // f, width // f)
+        return packed_latent_shape("Qwen-Image", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The (num_steps + 1,) float64 sigma grid ``QwenImagePipeline`` uses (dynamic shift, terminal stretch)."""

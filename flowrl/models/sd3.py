@@ -43,6 +43,22 @@ def _missing_optional_parts(path: str | Path) -> dict[str, None]:
     return {k: None for k in ("text_encoder_3", "tokenizer_3") if listed.get(k, [None])[0] is None}
 
 
+def decode_scaled(vae: Any, latents: Tensor) -> Tensor:
+    """Decode with an ``AutoencoderKL``'s scaling and shift factors (SD3, FLUX).
+
+    Args:
+        vae: the pipeline's ``AutoencoderKL``.
+        latents: (B, C, h, w) in the sampler's normalised space.
+
+    Returns:
+        Images (B, 3, H, W) in [0, 1], float32.
+    """
+    cfg = vae.config
+    z = latents.to(vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+    images = vae.decode(z, return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
 class SD3Adapter:
     """Model adapter over a ``StableDiffusion3Pipeline``.
 
@@ -120,10 +136,7 @@ class SD3Adapter:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        images = self.vae.decode(z, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_scaled(self.vae, latents)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) where f is the VAE's downsampling factor."""

@@ -120,6 +120,16 @@ def model_latent_shape(model: ModelAdapter, resolution: tuple[int, int], frames:
     return tuple(model.latent_shape(*resolution))
 
 
+def freeze_modules(*modules: nn.Module | None) -> None:
+    """Put the frozen parts of a pipeline (denoiser, VAE, text encoders) in eval mode without
+    gradients; ``None`` entries (absent optional encoders) are skipped. LoRA adds trainable
+    parameters afterwards."""
+    for module in modules:
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+
+
 def select_cond(cond: Cond, index: Tensor | slice) -> Cond:
     """Index every tensor of a conditioning dict along the batch dimension."""
     return {key: value[index] for key, value in cond.items()}

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond
+from .adapter import Cond, freeze_modules
 from .packing import packed_latent_shape, latent_image_ids, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import decode_scaled, read_model_card
@@ -85,10 +85,7 @@ class FluxAdapter:
         self.set_guidance_scale(guidance_scale)
         # dev: distilled guidance inside velocity (never an unconditional pass); schnell: none
         self.guidance = "distilled" if self.has_guidance_embeds else "none"
-        for module in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-            if module is not None:
-                module.requires_grad_(False)
-                module.eval()
+        freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2)
 
     @classmethod
     def from_pretrained(

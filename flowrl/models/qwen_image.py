@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..samplers._broadcast import compute_dtype
-from .adapter import Cond
+from .adapter import Cond, freeze_modules
 from .packing import packed_latent_shape, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import read_model_card
@@ -95,10 +95,7 @@ class QwenImageAdapter:
         self.dtype = self.transformer.dtype
         size = pipe.default_sample_size * pipe.vae_scale_factor
         self.default_resolution = tuple(resolution) if resolution else (size, size)
-        for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            if module is not None:
-                module.requires_grad_(False)
-                module.eval()
+        freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder)
 
     @classmethod
     def from_pretrained(

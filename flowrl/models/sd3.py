@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond
+from .adapter import Cond, freeze_modules
 
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 MODEL_CARD = "flowrl.json"
@@ -79,10 +79,7 @@ class SD3Adapter:
         self.dtype = self.transformer.dtype
         size = self.transformer.config.sample_size * pipe.vae_scale_factor
         self.default_resolution = tuple(resolution) if resolution else (size, size)
-        for module in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            if module is not None:
-                module.requires_grad_(False)
-                module.eval()
+        freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "SD3Adapter":

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond, select_cond
+from .adapter import Cond, freeze_modules, select_cond
 from .sd3 import read_model_card
 from .wan_experts import WanExperts, split_expert_state
 
@@ -99,10 +99,7 @@ class WanAdapter:
         sched = pipe.scheduler.config
         self.default_shift = float(shift or sched.get("flow_shift") or sched.get("shift") or DEFAULT_SHIFT)
         self.latent_shape(*self.default_resolution)  # validates the defaults
-        for module in (pipe.transformer, self.experts["low"], pipe.vae, pipe.text_encoder, self.transformer):
-            if module is not None:
-                module.requires_grad_(False)
-                module.eval()
+        freeze_modules(pipe.transformer, self.experts["low"], pipe.vae, pipe.text_encoder, self.transformer)
 
     @classmethod
     def from_pretrained(

@@ -138,7 +138,9 @@ class TrainConfig:
     eval_steps: int | None = field(default=None, metadata=_rng(1))  # Euler ODE steps of evaluation; None = sampler.num_steps
     save_every: int = field(default=50, metadata=_rng(1))
     progress: bool = True
-    rewards_async: bool = False  # decode + score rollout chunk k on a thread while chunk k+1 samples (bit-identical results)
+    # decode + score rollout chunk k while chunk k+1 samples (bit-identical results): false | true (= "thread") | "thread"
+    # | "process" (a spawned worker process: overlaps even when sampling and scoring are Python-bound, as on a CPU)
+    rewards_async: bool | Literal["thread", "process"] = False
 
 
 @dataclass

@@ -168,6 +168,18 @@ class MemoryAdapter:
         with placed([vae] if vae is not None else [], self.compute_device, self.offload_vae):
             return self._model.decode(latents)
 
+    def decoder(self) -> Any:
+        """The wrapped adapter's picklable decoder (``train.rewards_async: process``).
+
+        Raises:
+            ValueError: ``memory.offload_vae`` is on (the worker process would decode with a VAE
+                left on the CPU while the latents live on the accelerator).
+        """
+        if self.offload_vae:
+            raise ValueError("memory.offload_vae=true and train.rewards_async=process can't be combined (the scoring "
+                             "process keeps its own VAE placement); set one of them to false")
+        return self._model.decoder()
+
     def free_text_encoders(self) -> int:
         """Drop the text encoders from the pipeline (after the prompt cache is warm).
 

@@ -113,6 +113,7 @@ class Run:
             end_eval = self._loop(logger, t0)
         finally:
             logger.close()
+            trainer.close()
         wall = time.perf_counter() - t0
         return self._finish(out, logger, before, start_eval, end_eval, wall)
 

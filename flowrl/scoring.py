@@ -1,12 +1,17 @@
-"""Decode and score a rollout chunk by chunk, inline or on a worker thread (``train.rewards_async``).
+"""Decode and score a rollout chunk by chunk: inline, on a worker thread or in a worker process.
 
 The trainer's rollout runs in chunks of ``sampler.chunk_size``. After each chunk it hands the
 chunk's clean latents to a :class:`RolloutScorer`, which decodes them and scores the images with
-every reward. With ``threaded=True`` that work runs on one worker thread, so chunk k is decoded
-and scored while chunk k + 1 is being sampled (torch kernels and HTTP waits release the GIL).
+every reward (``train.rewards_async``):
 
-Both modes do exactly the same computations on the same chunks in the same order; only the
-thread differs. The rollout's RNG is untouched by decoding and scoring, so a run with
+- ``false``: inline, after each chunk;
+- ``true`` / ``thread``: on one worker thread, so chunk k is decoded and scored while chunk
+  k + 1 is being sampled (torch kernels and HTTP waits release the GIL; Python does not);
+- ``process``: in a spawned worker process (:mod:`flowrl.scoring_process`), which overlaps even
+  when both sides are bound by Python and op dispatch, as on the embedded model on a CPU.
+
+All modes run :func:`~flowrl.scoring_process.score_chunk` on the same chunks in the same order;
+only the thread or process differs. The rollout's RNG is untouched by decoding and scoring, so a run with
 ``rewards_async: true`` is bit-identical to one without (tested). The whole-batch checks (a
 reward that is NaN for every sample) run once all chunks are in, as for a single call.
 
@@ -23,8 +28,10 @@ import torch
 from torch import Tensor
 
 from .rewards import RewardOutput
+from .scoring_process import ScoringProcess, score_chunk
 
 Decode = Callable[[Tensor], Tensor]
+ASYNC_MODES = (False, True, "thread", "process")
 
 
 def _rows(value: Any, rows: slice, total: int) -> Any:
@@ -51,6 +58,8 @@ class RolloutScorer:
         metadata: per-sample metadata lists of length B.
         threaded: score on a worker thread while the caller keeps sampling.
         first_index: batch index of the first chunk (for error messages).
+        worker: score in this worker process instead (``train.rewards_async: process``); it is
+            owned by the caller and outlives the scorer.
     """
 
     def __init__(
@@ -62,21 +71,21 @@ class RolloutScorer:
         *,
         threaded: bool = False,
         first_index: int = 0,
+        worker: ScoringProcess | None = None,
     ) -> None:
         self.reward, self.decode = reward, decode
         self.prompts, self.metadata = list(prompts), dict(metadata or {})
         self.first_index = first_index
         self.by_parts = hasattr(reward, "score_parts") and hasattr(reward, "combine")
+        self.worker = worker
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-scoring") if threaded else None
         self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor] | None]]] = []
 
+    def _chunk_args(self, rows: slice) -> tuple[list[str], dict[str, Any]]:
+        return self.prompts[rows], {k: _rows(v, rows, len(self.prompts)) for k, v in self.metadata.items()}
+
     def _score(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor] | None]:
-        with torch.no_grad():  # grad mode is per thread: set it in the worker too
-            images = self.decode(latents)
-            if not self.by_parts:
-                return images, None
-            meta = {k: _rows(v, rows, len(self.prompts)) for k, v in self.metadata.items()}
-            return images, self.reward.score_parts(images, self.prompts[rows], meta, batch_index=index)
+        return score_chunk(self.reward, self.decode, latents, *self._chunk_args(rows), index)
 
     def _raise_failures(self) -> None:
         for _, job in self._jobs:
@@ -87,7 +96,9 @@ class RolloutScorer:
         """Decode and score the chunk ``latents`` (b, ...) holding rows ``rows`` of the batch."""
         self._raise_failures()  # stop sampling as soon as an earlier chunk failed
         index = self.first_index + len(self._jobs)
-        if self._pool is None:
+        if self.worker is not None:
+            self._jobs.append((rows, self.worker.submit(latents, *self._chunk_args(rows), index)))
+        elif self._pool is None:
             self._jobs.append((rows, self._score(rows, latents, index)))
         else:
             self._jobs.append((rows, self._pool.submit(self._score, rows, latents, index)))

@@ -27,6 +27,7 @@ from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
 from .scoring import RolloutScorer, batch_index
+from .scoring_process import ScoringProcess
 from .models.pipeline_schedule import run_sigmas
 from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from .tree_rollouts import TreeCollector, uses_tree
@@ -81,6 +82,23 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
+        self._scoring_process: ScoringProcess | None = None
+
+    def scoring_process(self) -> ScoringProcess:
+        """The worker process of ``train.rewards_async: process``, started on first use and kept for the run."""
+        if self._scoring_process is None:
+            decoder = getattr(self.model, "decoder", None)
+            if decoder is None:
+                raise ValueError(f"train.rewards_async=process needs the model adapter ({type(self.model).__name__}) to define "
+                                 "decoder() (a picklable decode); use train.rewards_async=thread")
+            self._scoring_process = ScoringProcess(self.reward, decoder(), threads=torch.get_num_threads())
+        return self._scoring_process
+
+    def close(self) -> None:
+        """Stop the scoring process, if one was started (also stopped when Python exits)."""
+        if self._scoring_process is not None:
+            self._scoring_process.close()
+            self._scoring_process = None
 
     def _free_encoders(self) -> None:
         """Cache every train/eval prompt, then drop the text encoders.
@@ -103,8 +121,9 @@ class Trainer:
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator)
         first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size)
-        with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata,
-                           threaded=self.cfg.train.rewards_async, first_index=first) as scorer:  # flowrl/scoring.py
+        mode = self.cfg.train.rewards_async
+        with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
+                           first_index=first, worker=self.scoring_process() if mode == "process" else None) as scorer:
             samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
             images, scored = scorer.result(samples)
         a = self.cfg.advantage

@@ -43,6 +43,10 @@ class ModelAdapter(Protocol):
             ``velocity``; flowrl never adds an unconditional pass. ``"none"``: no guidance.
         default_num_frames: video adapters only: frame count used when ``model.num_frames`` is
             null. Image adapters do not define it.
+
+    Optional: ``decoder()`` returns ``decode`` as a picklable callable holding only the VAE (e.g.
+    ``functools.partial(decode_scaled, vae)``); ``train.rewards_async: process`` sends it to the
+    scoring process. Every built-in adapter defines it.
     """
 
     transformer: nn.Module

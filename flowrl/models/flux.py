@@ -21,9 +21,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -189,6 +190,10 @@ class FluxAdapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
         return decode_scaled(self.vae, latents)
+
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
+        return functools.partial(decode_scaled, self.vae)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""

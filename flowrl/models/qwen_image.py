@@ -23,8 +23,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -62,6 +63,16 @@ def qwen_true_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
     rescaled = combined * (c.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
     return unpack_latents(rescaled, h, w)
 
+
+def decode_qwen_image(vae: Any, latents: Tensor) -> Tensor:
+    """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32, through the one-frame
+    ``AutoencoderKLQwenImage`` with its per-channel mean and std."""
+    cfg = vae.config
+    z = latents.to(vae.dtype).unsqueeze(2)
+    mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+    images = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
 
 class QwenImageAdapter:
     """Model adapter over a ``QwenImagePipeline``.
@@ -162,12 +173,11 @@ class QwenImageAdapter:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32 (one-frame video VAE)."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.dtype).unsqueeze(2)
-        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        images = self.vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_qwen_image(self.vae, latents)
+
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
+        return functools.partial(decode_qwen_image, self.vae)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""

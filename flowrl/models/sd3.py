@@ -10,9 +10,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -134,6 +135,10 @@ class SD3Adapter:
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
         return decode_scaled(self.vae, latents)
+
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
+        return functools.partial(decode_scaled, self.vae)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """(C, H / f, W / f) where f is the VAE's downsampling factor."""

@@ -26,8 +26,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +44,16 @@ DEFAULT_SHIFT = 3.0  # Wan2.1 480p flow_shift (5.0 for 720p; Wan2.2-A14B uses 12
 EXPERTS = ("high", "low", "both")
 LORA_FILES = {"high": "pytorch_lora_weights.safetensors", "low": "pytorch_lora_weights_transformer_2.safetensors"}
 
+
+def decode_wan(vae: Any, latents: Tensor) -> Tensor:
+    """Latents (B, C, F_lat, h, w) -> videos (B, F, 3, H, W) in [0, 1], float32, through
+    ``AutoencoderKLWan`` with its per-channel mean and std."""
+    cfg = vae.config
+    z = latents.to(vae.device, vae.dtype)
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z)
+    video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+    return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
 
 class WanAdapter:
     """Model adapter over a ``WanPipeline`` (text-to-video).
@@ -195,12 +206,11 @@ class WanAdapter:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents (B, C, F_lat, h, w) -> videos (B, F, 3, H, W) in [0, 1], float32."""
-        cfg = self.vae.config
-        z = latents.to(self.vae.device, self.vae.dtype)
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z)
-        video = self.vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+        return decode_wan(self.vae, latents)
+
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
+        return functools.partial(decode_wan, self.vae)
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """(C, (frames - 1) / t + 1, H / s, W / s) with Wan's VAE factors (t = 4, s = 8 for Wan2.1).

@@ -1,0 +1,199 @@
+"""A spawned worker process that decodes and scores rollout chunks (``train.rewards_async: process``).
+
+A scoring *thread* shares the GIL with sampling: on a small model, where most of the time is
+Python and op dispatch rather than long kernels, the two threads take turns and nothing overlaps
+(measured in docs/benchmarks.md: CPU seconds = wall seconds). A process has its own interpreter,
+so decoding and scoring run on another core while the trainer samples the next chunk.
+
+The worker is started once per training run (importing torch costs seconds) and kept for every
+iteration. It receives the decoder and the reward by pickling, with tensors moved to shared memory
+(``torch.multiprocessing``), so no weights are copied. It runs the same :func:`score_chunk` as the
+inline and threaded modes, with the same number of torch threads, so results are bit-identical.
+
+Faults never hang the trainer: a reward that raises comes back as the same exception; a worker
+that dies fails every pending chunk with a one-line error; a reward or decoder that can't be
+pickled is named before anything starts.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from concurrent.futures import Future
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+
+Decode = Callable[[Tensor], Tensor]
+POLL_S = 0.2  # how often a waiting side checks that the other one is still alive
+
+
+def score_chunk(reward: Any, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any],
+                index: int) -> tuple[Tensor, dict[str, Tensor] | None]:
+    """Decode one chunk and score it with every reward component (no gradient).
+
+    Args:
+        reward: a :class:`~flowrl.rewards.MultiReward` (``score_parts``); anything else is only
+            decoded here and called once on the whole batch later.
+        decode: latents (b, ...) -> images (b, 3, H, W) or clips (b, F, 3, H, W) in [0, 1].
+        latents: (b, ...) clean latents of the chunk.
+        prompts: the chunk's b prompts.
+        metadata: the chunk's rows of every per-sample metadata entry.
+        index: run-wide batch index, named in error messages.
+
+    Returns:
+        images (b, ...) and the per-component rewards {name: (b,)} (None without ``score_parts``).
+    """
+    with torch.no_grad():  # grad mode is per thread: set it in every worker
+        images = decode(latents)
+        if not (hasattr(reward, "score_parts") and hasattr(reward, "combine")):
+            return images, None
+        return images, reward.score_parts(images, list(prompts), metadata, batch_index=index)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a RuntimeError with its text."""
+    try:
+        pickle.loads(ForkingPickler.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any unpicklable exception is replaced, never lost
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _worker_main(reward: Any, decode: Decode, threads: int, jobs: Any, results: Any) -> None:
+    """Worker loop: ``(key, latents, prompts, metadata, index)`` in, ``(key, ok, payload)`` out; None stops."""
+    torch.set_num_threads(threads)
+    results.put((None, True, "ready"))
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        key, latents, prompts, metadata, index = job
+        try:
+            out = score_chunk(reward, decode, latents, prompts, metadata, index)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
+            results.put((key, False, _portable(exc)))
+        else:
+            results.put((key, True, out))
+
+
+def _unpicklable_part(reward: Any, decode: Decode) -> str | None:
+    """Name what can't be sent to a worker process (a reward component or the decoder), with why."""
+    parts = dict(getattr(reward, "rewards", {}) or {})
+    named = [(f"reward {name!r}", fn) for name, (fn, _) in parts.items()] if parts else [("the reward", reward)]
+    for what, obj in [*named, ("the model's decoder", decode)]:
+        try:
+            ForkingPickler.dumps(obj)
+        except Exception as exc:  # noqa: BLE001 - reported to the user in one line
+            return f"{what} can't be sent to a scoring process ({type(exc).__name__}: {exc})"
+    return None
+
+
+class ScoringProcess:
+    """One spawned worker that decodes + scores chunks; :meth:`submit` returns a Future.
+
+    Args:
+        reward: the trainer's reward (a :class:`~flowrl.rewards.MultiReward`); must be picklable.
+        decode: a picklable decoder (``adapter.decoder()``), not a bound method of the adapter.
+        threads: torch threads in the worker; the trainer's own count keeps results bit-identical.
+        start_timeout_s: how long to wait for the worker to import torch and load the reward.
+
+    Raises:
+        ValueError: the reward or decoder can't be pickled (the message names which and the fix).
+        RuntimeError: the worker died or did not start in time.
+    """
+
+    def __init__(self, reward: Any, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0) -> None:
+        problem = _unpicklable_part(reward, decode)
+        if problem is not None:
+            raise ValueError(f"train.rewards_async=process: {problem}; use train.rewards_async=thread, "
+                             "or serve that reward with `flowrl serve-reward` and use it as remote:")
+        ctx = mp.get_context("spawn")
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._next_key = 0
+        self._closed = False
+        self._proc = ctx.Process(target=_worker_main, name="flowrl-scoring", daemon=True,
+                                 args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results))
+        self._proc.start()
+        self._wait_ready(start_timeout_s)
+        self._receiver = threading.Thread(target=self._receive, name="flowrl-scoring-receiver", daemon=True)
+        self._receiver.start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        waited = 0.0
+        while waited < timeout_s:
+            try:
+                self._results.get(timeout=POLL_S)
+                return
+            except queue.Empty:
+                waited += POLL_S
+                if not self._proc.is_alive():
+                    self._closed = True
+                    raise RuntimeError(f"scoring process exited with code {self._proc.exitcode} while starting "
+                                       "(it could not load the reward); run with train.rewards_async=false to see the error")
+        self.close()
+        raise RuntimeError(f"scoring process did not start within {timeout_s:.0f} s; use train.rewards_async=thread")
+
+    def _receive(self) -> None:
+        """Resolve futures as results arrive; fail them all if the worker dies."""
+        while True:
+            try:
+                key, ok, payload = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._closed:
+                    return
+                if not self._proc.is_alive():
+                    self._fail_pending(RuntimeError(
+                        f"scoring process died (exit code {self._proc.exitcode}); rerun with train.rewards_async=thread "
+                        "or false to see the reward's own error"))
+                    return
+                continue
+            except (EOFError, OSError):
+                return
+            with self._lock:
+                future = self._pending.pop(key, None)
+            if future is not None:
+                future.set_result(payload) if ok else future.set_exception(payload)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(exc)
+
+    def submit(self, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int) -> Future:
+        """Queue one chunk; the Future resolves to ``score_chunk``'s (images, parts)."""
+        if self._closed or not self._proc.is_alive():
+            raise RuntimeError(f"scoring process is not running (exit code {self._proc.exitcode}); "
+                               "rerun with train.rewards_async=thread or false")
+        future: Future = Future()
+        with self._lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._pending[key] = future
+        self._jobs.put((key, latents.detach().clone(), list(prompts), metadata, index))  # a private copy into shared memory
+        return future
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (it finishes the chunk at hand); kill it if it does not stop in time."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.is_alive():
+            self._jobs.put(None)
+            self._proc.join(timeout_s)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout_s)
+        self._fail_pending(RuntimeError("scoring process was closed before this chunk was scored"))
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,164 @@
+"""train.rewards_async=process: chunks decoded and scored in a spawned worker, bit-identically, without hangs."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_sd3_pipeline
+from flowrl.config import ConfigError, load_config
+from flowrl.memory import MemoryAdapter
+from flowrl.models.sd3 import SD3Adapter
+from flowrl.prompts import load_prompts
+from flowrl.rewards import MultiReward, RewardError, ink
+from flowrl.scoring import RolloutScorer
+from flowrl.scoring_process import ScoringProcess
+from flowrl.trainer import Trainer
+
+FAST = [
+    "prompts.per_iteration=4", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=5",
+    "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.01",
+]
+
+
+class TimedInk:
+    """The ink reward, slowed down; appends (pid, start, end) wall times to a file (picklable)."""
+
+    allows_nan = True
+
+    def __init__(self, log_path, delay=0.0):
+        self.log_path, self.delay, self.ink = str(log_path), delay, ink("prompt")
+
+    def __call__(self, images, prompts, **metadata):
+        start = time.time()
+        time.sleep(self.delay)
+        out = self.ink(images, prompts, **metadata)
+        with open(self.log_path, "a") as f:
+            f.write(f"{os.getpid()} {start} {time.time()}\n")
+        return out
+
+
+class Broken:
+    def __call__(self, images, prompts, **metadata):
+        raise RuntimeError("judge crashed\ntraceback noise")
+
+
+class Exits:
+    def __call__(self, images, prompts, **metadata):
+        os._exit(3)
+
+
+def trainer(mode, reward, *extra):
+    cfg = load_config(None, FAST + [f"train.rewards_async={mode}", *extra])
+    prompts = load_prompts("digits-styles")
+    model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    return Trainer(cfg, model, reward, prompts, prompts[:2])
+
+
+def inks(log_path, delay=0.0):
+    return MultiReward({"ink": (TimedInk(log_path, delay), 1.0), "ink_bold": (ink("bold"), 0.5)})
+
+
+def test_process_scoring_is_bit_identical_to_inline(tmp_path):
+    inline, proc = trainer("false", inks(tmp_path / "a.log")), trainer("process", inks(tmp_path / "b.log"))
+    try:
+        for _ in range(2):  # the second iteration follows an update made from the first one's rewards
+            a, info_a = inline.collect()
+            b, info_b = proc.collect()
+            assert torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
+            assert torch.equal(a.images, b.images) and torch.equal(a.samples, b.samples)
+            assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
+            for key in info_a:
+                assert torch.equal(info_a[key].nan_to_num(), info_b[key].nan_to_num()), key
+            assert inline.update(a) == proc.update(b)
+            inline.iteration += 1
+            proc.iteration += 1
+        worker_pids = {line.split()[0] for line in (tmp_path / "b.log").read_text().splitlines()}
+        assert worker_pids and str(os.getpid()) not in worker_pids  # really scored in another process
+        assert proc._scoring_process is not None and proc._scoring_process._proc.is_alive()  # one worker for the run
+    finally:
+        proc.close()
+    for (n, p), (_, q) in zip(inline.model.transformer.named_parameters(), proc.model.transformer.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_chunks_are_scored_in_the_worker_while_sampling(tmp_path):
+    t = trainer("process", inks(tmp_path / "score.log", delay=0.3), "prompts.per_iteration=6")  # chunks 5, 5, 5, 3
+    velocity, calls = t.model.velocity, []
+
+    def logged_velocity(x, sigma, cond):
+        calls.append(time.time())
+        return velocity(x, sigma, cond)
+
+    t.model.velocity = logged_velocity
+    try:
+        t.scoring_process()  # started before timing: start-up is once per run
+        t.collect()
+    finally:
+        t.close()
+    spans = [tuple(map(float, line.split()[1:])) for line in (tmp_path / "score.log").read_text().splitlines()]
+    assert len(spans) == 4
+    overlapped = [c for c in calls if any(start < c < end for start, end in spans)]
+    assert overlapped  # the trainer evaluated the model while a chunk was being scored
+
+
+def test_failing_reward_in_the_worker_names_reward_and_batch():
+    t = trainer("process", MultiReward({"judge": (Broken(), 1.0)}))
+    t.iteration = 2  # 12 samples in chunks of 5, 5, 2: this iteration's first batch index is 6
+    try:
+        with pytest.raises(RewardError) as info:
+            t.collect()
+        assert str(info.value) == "reward 'judge' (batch 6) raised RuntimeError: judge crashed"
+    finally:
+        t.close()
+
+
+def test_dead_worker_fails_fast_with_one_line():
+    t = trainer("process", MultiReward({"quitter": (Exits(), 1.0)}))
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match=r"^scoring process died \(exit code 3\); rerun with train.rewards_async=thread"):
+            t.collect()
+    finally:
+        t.close()
+    assert time.perf_counter() - start < 60
+
+
+def test_unpicklable_reward_is_named_before_starting():
+    lock_holder = lambda images, prompts, **metadata: images.mean(dim=(1, 2, 3))  # noqa: E731 - a lambda can't be pickled
+    with pytest.raises(ValueError, match=r"^train.rewards_async=process: reward 'judge' can't be sent to a scoring process .*"
+                                         r"use train.rewards_async=thread"):
+        ScoringProcess(MultiReward({"judge": (lock_holder, 1.0)}), lambda z: z)
+
+
+def test_bound_decode_of_an_adapter_is_not_needed():
+    model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    z = torch.randn(2, *model.latent_shape(8, 8))
+    assert torch.equal(model.decoder()(z), model.decode(z))
+    with pytest.raises(ValueError, match="memory.offload_vae=true and train.rewards_async=process can't be combined"):
+        MemoryAdapter(model, offload_vae=True).decoder()
+
+
+def test_rollout_scorer_with_a_worker_gathers_chunks(tmp_path):
+    reward = MultiReward({"ink": (ink("bold"), 1.0)})
+    worker = ScoringProcess(reward, torch.nn.Identity())
+    try:
+        scorer = RolloutScorer(reward, torch.nn.Identity(), ["p"] * 7, worker=worker)
+        x = torch.rand(7, 3, 4, 4)
+        with scorer:
+            scorer.submit(slice(0, 4), x[:4])
+            scorer.submit(slice(4, 7), x[4:])
+            images, out = scorer.result(x)
+        assert torch.equal(images, x) and torch.equal(out.total, x.mean(dim=(1, 2, 3)))
+    finally:
+        worker.close()
+    with pytest.raises(RuntimeError, match="scoring process is not running"):
+        worker.submit(x, ["p"], {}, 0)
+
+
+def test_config_modes():
+    assert load_config(None, ["train.rewards_async=process"]).train.rewards_async == "process"
+    assert load_config(None, ["train.rewards_async=true"]).train.rewards_async is True
+    with pytest.raises(ConfigError, match="rewards_async"):
+        load_config(None, ["train.rewards_async=processes"])

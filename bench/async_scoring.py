@@ -10,7 +10,9 @@ same host load, from the same generator state each time:
 
 - ``rollout alone``: the chunked SDE rollout only (no decode, no rewards);
 - ``collect, sync``: rollout, then decode + score each chunk inline (``train.rewards_async: false``);
-- ``collect, async``: decode + score chunk k on a worker thread while chunk k + 1 samples.
+- ``collect, async thread``: decode + score chunk k on a worker thread while chunk k + 1 samples;
+- ``collect, async process``: the same in a spawned worker process (``rewards_async: process``),
+  started once before timing (as a training run does).
 
 The rewards are the default job's (ink, digit correctness) plus a model reward: a randomly
 initialised transformers ``CLIPVisionModelWithProjection`` (``--layers`` encoder layers, 32x32
@@ -72,7 +74,7 @@ def _serve(layers: int):
     return proc, line.split(" at ")[1].split(" ")[0]
 
 
-def _trainer(layers: int, chunk_size: int, url: str | None = None):
+def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None):
     from flowrl.config import load_config
     from flowrl.models import load_adapter
     from flowrl.prompts import load_prompts
@@ -80,7 +82,8 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None):
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
 
-    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}"])
+    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}",
+                             f"train.score_chunk_size={'null' if pieces is None else pieces}"])
     configure_threads(cfg.train.threads)
     reward = MultiReward({
         "ink": (build_reward("ink", target="prompt"), 1.0),
@@ -107,15 +110,16 @@ def _cases(trainer) -> dict[str, Any]:
         trainer._rollout(cond, x_init)
 
     def scoring_alone():
-        with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata) as scorer:
+        with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata,
+                           score_chunk_size=trainer.cfg.train.score_chunk_size) as scorer:
             for start in range(0, samples.shape[0], trainer.cfg.sampler.chunk_size):
                 rows = slice(start, start + trainer.cfg.sampler.chunk_size)
                 scorer.submit(rows, samples[rows])
             scorer.result(samples)
 
-    def collect(async_: bool):
+    def collect(mode: bool | str):
         def run():
-            trainer.cfg.train.rewards_async = async_
+            trainer.cfg.train.rewards_async = mode
             trainer.generator.set_state(state)
             trainer.collect()
         return run
@@ -124,7 +128,8 @@ def _cases(trainer) -> dict[str, Any]:
         "rollout alone": rollout_alone,
         "decode + score alone (chunked)": scoring_alone,
         "collect, sync scoring": collect(False),
-        "collect, async scoring": collect(True),
+        "collect, async thread": collect("thread"),
+        "collect, async process": collect("process"),
     }
 
 
@@ -159,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward")
     parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
+    parser.add_argument("--score-chunk-size", type=int, default=None,
+                        help="train.score_chunk_size: rows per scoring call (the trainer shares the last chunk's pieces)")
     parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
     parser.add_argument("--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get")
     args = parser.parse_args(argv)
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     server, url = _serve(args.layers) if args.remote else (None, None)
     try:
-        trainer = _trainer(args.layers, args.chunk_size, url)
+        trainer = _trainer(args.layers, args.chunk_size, url, args.score_chunk_size)
         cases = _cases(trainer)
         times: dict[str, list[float]] = {name: [] for name in cases}
         cpu: dict[str, list[float]] = {name: [] for name in cases}
@@ -180,12 +187,15 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
     finally:
+        if "trainer" in locals():
+            trainer.close()
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
     base = statistics.median(times["rollout alone"])
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
-          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
+          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, scored in pieces of "
+          f"{args.score_chunk_size or args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| case | median s | min s | max s | CPU s (median) | median / rollout alone |")
     print("|---|---|---|---|---|---|")

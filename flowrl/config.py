@@ -141,6 +141,9 @@ class TrainConfig:
     # decode + score rollout chunk k while chunk k+1 samples (bit-identical results): false | true (= "thread") | "thread"
     # | "process" (a spawned worker process: overlaps even when sampling and scoring are Python-bound, as on a CPU)
     rewards_async: bool | Literal["thread", "process"] = False
+    # rows per decode + score call; null = sampler.chunk_size. Smaller pieces let the trainer score the
+    # last chunk together with the worker (async modes), which shortens the part of scoring that can't overlap
+    score_chunk_size: int | None = field(default=None, metadata=_rng(1))
 
 
 @dataclass

@@ -41,13 +41,29 @@ def _rows(value: Any, rows: slice, total: int) -> Any:
     return value
 
 
-def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int) -> int:
-    """Run-wide index of a scored chunk: ``iteration * ceil(B / chunk_size) + chunk``."""
-    return iteration * math.ceil(batch_size / chunk_size) + chunk
+def _splits(total: int, chunk_size: int, score_chunk_size: int | None) -> list[slice]:
+    """The scoring jobs of a batch of ``total``: each rollout chunk cut into ``score_chunk_size`` rows."""
+    step = score_chunk_size or chunk_size
+    return [slice(j, min(j + step, start + chunk_size, total))
+            for start in range(0, total, chunk_size) for j in range(start, min(start + chunk_size, total), step)]
+
+
+def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int, score_chunk_size: int | None = None) -> int:
+    """Run-wide index of a scoring job: ``iteration * jobs_per_iteration + chunk``.
+
+    A job is a rollout chunk (``sampler.chunk_size``) or, with ``train.score_chunk_size``, one
+    piece of it.
+    """
+    return iteration * len(_splits(batch_size, chunk_size, score_chunk_size)) + chunk
 
 
 class RolloutScorer:
     """Decode + score rollout chunks as they arrive; gather images and rewards at the end.
+
+    Each chunk the rollout reports is cut into jobs of ``score_chunk_size`` rows (the same cut
+    in every mode, so results are bit-identical). When the rollout is done, :meth:`result` does
+    not just wait: it takes the jobs the worker has not started yet, last first, and scores them
+    itself, so the end of the batch is scored on two cores.
 
     Args:
         reward: a :class:`~flowrl.rewards.MultiReward` (anything with ``score_parts`` and
@@ -57,9 +73,10 @@ class RolloutScorer:
         prompts: the B prompts of the batch.
         metadata: per-sample metadata lists of length B.
         threaded: score on a worker thread while the caller keeps sampling.
-        first_index: batch index of the first chunk (for error messages).
+        first_index: batch index of the first job (for error messages).
         worker: score in this worker process instead (``train.rewards_async: process``); it is
             owned by the caller and outlives the scorer.
+        score_chunk_size: rows per decode + score call; None = each reported chunk whole.
     """
 
     def __init__(
@@ -72,14 +89,19 @@ class RolloutScorer:
         threaded: bool = False,
         first_index: int = 0,
         worker: ScoringProcess | None = None,
+        score_chunk_size: int | None = None,
     ) -> None:
+        if score_chunk_size is not None and score_chunk_size < 1:
+            raise ValueError(f"score_chunk_size must be >= 1 or None; got {score_chunk_size}")
         self.reward, self.decode = reward, decode
         self.prompts, self.metadata = list(prompts), dict(metadata or {})
         self.first_index = first_index
+        self.score_chunk_size = score_chunk_size
         self.by_parts = hasattr(reward, "score_parts") and hasattr(reward, "combine")
         self.worker = worker
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-scoring") if threaded else None
         self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor] | None]]] = []
+        self._inputs: list[Tensor] = []  # each job's latents, for the jobs the caller takes back
 
     def _chunk_args(self, rows: slice) -> tuple[list[str], dict[str, Any]]:
         return self.prompts[rows], {k: _rows(v, rows, len(self.prompts)) for k, v in self.metadata.items()}
@@ -89,19 +111,50 @@ class RolloutScorer:
 
     def _raise_failures(self) -> None:
         for _, job in self._jobs:
-            if isinstance(job, Future) and job.done() and job.exception() is not None:
+            if isinstance(job, Future) and job.done() and not job.cancelled() and job.exception() is not None:
                 raise job.exception()  # type: ignore[misc]
 
     def submit(self, rows: slice, latents: Tensor) -> None:
         """Decode and score the chunk ``latents`` (b, ...) holding rows ``rows`` of the batch."""
         self._raise_failures()  # stop sampling as soon as an earlier chunk failed
+        step = self.score_chunk_size or latents.shape[0]
+        for offset in range(0, latents.shape[0], step):
+            part = slice(rows.start + offset, min(rows.start + offset + step, rows.start + latents.shape[0]))
+            self._submit_job(part, latents[offset:offset + step])
+
+    def _submit_job(self, rows: slice, latents: Tensor) -> None:
         index = self.first_index + len(self._jobs)
+        self._inputs.append(latents)
         if self.worker is not None:
             self._jobs.append((rows, self.worker.submit(latents, *self._chunk_args(rows), index)))
         elif self._pool is None:
             self._jobs.append((rows, self._score(rows, latents, index)))
         else:
             self._jobs.append((rows, self._pool.submit(self._score, rows, latents, index)))
+
+    def _take_back(self, job: Any) -> bool:
+        """Withdraw a job the worker has not started (thread: cancel; process: unsent)."""
+        if not isinstance(job, Future):
+            return False
+        if self.worker is not None:
+            return self.worker.withdraw(job)
+        return job.cancel()
+
+    def _share_the_tail(self) -> None:
+        """Score, last first, every job the worker has not started, while it finishes the rest."""
+        for i in reversed(range(len(self._jobs))):
+            rows, job = self._jobs[i]
+            if self._take_back(job):
+                self._jobs[i] = (rows, self._inline(rows, self._inputs[i], self.first_index + i))
+
+    def _inline(self, rows: slice, latents: Tensor, index: int) -> Future:
+        """Score one job here; a failure is kept in the Future so the earliest batch's error is raised first."""
+        future: Future = Future()
+        try:
+            future.set_result(self._score(rows, latents, index))
+        except Exception as exc:  # noqa: BLE001 - re-raised by result() in batch order
+            future.set_exception(exc)
+        return future
 
     def result(self, samples: Tensor) -> tuple[Tensor, RewardOutput]:
         """Wait for every chunk; return images (B, ...) and the batch's :class:`RewardOutput`.
@@ -112,6 +165,8 @@ class RolloutScorer:
         """
         if not self._jobs:
             self.submit(slice(0, samples.shape[0]), samples)
+        self._raise_failures()
+        self._share_the_tail()
         done = [(rows, job.result() if isinstance(job, Future) else job) for rows, job in self._jobs]
         covered = [(rows.start, rows.stop) for rows, _ in done]
         expected_start = 0
@@ -129,7 +184,7 @@ class RolloutScorer:
         return images, self.reward.combine(components, batch_index=where)
 
     def close(self) -> None:
-        """Stop the worker (pending chunks are cancelled; a running one finishes)."""
+        """Stop the worker thread (pending chunks are cancelled; a running one finishes)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

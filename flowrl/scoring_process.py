@@ -20,6 +20,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Sequence
@@ -115,6 +116,8 @@ class ScoringProcess:
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._pending: dict[int, Future] = {}
+        self._backlog: deque[tuple[int, tuple]] = deque()  # jobs not sent yet: the caller may withdraw them
+        self._busy = False  # one job at a time in the worker, so the rest can still be withdrawn
         self._lock = threading.Lock()
         self._next_key = 0
         self._closed = False
@@ -158,14 +161,34 @@ class ScoringProcess:
                 return
             with self._lock:
                 future = self._pending.pop(key, None)
+                self._busy = False
+                self._send_next()
             if future is not None:
                 future.set_result(payload) if ok else future.set_exception(payload)
 
     def _fail_pending(self, exc: BaseException) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._backlog.clear()
         for future in pending.values():
             future.set_exception(exc)
+
+    def _send_next(self) -> None:
+        """Hand the oldest waiting job to the worker if it is idle (call with the lock held)."""
+        if not self._busy and self._backlog and not self._closed:
+            key, job = self._backlog.popleft()
+            self._busy = True
+            self._jobs.put((key, *job))
+
+    def withdraw(self, future: Future) -> bool:
+        """Take back a job the worker has not received; True if it was withdrawn (score it yourself)."""
+        with self._lock:
+            for i, (key, _) in enumerate(self._backlog):
+                if self._pending.get(key) is future:
+                    del self._backlog[i]
+                    del self._pending[key]
+                    return True
+        return False
 
     def submit(self, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int) -> Future:
         """Queue one chunk; the Future resolves to ``score_chunk``'s (images, parts)."""
@@ -173,10 +196,12 @@ class ScoringProcess:
             raise RuntimeError(f"scoring process is not running (exit code {self._proc.exitcode}); "
                                "rerun with train.rewards_async=thread or false")
         future: Future = Future()
+        job = (latents.detach().clone(), list(prompts), metadata, index)  # a private copy, moved to shared memory when sent
         with self._lock:
             key, self._next_key = self._next_key, self._next_key + 1
             self._pending[key] = future
-        self._jobs.put((key, latents.detach().clone(), list(prompts), metadata, index))  # a private copy into shared memory
+            self._backlog.append((key, job))
+            self._send_next()
         return future
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -120,10 +120,11 @@ class Trainer:
             return self.tree.collect(self, prompts, cond)
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator)
-        first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size)
-        mode = self.cfg.train.rewards_async
+        mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
+        first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
         with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
-                           first_index=first, worker=self.scoring_process() if mode == "process" else None) as scorer:
+                           first_index=first, worker=self.scoring_process() if mode == "process" else None,
+                           score_chunk_size=pieces) as scorer:
             samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
             images, scored = scorer.result(samples)
         a = self.cfg.advantage

@@ -1,6 +1,8 @@
 """train.rewards_async=process: chunks decoded and scored in a spawned worker, bit-identically, without hangs."""
 
+import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from flowrl.memory import MemoryAdapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
-from flowrl.scoring import RolloutScorer
+from flowrl.scoring import RolloutScorer, batch_index
 from flowrl.scoring_process import ScoringProcess
 from flowrl.trainer import Trainer
 
@@ -35,7 +37,7 @@ class TimedInk:
         time.sleep(self.delay)
         out = self.ink(images, prompts, **metadata)
         with open(self.log_path, "a") as f:
-            f.write(f"{os.getpid()} {start} {time.time()}\n")
+            f.write(f"{os.getpid()}:{threading.current_thread().name} {start} {time.time()}\n")
         return out
 
 
@@ -45,8 +47,12 @@ class Broken:
 
 
 class Exits:
+    """Kills the scoring process it runs in (in the trainer's own process it scores like ink)."""
+
     def __call__(self, images, prompts, **metadata):
-        os._exit(3)
+        if multiprocessing.parent_process() is not None:
+            os._exit(3)
+        return ink("prompt")(images, prompts, **metadata)
 
 
 def trainer(mode, reward, *extra):
@@ -60,8 +66,10 @@ def inks(log_path, delay=0.0):
     return MultiReward({"ink": (TimedInk(log_path, delay), 1.0), "ink_bold": (ink("bold"), 0.5)})
 
 
-def test_process_scoring_is_bit_identical_to_inline(tmp_path):
-    inline, proc = trainer("false", inks(tmp_path / "a.log")), trainer("process", inks(tmp_path / "b.log"))
+@pytest.mark.parametrize("pieces", ["null", "2"])
+def test_process_scoring_is_bit_identical_to_inline(tmp_path, pieces):
+    extra = f"train.score_chunk_size={pieces}"
+    inline, proc = trainer("false", inks(tmp_path / "a.log"), extra), trainer("process", inks(tmp_path / "b.log"), extra)
     try:
         for _ in range(2):  # the second iteration follows an update made from the first one's rewards
             a, info_a = inline.collect()
@@ -74,13 +82,33 @@ def test_process_scoring_is_bit_identical_to_inline(tmp_path):
             assert inline.update(a) == proc.update(b)
             inline.iteration += 1
             proc.iteration += 1
-        worker_pids = {line.split()[0] for line in (tmp_path / "b.log").read_text().splitlines()}
-        assert worker_pids and str(os.getpid()) not in worker_pids  # really scored in another process
+        pids = [line.split(":")[0] for line in (tmp_path / "b.log").read_text().splitlines()]
+        assert len(pids) == 2 * (3 if pieces == "null" else 7)  # 12 samples: chunks 5, 5, 2 -> pieces 2, 2, 1, 2, 2, 1, 2
+        assert batch_index(1, 0, 12, 5, None if pieces == "null" else 2) == len(pids) // 2
+        assert set(pids) - {str(os.getpid())}  # scored in another process (the trainer may take a share of the tail)
         assert proc._scoring_process is not None and proc._scoring_process._proc.is_alive()  # one worker for the run
     finally:
         proc.close()
     for (n, p), (_, q) in zip(inline.model.transformer.named_parameters(), proc.model.transformer.named_parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_trainer_scores_the_tail_beside_the_worker(tmp_path, mode):
+    log = tmp_path / "score.log"
+    t = trainer(mode, inks(log, delay=0.4), "sampler.chunk_size=6", "train.score_chunk_size=3")  # 12 samples: 4 jobs of 3
+    try:
+        if mode == "process":
+            t.scoring_process()
+        t.collect()
+    finally:
+        t.close()
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert len(rows) == 4
+    me = f"{os.getpid()}:{threading.current_thread().name}"
+    mine, theirs = [r for r in rows if r[0] == me], [r for r in rows if r[0] != me]
+    assert mine and theirs  # the trainer scored the last job(s) itself, the worker the others
+    assert any(float(a[1]) < float(b[2]) and float(b[1]) < float(a[2]) for a in mine for b in theirs)  # at the same time
 
 
 def test_chunks_are_scored_in_the_worker_while_sampling(tmp_path):

@@ -1,20 +1,26 @@
 """Async scoring on the embedded task: rollout + scoring wall time against the rollout alone.
 
-Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4] [--chunk-size 40] [--remote]``,
+Usage: ``python -m bench.async_scoring [--repeats 5] [--layers 4] [--chunk-size 40] [--score-chunk-size N] [--remote]``,
 or ``python -m bench.async_scoring --cpu-share`` to check whether this process can use two cores
-at once at all (two threads of GIL-free 384x384 matmuls: CPU seconds per wall second).
+at once at all (two threads of GIL-free 384x384 matmuls: CPU seconds per wall second), or
+``--contention`` to time the rollout beside a process that scores without pause (how much two
+busy cores slow each other: shared cache and memory bandwidth).
 
 One Flow-GRPO iteration of the default job (160 samples, chunks of 40, 10 SDE steps, 1 torch
-thread per Python thread) is collected three ways, alternating within one process so all see the
+thread per Python thread) is collected several ways, alternating within one process so all see the
 same host load, from the same generator state each time:
 
-- ``rollout alone``: the chunked SDE rollout only (no decode, no rewards);
+- ``rollout alone``: the chunked SDE rollout only (no decode, no rewards); with another
+  ``--chunk-size`` also at the default chunks of 40, since chunk size changes sampling speed;
 - ``collect, sync``: rollout, then decode + score each chunk inline (``train.rewards_async: false``);
 - ``collect, async thread``: decode + score chunk k on a worker thread while chunk k + 1 samples;
 - ``collect, async process``: the same in a spawned worker process (``rewards_async: process``),
   started once before timing (as a training run does).
 
-The rewards are the default job's (ink, digit correctness) plus a model reward: a randomly
+``--score-chunk-size`` cuts every chunk into scoring pieces (``train.score_chunk_size``): when
+the rollout ends the trainer scores the pieces the worker has not started, beside it.
+
+The rewards are the default job's (ink, digit correctness) plus (unless ``--layers 0``) a model reward: a randomly
 initialised transformers ``CLIPVisionModelWithProjection`` (``--layers`` encoder layers, 32x32
 input) whose embedding is scored against a fixed direction, standing in for a CLIP-style scorer.
 Its cost is printed beside the sampling cost; the target (<= 1.1x) applies when it is lower.
@@ -85,11 +91,10 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int |
     cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}",
                              f"train.score_chunk_size={'null' if pieces is None else pieces}"])
     configure_threads(cfg.train.threads)
-    reward = MultiReward({
-        "ink": (build_reward("ink", target="prompt"), 1.0),
-        "digit_correctness": (build_reward("digit_correctness"), 0.5),
-        "clip_like": (build_reward("remote", url=url) if url else ClipLikeReward(layers), 0.1),
-    })
+    rewards = {"ink": (build_reward("ink", target="prompt"), 1.0), "digit_correctness": (build_reward("digit_correctness"), 0.5)}
+    if layers or url:
+        rewards["clip_like"] = (build_reward("remote", url=url) if url else ClipLikeReward(layers), 0.1)
+    reward = MultiReward(rewards)
     prompts = load_prompts(cfg.prompts.train)
     return Trainer(cfg, load_adapter(cfg.model.path), reward, prompts, prompts[:2])
 
@@ -105,9 +110,16 @@ def _cases(trainer) -> dict[str, Any]:
     x_init = torch.randn((len(prompts.texts), *trainer.latent_shape), generator=trainer.generator)
     samples, _ = trainer._rollout(cond, x_init)
 
-    def rollout_alone():
-        trainer.generator.set_state(state)
-        trainer._rollout(cond, x_init)
+    def rollout_alone(chunk_size: int | None = None):
+        def run():
+            configured = trainer.cfg.sampler.chunk_size
+            trainer.cfg.sampler.chunk_size = chunk_size or configured
+            trainer.generator.set_state(state)
+            try:
+                trainer._rollout(cond, x_init)
+            finally:
+                trainer.cfg.sampler.chunk_size = configured
+        return run
 
     def scoring_alone():
         with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata,
@@ -124,8 +136,12 @@ def _cases(trainer) -> dict[str, Any]:
             trainer.collect()
         return run
 
+    default_chunk = 40
+    reference = {} if trainer.cfg.sampler.chunk_size == default_chunk else {
+        f"rollout alone, default chunks of {default_chunk}": rollout_alone(default_chunk)}
     return {
-        "rollout alone": rollout_alone,
+        "rollout alone": rollout_alone(),
+        **reference,
         "decode + score alone (chunked)": scoring_alone,
         "collect, sync scoring": collect(False),
         "collect, async thread": collect("thread"),
@@ -159,16 +175,64 @@ def cpu_share(repeats: int) -> None:
             print(f"| {count} | {wall:.2f} | {cpu:.2f} | {cpu / wall:.2f} |")
 
 
+def _score_forever(layers: int, chunk_size: int) -> None:
+    """Child of ``--contention``: decode + score the same batch in a loop until killed."""
+    trainer = _trainer(layers, chunk_size)
+    score = _cases(trainer)["decode + score alone (chunked)"]
+    print("ready", flush=True)
+    while True:
+        score()
+
+
+def contention(layers: int, chunk_size: int, repeats: int) -> None:
+    """Print the rollout's time alone and beside a process that scores without pause (the cost of sharing the CPU)."""
+    import subprocess
+    import sys
+
+    trainer = _trainer(layers, chunk_size)
+    rollout = _cases(trainer)["rollout alone"]
+
+    def median_time() -> float:
+        rollout()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rollout()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    alone = median_time()
+    code = f"from bench.async_scoring import _score_forever; _score_forever({layers}, {chunk_size})"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the scoring child did not start")
+        beside = median_time()
+    finally:
+        child.kill()
+        child.wait()
+    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, {repeats} repeats, chunks of {chunk_size}, load average {os.getloadavg()[0]:.1f}")
+    print("| rollout | median s | ratio |")
+    print("|---|---|---|")
+    print(f"| alone | {alone:.3f} | 1.00 |")
+    print(f"| beside a process scoring without pause | {beside:.3f} | {beside / alone:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward")
+    parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward (0: no model reward)")
     parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
     parser.add_argument("--score-chunk-size", type=int, default=None,
                         help="train.score_chunk_size: rows per scoring call (the trainer shares the last chunk's pieces)")
     parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
     parser.add_argument("--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get")
+    parser.add_argument("--contention", action="store_true",
+                        help="only measure how much a scoring process running beside it slows the rollout")
     args = parser.parse_args(argv)
+    if args.contention:
+        contention(args.layers, args.chunk_size, args.repeats)
+        return
     if args.cpu_share:
         cpu_share(args.repeats)
         return

@@ -107,7 +107,8 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
     print(f"{'name':<{width}}  {'source':<12} offline  description")
     for r in rows:
         note = f"(failed to load: {r.error})" if getattr(r, "error", None) else r.description
-        print(f"{r.name:<{width}}  {r.source:<12} {'yes' if r.offline else 'no ':<7}  {note}")
+        offline = "cached" if getattr(r, "cached", False) else "yes" if r.offline else "no"
+        print(f"{r.name:<{width}}  {r.source:<12} {offline:<7}  {note}")
     return 0
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .clip_embedder import TransformersClipEmbedder, load_transformers_clip
 from .model_reward import ModelReward
-from .weights import WeightSource, torch_dtype
+from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults, WeightSource, torch_dtype
 
 CLIP_L_MODEL = "openai/clip-vit-large-patch14"
 
@@ -74,3 +74,6 @@ def clipscore(
         dtype=torch_dtype(dtype),
     )
     return ClipScore(embedder, weight, batch_size)
+
+
+clipscore.offline = CachedDefaults((CLIP_L_MODEL, [CONFIG_FILES, SAFETENSORS_WEIGHTS + PICKLE_WEIGHTS]))  # type: ignore[attr-defined]

@@ -32,7 +32,7 @@ from .image_preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from .model_reward import ModelReward
 from .openclip_convert import architecture_config, openclip_to_transformers
 from .pickscore import CLIP_H_PROCESSOR
-from .weights import WeightSource, load_checkpoint, resolve_file, resolve_model_folder, torch_dtype
+from .weights import CachedDefaults, WeightSource, load_checkpoint, resolve_file, resolve_model_folder, torch_dtype
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -155,3 +155,6 @@ def hpsv2(
     else:
         embedder = _transformers_embedder(state, architecture, tok_folder, str(path), device_, dtype_)
     return HPSv2(embedder, batch_size)
+
+
+hpsv2.offline = CachedDefaults((HPS_REPO, [(HPS_FILES["v2.1"],)]), (CLIP_H_PROCESSOR, [("*.json",)]))  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from .aesthetic import linear_chain_from_state
 from .clip_embedder import quiet_transformers
 from .image_preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_pixels
 from .model_reward import ModelReward
-from .weights import WeightSource, load_checkpoint, resolve_file, resolve_model_folder, torch_dtype
+from .weights import CachedDefaults, WeightSource, load_checkpoint, resolve_file, resolve_model_folder, torch_dtype
 
 IMAGEREWARD_REPO = "THUDM/ImageReward"
 IMAGEREWARD_FILE = "ImageReward.pt"
@@ -205,3 +205,8 @@ def imagereward(
         raise ValueError(f"{where}: the tokenizer has {len(tok)} tokens but the text encoder only {text.config.vocab_size}; use bert-base-uncased")
     head = linear_chain_from_state(head_state, where + " (mlp)", text.config.hidden_size)
     return ImageReward(vision, text, head, tok, vision.config.image_size, torch.device(device), torch_dtype(dtype), batch_size)
+
+
+imagereward.offline = CachedDefaults(  # type: ignore[attr-defined]
+    (IMAGEREWARD_REPO, [(IMAGEREWARD_FILE,)]), (BERT_TOKENIZER, [("vocab.txt", "tokenizer.json")])
+)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .clip_embedder import TransformersClipEmbedder, load_transformers_clip
 from .model_reward import ModelReward
-from .weights import WeightSource, torch_dtype
+from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults, WeightSource, torch_dtype
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 CLIP_H_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -82,3 +82,8 @@ def pickscore(
         dtype=torch_dtype(dtype),
     )
     return PickScore(embedder, scale, batch_size)
+
+
+pickscore.offline = CachedDefaults(  # type: ignore[attr-defined]
+    (PICKSCORE_MODEL, [CONFIG_FILES, SAFETENSORS_WEIGHTS + PICKLE_WEIGHTS]), (CLIP_H_PROCESSOR, [("preprocessor_config.json",)])
+)

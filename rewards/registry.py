@@ -12,8 +12,9 @@ A reward name resolves, in order, to:
        [project.entry-points."flowrl.rewards"]
        aesthetic = "my_plugin.rewards:aesthetic"
 
-A factory may set ``factory.offline = True`` to declare that it needs no download; factories
-that do not say so are listed as not offline.
+A factory may set ``factory.offline = True`` to declare that it needs no download, or a
+zero-argument check (``CachedDefaults``) that says whether its default weights are in the local
+cache; factories that do neither are listed as not offline.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class RewardInfo(NamedTuple):
         name: registry name.
         source: "flowrl" for built-ins, the distribution name for entry points, the module for
             factories registered with :func:`register_reward`.
-        offline: True when the reward needs no download (declared by ``factory.offline``).
+        offline: True when the reward can be built without a download: it needs none
+            (``factory.offline = True``) or its default weights are in the local Hugging Face
+            cache (``factory.offline`` is a check such as :class:`~flowrl.rewards.weights.CachedDefaults`).
         description: first line of the factory's docstring.
         error: why the factory could not be loaded (None when it loads).
+        cached: True when ``offline`` holds only because the default weights are cached.
     """
 
     name: str
@@ -66,6 +70,7 @@ class RewardInfo(NamedTuple):
     offline: bool
     description: str
     error: str | None = None
+    cached: bool = False
 
 
 def _one_line(err: BaseException) -> str:
@@ -249,7 +254,14 @@ def _info(name: str, source: str, load: Callable[[], RewardFactory]) -> RewardIn
     except Exception as err:  # noqa: BLE001 - one broken reward must not hide the others
         cause = err.__cause__ if isinstance(err, RewardError) and err.__cause__ is not None else err
         return RewardInfo(name, source, False, "", _one_line(cause))
-    return RewardInfo(name, source, bool(getattr(factory, "offline", False)), _describe(factory))
+    declared = getattr(factory, "offline", False)
+    if declared is True or not callable(declared):
+        return RewardInfo(name, source, bool(declared), _describe(factory))
+    try:
+        cached = bool(declared())
+    except Exception:  # noqa: BLE001 - a broken check means "can't tell": not offline
+        cached = False
+    return RewardInfo(name, source, cached, _describe(factory), cached=cached)
 
 
 def list_rewards() -> list[RewardInfo]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -83,6 +83,27 @@ def _cached(repo_id: str, patterns: Sequence[str]) -> Path | None:
         return Path(snapshot_download(repo_id, allow_patterns=list(patterns), local_files_only=True))
     except Exception:  # noqa: BLE001 - any cache miss means "not cached"
         return None
+
+
+class CachedDefaults:
+    """A reward factory's ``offline`` check: are its default hub weights in the local cache?
+
+    ``flowrl rewards list`` calls it (no network) and shows ``cached`` when it returns True.
+
+    Args:
+        *needs: (hub id, file patterns) pairs; every pair must have a cached snapshot holding at
+            least one file matching each pattern group.
+    """
+
+    def __init__(self, *needs: tuple[str, Sequence[Sequence[str]]]) -> None:
+        self.needs = needs
+
+    def __call__(self) -> bool:
+        for repo_id, groups in self.needs:
+            folder = _cached(repo_id, [p for group in groups for p in group])
+            if folder is None or not all(_has_any(folder, group) for group in groups):
+                return False
+        return True
 
 
 def _download(repo_id: str, patterns: Sequence[str], source: WeightSource, filename: str | None) -> Path:

@@ -58,3 +58,26 @@ def test_checkpoints_unwrap_state_dict_and_data_parallel_prefix(tmp_path):
     torch.save({"a": [1, 2]}, tmp_path / "y.pt")
     with pytest.raises(ValueError, match="flat dict of tensors"):
         load_checkpoint(tmp_path / "y.pt")
+
+
+def test_rewards_list_says_cached_when_default_weights_are_in_the_cache(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    from flowrl.cli import main
+    from flowrl.rewards import list_rewards
+    from flowrl.rewards.clipscore import CLIP_L_MODEL
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = {r.name: r for r in list_rewards()}
+    assert not before["clipscore"].offline and not before["clipscore"].cached
+    _cache_repo(cache, CLIP_L_MODEL, save_clip_folder(tmp_path / "src-model", seed=1))  # the default hub id, cached
+    after = {r.name: r for r in list_rewards()}
+    assert after["clipscore"].offline and after["clipscore"].cached
+    assert not after["pickscore"].offline  # its defaults are still missing
+    assert after["ink"].offline and not after["ink"].cached  # needs no weights at all
+    assert main(["rewards", "list"]) == 0
+    rows = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["clipscore"] == "cached" and rows["pickscore"] == "no" and rows["ink"] == "yes"

@@ -58,6 +58,7 @@ class Trainer:
         if not isinstance(model, CountingAdapter):  # memory controls wrap the adapter once, inside the counter
             model = CountingAdapter(apply_memory_settings(model, cfg.memory))
         self.model = model
+        self.device = torch.device(getattr(model, "device", "cpu"))  # where the denoiser runs; the RNG stays on the CPU
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         self.resolution = output_resolution(cfg.model.resolution, model)
         self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
@@ -119,7 +120,7 @@ class Trainer:
         if self.tree is not None:  # BranchGRPO, or solver objectives on tree leaves (flowrl/tree_rollouts.py)
             return self.tree.collect(self, prompts, cond)
         shape = (len(prompts.texts), *self.latent_shape)
-        x_init = torch.randn(shape, generator=self.generator)
+        x_init = torch.randn(shape, generator=self.generator).to(self.device)
         mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
         first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
         with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
@@ -127,15 +128,23 @@ class Trainer:
                            score_chunk_size=pieces) as scorer:
             samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
             images, scored = scorer.result(samples)
-        a = self.cfg.advantage
-        adv, keep, stats = compute_advantages(
-            scored.components, self.reward.weights, prompts.group_ids, method=a.method, std=a.std, eps=a.eps, clip=a.clip
-        )
+        adv, keep, stats = self.advantages(scored.components, prompts.group_ids)
         batch = RolloutBatch(
-            prompts.texts, prompts.group_ids, cond, samples, traj, self.sigmas, images, scored.total, adv, keep, self.cfg.sampler.chunk_size
+            prompts.texts, prompts.group_ids, cond, samples, traj, self.sigmas, images.cpu(), scored.total.cpu(), adv, keep,
+            self.cfg.sampler.chunk_size,
         )
         info = {"zero_std_groups": torch.tensor(float(stats.zero_std_groups)), **{f"reward/{k}": v for k, v in scored.components.items()}}
         return batch, info
+
+    def advantages(self, components: dict[str, Tensor], group_ids: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """``advantage`` config applied to per-component rewards (B,): computed on the CPU, returned
+        (advantages, keep) on the model's device, plus the statistics."""
+        a = self.cfg.advantage
+        adv, keep, stats = compute_advantages(
+            {k: v.cpu() for k, v in components.items()}, self.reward.weights, group_ids.cpu(),
+            method=a.method, std=a.std, eps=a.eps, clip=a.clip,
+        )
+        return adv.to(self.device), keep.to(self.device), stats
 
     def sde_levels(self) -> Tensor:
         """Per-step noise levels of this iteration's SDE rollout (T,): all steps but the last,

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .advantages import compute_advantages
 from .config import Config, ConfigError
 from .lora import use_adapter
 from .models.adapter import Cond, ModelAdapter, select_cond
@@ -143,7 +142,7 @@ class TreeCollector:
         num_trees = len(prompts.texts) // self.leaves
         tree_cond = select_cond(cond, torch.arange(num_trees) * self.leaves)
         shape = getattr(trainer, "latent_shape", None) or trainer.model.latent_shape(*trainer.resolution)
-        roots = torch.randn((num_trees, *shape), generator=trainer.generator)
+        roots = torch.randn((num_trees, *shape), generator=trainer.generator).to(getattr(trainer, "device", "cpu"))
         with use_adapter(trainer.model.transformer, trainer.objective.sampling_adapter):
             tree = chunked_tree_rollout(
                 trainer.model, tree_cond, roots, trainer.sigmas, self.noise_levels, self.factors, chunk_size=s.chunk_size,
@@ -158,7 +157,7 @@ class TreeCollector:
         info = {f"reward/{k}": v for k, v in scored.components.items()}
         tree_batch = None
         if self.edge_trained:
-            tree_batch, adv, keep = self._edge_advantages(tree, scored.total, tree_cond, trainer.iteration)
+            tree_batch, adv, keep = self._edge_advantages(tree, scored.total.to(leaves.device), tree_cond, trainer.iteration)
             trained = sum(int(m.sum()) for m in tree_batch.train)
             info.update({
                 "zero_std_groups": torch.tensor(float((tree_batch.advantages[-1].reshape(num_trees, -1) == 0).all(1).sum())),
@@ -166,13 +165,10 @@ class TreeCollector:
                 "tree/trained_edges": torch.tensor(float(trained)),
             })
         else:
-            a = cfg.advantage
-            adv, keep, stats = compute_advantages(
-                scored.components, trainer.reward.weights, prompts.group_ids, method=a.method, std=a.std, eps=a.eps, clip=a.clip
-            )
+            adv, keep, stats = trainer.advantages(scored.components, prompts.group_ids)
             info["zero_std_groups"] = torch.tensor(float(stats.zero_std_groups))
         batch = RolloutBatch(
-            prompts.texts, prompts.group_ids, cond, leaves, None, trainer.sigmas, images, scored.total, adv, keep, s.chunk_size,
+            prompts.texts, prompts.group_ids, cond, leaves, None, trainer.sigmas, images.cpu(), scored.total.cpu(), adv, keep, s.chunk_size,
             tree=tree_batch,
         )
         return batch, info
@@ -187,4 +183,4 @@ class TreeCollector:
             slide_every=t.depth_prune_slide_every, stop_depth=t.depth_prune_stop, width_keep=t.width_keep, prune_until=t.prune_until,
         )
         batch = TreeBatch(tree, advantages, masks, node_rewards, cond, self.cfg.sampler.chunk_size)
-        return batch, advantages[-1], torch.ones(rewards.shape[0], dtype=torch.bool)
+        return batch, advantages[-1], torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device)

@@ -29,6 +29,16 @@ def expand_like(value: Tensor | float, x: Tensor) -> Tensor:
     return value.reshape(-1, *([1] * (x.ndim - 1)))
 
 
+def standard_normal(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """float32 N(0, I) noise shaped like ``x`` (B, ...), on x's device.
+
+    Drawn on the generator's device (the trainer's generator lives on the CPU) and then moved,
+    so a seed gives the same noise on a CPU and on a GPU run.
+    """
+    device = generator.device if generator is not None else x.device
+    return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
+
+
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The dtype SDE means and log-probs are computed in: fp32, or fp64 if any input is fp64."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._broadcast import standard_normal
 from .flow_sde import SDEStep
 from .gaussian import Reduction, gaussian_log_prob
 
@@ -44,7 +45,7 @@ def finish_step(
     std = per_sample_std(std, x)
     if prev_sample is None:
         if noise is None:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            noise = standard_normal(x, generator)
         prev_sample = mean + std * noise.to(dtype)
     prev_sample = prev_sample.to(dtype)
     return SDEStep(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std, reduce))

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._broadcast import compute_dtype, expand_like
+from ._broadcast import compute_dtype, expand_like, standard_normal
 from .gaussian import Reduction, gaussian_log_prob
 
 
@@ -105,7 +105,7 @@ def flow_sde_step(
         std = std.expand(x.shape[0]).reshape(-1, *([1] * (x.ndim - 1)))
     if prev_sample is None:
         if noise is None:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            noise = standard_normal(x, generator)
         prev_sample = mean + std * noise.to(dtype)
     prev_sample = prev_sample.to(dtype)
     return SDEStep(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std, reduce))

@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from ._broadcast import standard_normal
 from .flow_sde import SDEStep
 from .gaussian import Reduction, gaussian_log_prob
 from .sde_steps import SDEStepFn, get_sde_step
@@ -160,7 +161,7 @@ def branch_step(
     if noise_scale == 1.0:
         return step_fn(x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
     if prev_sample is None and noise is None:
-        noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        noise = standard_normal(x, generator)
     scaled = None if noise is None else noise * noise_scale
     base = step_fn(x, v, sigma, sigma_next, level, noise=scaled, prev_sample=prev_sample, reduce=reduce)
     std = base.std * noise_scale

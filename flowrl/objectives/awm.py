@@ -108,7 +108,8 @@ class AWM:
             if not batch.keep[idx].any():
                 continue
             for j in steps:
-                mbs.append(Microbatch(idx, j, torch.randn(batch.samples[idx].shape, generator=generator)))
+                noise = torch.randn(batch.samples[idx].shape, generator=generator).to(batch.samples.device)
+                mbs.append(Microbatch(idx, j, noise))
         if not mbs:
             return []
         if self.updates_per_iteration == 1:

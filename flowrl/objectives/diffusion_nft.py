@@ -115,7 +115,7 @@ class DiffusionNFT:
             if not batch.keep[idx].any():
                 continue
             for j in torch.randperm(num, generator=generator)[:count].tolist():
-                noise = torch.randn(batch.samples[idx].shape, generator=generator)
+                noise = torch.randn(batch.samples[idx].shape, generator=generator).to(batch.samples.device)
                 mbs.append(Microbatch(idx, j, noise))
         order = torch.randperm(len(mbs), generator=generator).tolist()
         return split_even([mbs[i] for i in order], self.updates_per_iteration) if mbs else []

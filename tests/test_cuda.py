@@ -5,6 +5,8 @@ The RNG stays on the CPU, so a CUDA run draws the same noise as a CPU run and th
 rollouts agree to float32 kernel differences.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from flowrl.trainer import Trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=8", "train.eval_seeds=1", "train.progress=false"]
 
 
 def digits_trainer(device: str, *overrides: str, config: str | None = None) -> Trainer:
-    cfg = load_config(config, [*SMALL, f"model.device={device}", *overrides])
+    cfg = load_config(config and str(ROOT / config), [*SMALL, f"model.device={device}", *overrides])
     prompts = load_prompts(cfg.prompts.train)
     return Trainer(cfg, load_adapter(cfg.model.path, device=device), build_reward(cfg), prompts, prompts[:2])
 

@@ -124,7 +124,7 @@ class SD3Adapter:
         """Velocity (B, C, H, W); SD3 takes ``timestep = 1000 * sigma`` in fp32, as the pipeline does."""
         out = self.transformer(
             hidden_states=x.to(self.dtype),
-            timestep=(sigma * 1000).float(),
+            timestep=(sigma * 1000).float().to(x.device),
             encoder_hidden_states=cond["encoder_hidden_states"],
             pooled_projections=cond["pooled_projections"],
             return_dict=False,

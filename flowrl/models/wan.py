@@ -177,7 +177,7 @@ class WanAdapter:
         return t >= self.boundary_timestep
 
     def _run(self, transformer: Any, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        timestep = (sigma * self.num_train_timesteps).float()  # fp32, as WanPipeline passes it
+        timestep = (sigma * self.num_train_timesteps).float().to(x.device)  # fp32, as WanPipeline passes it
         if self.pipe.config.expand_timesteps:  # Wan2.2-TI2V: one timestep per latent token
             _, p_h, p_w = transformer.config.patch_size
             tokens = x.shape[2] * (x.shape[3] // p_h) * (x.shape[4] // p_w)
@@ -191,6 +191,7 @@ class WanAdapter:
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """Velocity (B, C, F, H, W) at sigma (B,), from the expert that owns each sample's sigma."""
+        sigma = sigma.to(x.device)
         high = self.expert_for(sigma)
         if bool(high.all()):
             return self._run(self.experts["high"], x, sigma, cond)

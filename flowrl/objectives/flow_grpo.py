@@ -53,7 +53,7 @@ def kl_scale(sde: str, step: SDEStep, sigma: Tensor, sigma_next: Tensor, level: 
     """The std in the KL denominator: Flow-GRPO's diffusion ``s`` for the Flow-SDE (as the
     reference computes it), the transition std for every other SDE step. Shape (b, 1)."""
     if sde == "flow":
-        return flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level)
+        return flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level).to(step.mean.device)
     return step.std.reshape(len(sigma), 1)
 
 

@@ -120,7 +120,7 @@ def noised_microbatch(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tens
         (x0 (b, ...) fp32, sigma (b,), x_t (b, ...), cond for the b samples).
     """
     x0 = batch.samples[mb.index].float()
-    sigma = batch.sigmas[mb.step].float().expand(len(mb.index))
+    sigma = batch.sigmas[mb.step].float().expand(len(mb.index)).to(x0.device)
     t = sigma.view(-1, *([1] * (x0.ndim - 1)))
     return x0, sigma, (1 - t) * x0 + t * mb.noise, select_cond(batch.cond, mb.index)
 

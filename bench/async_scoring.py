@@ -46,20 +46,20 @@ class ClipLikeReward:
 
     allows_nan = False
 
-    def __init__(self, layers: int = 4, seed: int = 0) -> None:
+    def __init__(self, layers: int = 4, seed: int = 0, device: str = "cpu") -> None:
         from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
         torch.manual_seed(seed)
         cfg = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
                                image_size=32, patch_size=4, projection_dim=128)
-        self.model = CLIPVisionModelWithProjection(cfg).eval().requires_grad_(False)
-        self.direction = torch.nn.functional.normalize(torch.randn(128, generator=torch.Generator().manual_seed(seed)), dim=0)
+        self.model = CLIPVisionModelWithProjection(cfg).eval().requires_grad_(False).to(device)
+        self.direction = torch.nn.functional.normalize(torch.randn(128, generator=torch.Generator().manual_seed(seed)), dim=0).to(device)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], **metadata: Any) -> torch.Tensor:
-        x = torch.nn.functional.interpolate(images.float(), size=(32, 32), mode="bilinear", align_corners=False)
+        x = torch.nn.functional.interpolate(images.float().to(self.direction.device), size=(32, 32), mode="bilinear", align_corners=False)
         embeds = self.model(pixel_values=x * 2 - 1).image_embeds
-        return torch.nn.functional.normalize(embeds, dim=-1) @ self.direction
+        return (torch.nn.functional.normalize(embeds, dim=-1) @ self.direction).to(images.device)
 
 
 def clip_like(layers: int = 4) -> ClipLikeReward:
@@ -80,7 +80,7 @@ def _serve(layers: int):
     return proc, line.split(" at ")[1].split(" ")[0]
 
 
-def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None):
+def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None, device: str = "cpu"):
     from flowrl.config import load_config
     from flowrl.models import load_adapter
     from flowrl.prompts import load_prompts
@@ -88,15 +88,15 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int |
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
 
-    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}",
+    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}", f"model.device={device}",
                              f"train.score_chunk_size={'null' if pieces is None else pieces}"])
     configure_threads(cfg.train.threads)
     rewards = {"ink": (build_reward("ink", target="prompt"), 1.0), "digit_correctness": (build_reward("digit_correctness"), 0.5)}
     if layers or url:
-        rewards["clip_like"] = (build_reward("remote", url=url) if url else ClipLikeReward(layers), 0.1)
+        rewards["clip_like"] = (build_reward("remote", url=url) if url else ClipLikeReward(layers, device=device), 0.1)
     reward = MultiReward(rewards)
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, load_adapter(cfg.model.path), reward, prompts, prompts[:2])
+    return Trainer(cfg, load_adapter(cfg.model.path, device=device), reward, prompts, prompts[:2])
 
 
 def _cases(trainer) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def _cases(trainer) -> dict[str, Any]:
     state = trainer.generator.get_state()
     prompts = sample_groups(trainer.train_prompts, p.per_iteration, p.group_size, trainer.generator)
     cond = trainer.prompt_cache.encode(prompts.texts)
-    x_init = torch.randn((len(prompts.texts), *trainer.latent_shape), generator=trainer.generator)
+    x_init = torch.randn((len(prompts.texts), *trainer.latent_shape), generator=trainer.generator).to(trainer.device)
     samples, _ = trainer._rollout(cond, x_init)
 
     def rollout_alone(chunk_size: int | None = None):
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
     parser.add_argument("--score-chunk-size", type=int, default=None,
                         help="train.score_chunk_size: rows per scoring call (the trainer shares the last chunk's pieces)")
+    parser.add_argument("--device", default="cpu", help="model.device (and the CLIP-like reward's device), e.g. cuda")
     parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
     parser.add_argument("--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get")
     parser.add_argument("--contention", action="store_true",
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     server, url = _serve(args.layers) if args.remote else (None, None)
     try:
-        trainer = _trainer(args.layers, args.chunk_size, url, args.score_chunk_size)
+        trainer = _trainer(args.layers, args.chunk_size, url, args.score_chunk_size, args.device)
         cases = _cases(trainer)
         times: dict[str, list[float]] = {name: [] for name in cases}
         cpu: dict[str, list[float]] = {name: [] for name in cases}
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, fn in cases.items():
                 t0, c0 = time.perf_counter(), time.process_time()
                 fn()
+                if trainer.device.type == "cuda":
+                    torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
     finally:
@@ -257,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
             server.terminate()
             server.wait(timeout=10)
     base = statistics.median(times["rollout alone"])
-    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
+    gpu = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    print(f"# {platform.machine()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
           f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, scored in pieces of "
           f"{args.score_chunk_size or args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -81,3 +81,36 @@ def test_tiny_sd3_with_true_cfg_trains_on_cuda():
     trainer = Trainer(cfg, model, build_reward(cfg), prompts, prompts[:2])
     metrics = trainer.train_step()
     assert metrics["nfe"] > 0 and torch.isfinite(torch.tensor(metrics["reward_mean"]))
+
+
+def _adapter_trainer(model, *overrides):
+    from flowrl.rewards import build_multi_reward
+
+    model.pipe.to("cuda")
+    cfg = load_config(None, ["model.resolution=16", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=3",
+                             "sampler.chunk_size=2", "objective.kl_beta=0.01", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
+                             "train.progress=false", "model.device=cuda", *overrides])
+    prompts = load_prompts("digits-styles")
+    return Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:4], prompts[:1])
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "wan2.2"])
+def test_real_adapter_families_train_on_cuda(family):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "models"))  # the tiny pipeline builders the model tests use
+    from tiny_flow_pipelines import tiny_flux, tiny_qwen_image
+    from tiny_wan import tiny_wan_adapter
+
+    if family == "flux":
+        trainer = _adapter_trainer(tiny_flux())
+    elif family == "qwen_image":
+        trainer = _adapter_trainer(tiny_qwen_image(), "sampler.guidance_scale=4.0")
+    else:
+        trainer = _adapter_trainer(tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both"),
+                                   "model.num_frames=5", "sampler.guidance_scale=5.0")
+    batch, _ = trainer.collect()
+    assert batch.samples.device.type == "cuda"
+    stats = trainer.update(batch)
+    assert stats["first_ratio"] == 1.0
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval/reward_mean"]))

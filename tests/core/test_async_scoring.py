@@ -47,25 +47,34 @@ def trainer(async_, *extra, reward=None, events=None):
     return Trainer(cfg, model, reward, prompts, prompts[:2])
 
 
+def assert_same_iteration(sync, other):
+    """Collect and update once on both trainers; everything must match bit for bit."""
+    a, info_a = sync.collect()
+    b, info_b = other.collect()
+    assert torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
+    assert torch.equal(a.keep, b.keep) and torch.equal(a.images, b.images) and torch.equal(a.samples, b.samples)
+    if a.trajectory is not None:
+        assert torch.equal(a.trajectory.latents, b.trajectory.latents)
+        assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
+    for key in info_a:
+        assert torch.equal(info_a[key].nan_to_num(), info_b[key].nan_to_num()), key
+    assert sync.update(a) == other.update(b)
+    sync.iteration += 1
+    other.iteration += 1
+
+
+def assert_same_weights(sync, other):
+    assert torch.equal(sync.generator.get_state(), other.generator.get_state())
+    for (n, p), (_, q) in zip(sync.model.transformer.named_parameters(), other.model.transformer.named_parameters()):
+        assert torch.equal(p, q), n
+
+
 @pytest.mark.parametrize("objective", ["flow_grpo", "diffusion_nft"])
 def test_async_scoring_is_bit_identical(objective):
     sync, threaded = trainer(False, f"objective.name={objective}"), trainer(True, f"objective.name={objective}")
     for _ in range(2):  # second iteration: after an update computed from the first iteration's rewards
-        a, info_a = sync.collect()
-        b, info_b = threaded.collect()
-        assert torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
-        assert torch.equal(a.keep, b.keep) and torch.equal(a.images, b.images) and torch.equal(a.samples, b.samples)
-        if objective == "flow_grpo":
-            assert torch.equal(a.trajectory.latents, b.trajectory.latents)
-            assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
-        for key in info_a:
-            assert torch.equal(info_a[key].nan_to_num(), info_b[key].nan_to_num()), key
-        assert sync.update(a) == threaded.update(b)
-        sync.iteration += 1
-        threaded.iteration += 1
-    assert torch.equal(sync.generator.get_state(), threaded.generator.get_state())
-    for (n, p), (_, q) in zip(sync.model.transformer.named_parameters(), threaded.model.transformer.named_parameters()):
-        assert torch.equal(p, q), n
+        assert_same_iteration(sync, threaded)
+    assert_same_weights(sync, threaded)
 
 
 def test_chunks_are_scored_on_a_worker_while_sampling():

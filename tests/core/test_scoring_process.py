@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_sd3_pipeline
+from test_async_scoring import FAST, assert_same_iteration, assert_same_weights  # 12 samples in chunks of 5, 5, 2
 from flowrl.config import ConfigError, load_config
 from flowrl.memory import MemoryAdapter
 from flowrl.models.sd3 import SD3Adapter
@@ -18,10 +19,6 @@ from flowrl.scoring import RolloutScorer, batch_index
 from flowrl.scoring_process import ScoringProcess
 from flowrl.trainer import Trainer
 
-FAST = [
-    "prompts.per_iteration=4", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=5",
-    "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.01",
-]
 
 
 class TimedInk:
@@ -72,16 +69,7 @@ def test_process_scoring_is_bit_identical_to_inline(tmp_path, pieces):
     inline, proc = trainer("false", inks(tmp_path / "a.log"), extra), trainer("process", inks(tmp_path / "b.log"), extra)
     try:
         for _ in range(2):  # the second iteration follows an update made from the first one's rewards
-            a, info_a = inline.collect()
-            b, info_b = proc.collect()
-            assert torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
-            assert torch.equal(a.images, b.images) and torch.equal(a.samples, b.samples)
-            assert torch.equal(a.trajectory.log_probs, b.trajectory.log_probs)
-            for key in info_a:
-                assert torch.equal(info_a[key].nan_to_num(), info_b[key].nan_to_num()), key
-            assert inline.update(a) == proc.update(b)
-            inline.iteration += 1
-            proc.iteration += 1
+            assert_same_iteration(inline, proc)
         pids = [line.split(":")[0] for line in (tmp_path / "b.log").read_text().splitlines()]
         assert len(pids) == 2 * (3 if pieces == "null" else 7)  # 12 samples: chunks 5, 5, 2 -> pieces 2, 2, 1, 2, 2, 1, 2
         assert batch_index(1, 0, 12, 5, None if pieces == "null" else 2) == len(pids) // 2
@@ -89,8 +77,7 @@ def test_process_scoring_is_bit_identical_to_inline(tmp_path, pieces):
         assert proc._scoring_process is not None and proc._scoring_process._proc.is_alive()  # one worker for the run
     finally:
         proc.close()
-    for (n, p), (_, q) in zip(inline.model.transformer.named_parameters(), proc.model.transformer.named_parameters()):
-        assert torch.equal(p, q), n
+    assert_same_weights(inline, proc)
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -85,6 +85,13 @@ class Trainer:
         self.samples_seen = 0
         self._scoring_process: ScoringProcess | None = None
 
+    def scorer(self, prompts: Any) -> RolloutScorer:
+        """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
+        mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
+        first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
+        return RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
+                             first_index=first, worker=self.scoring_process() if mode == "process" else None, score_chunk_size=pieces)
+
     def scoring_process(self) -> ScoringProcess:
         """The worker process of ``train.rewards_async: process``, started on first use and kept for the run."""
         if self._scoring_process is None:
@@ -121,11 +128,7 @@ class Trainer:
             return self.tree.collect(self, prompts, cond)
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator).to(self.device)
-        mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
-        first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
-        with RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
-                           first_index=first, worker=self.scoring_process() if mode == "process" else None,
-                           score_chunk_size=pieces) as scorer:
+        with self.scorer(prompts) as scorer:
             samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
             images, scored = scorer.result(samples)
         adv, keep, stats = self.advantages(scored.components, prompts.group_ids)

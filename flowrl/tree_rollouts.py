@@ -23,7 +23,6 @@ from .config import Config, ConfigError
 from .lora import use_adapter
 from .models.adapter import Cond, ModelAdapter, select_cond
 from .objectives.base import RolloutBatch
-from .scoring import RolloutScorer, batch_index
 from .samplers.tree import TreeRollout, split_factors, tree_rollout, tree_widths
 from .tree_advantages import depthwise_advantages, fuse_rewards
 from .tree_pruning import train_masks
@@ -149,8 +148,7 @@ class TreeCollector:
                 split_noise_scale=s.tree.split_noise_scale, sde=s.sde, generator=trainer.generator,
             )
         leaves = tree.leaves
-        first = batch_index(trainer.iteration, 0, len(prompts.texts), s.chunk_size)
-        with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata, first_index=first) as scorer:
+        with trainer.scorer(prompts) as scorer:  # leaves come at the end: async modes split their scoring with the worker
             for start in range(0, leaves.shape[0], s.chunk_size):  # decode + score the leaves chunk by chunk
                 scorer.submit(slice(start, min(start + s.chunk_size, leaves.shape[0])), leaves[start : start + s.chunk_size])
             images, scored = scorer.result(leaves)

@@ -130,3 +130,17 @@ def test_every_shipped_tree_config_has_a_consistent_tree():
             TreeCollector(cfg, cfg.objective["name"] == "branch_grpo")  # group size = leaves, valid splits
             found += 1
     assert found >= 3
+
+
+def test_tree_leaves_scored_in_a_process_match_inline_scoring():
+    """BranchGRPO with train.rewards_async=process: the leaves' pieces are shared by the trainer and the worker."""
+    inline = _trainer("train.score_chunk_size=4")
+    proc = _trainer("train.score_chunk_size=4", "train.rewards_async=process")
+    try:
+        a, info_a = inline.collect()
+        b, info_b = proc.collect()
+        assert torch.equal(a.rewards, b.rewards) and torch.equal(a.images, b.images)
+        assert all(torch.equal(x, y) for x, y in zip(a.tree.advantages, b.tree.advantages))
+        assert inline.update(a) == proc.update(b)
+    finally:
+        proc.close()

@@ -1,0 +1,161 @@
+"""Measured on a GPU: seconds and peak memory of the big denoisers' rollout and training passes.
+
+``bench/gpu_plan.py`` counts FLOPs and estimates seconds from an assumed throughput; this script
+checks those estimates on a real GPU. Each transformer is built from its published config (the
+builders in ``bench/gpu_plan.py``) with random weights directly on the GPU in bf16 (nothing is
+downloaded: speed and memory do not depend on the weight values), gets the LoRA of its shipped
+config through ``flowrl.lora.add_lora``, and runs the training geometry of docs/gpu-plan.md:
+
+- ``rollout``: one no-grad forward of a batch (a sampling step);
+- ``train``: forward + backward of a batch into the LoRA (a Flow-GRPO / NFT / AWM micro-batch),
+  with and without per-block gradient checkpointing.
+
+FLOPs are counted with ``FlopCounterMode`` on the same call, so the table gives the achieved
+TFLOP/s to compare with the 400 TFLOP/s that docs/gpu-plan.md assumes.
+
+Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
+
+GIB = 1024**3
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def _models() -> dict[str, tuple[Callable, Callable[[int], dict], tuple[str, ...], int]]:
+    """name -> (builder, inputs for a batch, LoRA targets, LoRA rank): the geometry of docs/gpu-plan.md."""
+    from flowrl.models.flux import flux_lora_targets
+    from flowrl.models.sd3 import SD3_LORA_TARGETS
+    from flowrl.models.wan import WAN_LORA_TARGETS
+
+    def sd3_inputs(b: int) -> dict:  # 512^2: 1024 image tokens + 333 text tokens
+        return dict(hidden_states=_randn(b, 16, 64, 64), encoder_hidden_states=_randn(b, 333, 4096),
+                    pooled_projections=_randn(b, 2048), timestep=torch.full((b,), 500.0, device="cuda"))
+
+    def flux_inputs(b: int) -> dict:  # 512^2 packed 2x2: 1024 tokens of 64 channels + 512 T5 tokens
+        return dict(hidden_states=_randn(b, 1024, 64), encoder_hidden_states=_randn(b, 512, 4096), pooled_projections=_randn(b, 768),
+                    timestep=torch.full((b,), 0.5, device="cuda"), guidance=torch.full((b,), 3.5, device="cuda"),
+                    img_ids=torch.zeros(1024, 3, device="cuda"), txt_ids=torch.zeros(512, 3, device="cuda"))
+
+    def wan_inputs(b: int) -> dict:  # 33 frames at 320^2: 3600 video tokens + 512 UMT5 tokens
+        return dict(hidden_states=_randn(b, 16, 9, 40, 40), encoder_hidden_states=_randn(b, 512, 4096),
+                    timestep=torch.full((b,), 500.0, device="cuda"))
+
+    return {
+        "SD3.5-M": (sd3_transformer, sd3_inputs, SD3_LORA_TARGETS, 32),
+        "FLUX.1-dev": (flux_transformer, flux_inputs, flux_lora_targets(38), 64),
+        "Wan2.1-1.3B": (wan_transformer, wan_inputs, WAN_LORA_TARGETS, 32),
+    }
+
+
+def _build(builder: Callable, targets: tuple[str, ...], rank: int) -> torch.nn.Module:
+    from flowrl.lora import add_lora
+
+    with torch.device("meta"):
+        model = builder().to(torch.bfloat16)  # bf16 before allocating: FLUX in fp32 alone would take 48 GB
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    add_lora(model, rank=rank, alpha=rank, targets=targets)
+    return model
+
+
+def _time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up (kernel selection, allocator)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _flops(fn: Callable[[], None]) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _peak(fn: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / GIB
+
+
+def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets: tuple[str, ...], rank: int,
+            batches: list[int], repeats: int) -> None:
+    model = _build(builder, targets, rank)
+    weights = torch.cuda.memory_allocated() / GIB
+    for b in batches:
+        x = inputs(b)
+
+        def rollout() -> None:
+            with torch.no_grad():
+                model(**x, return_dict=False)
+
+        def train() -> None:
+            out = model(**x, return_dict=False)[0]
+            out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        for ckpt in (False, True):
+            if ckpt:
+                model.enable_gradient_checkpointing()
+            else:
+                model.disable_gradient_checkpointing()
+            cases = [("rollout", rollout)] if not ckpt else []
+            cases.append(("train, checkpointing" if ckpt else "train", train))
+            for case, fn in cases:
+                try:
+                    seconds = _time(fn, repeats)
+                    flops = _flops(fn)
+                    peak = _peak(fn)
+                except torch.cuda.OutOfMemoryError:
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    print(f"| {name} | {b} | {case} | out of memory | | | | {weights:.1f} | > {torch.cuda.get_device_properties(0).total_memory / GIB:.0f} |")
+                    continue
+                print(f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | {flops / 1e12:,.2f} | "
+                      f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} |", flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=None, help="subset of SD3.5-M FLUX.1-dev Wan2.1-1.3B")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
+          f"median of {args.repeats}")
+    print("| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for name, (builder, inputs, targets, rank) in _models().items():
+        if args.models is None or name in args.models:
+            measure(name, builder, inputs, targets, rank, args.batch, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -108,11 +108,12 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
         x = inputs(b)
 
         def rollout() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # as memory.autocast: bf16
                 model(**x, return_dict=False)
 
         def train() -> None:
-            out = model(**x, return_dict=False)[0]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**x, return_dict=False)[0]
             out.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
 
@@ -128,10 +129,11 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
                     seconds = _time(fn, repeats)
                     flops = _flops(fn)
                     peak = _peak(fn)
-                except torch.cuda.OutOfMemoryError:
+                except (torch.cuda.OutOfMemoryError, RuntimeError) as err:  # cuBLAS reports some OOMs as internal errors
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-                    print(f"| {name} | {b} | {case} | out of memory | | | | {weights:.1f} | > {torch.cuda.get_device_properties(0).total_memory / GIB:.0f} |")
+                    why = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else str(err).splitlines()[0][:60]
+                    print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | |", flush=True)
                     continue
                 print(f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | {flops / 1e12:,.2f} | "
                       f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} |", flush=True)

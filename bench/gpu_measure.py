@@ -27,6 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
+from flowrl.memory import trainable_attention
 
 GIB = 1024**3
 
@@ -112,7 +113,7 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
                 model(**x, return_dict=False)
 
         def train() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16), trainable_attention(torch.device("cuda")):  # as Trainer.update
                 out = model(**x, return_dict=False)[0]
             out.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
     torch.backends.cuda.matmul.allow_tf32 = True
+
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
           f"median of {args.repeats}")
     print("| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB |")

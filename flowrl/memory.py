@@ -55,7 +55,8 @@ def _uses_backend_dispatch(transformer: nn.Module) -> bool:
 def set_attention_backend(transformer: nn.Module, backend: str, device: torch.device) -> None:
     """Select the attention kernel of a diffusers denoiser.
 
-    "sdpa" keeps diffusers' default (``torch.nn.functional.scaled_dot_product_attention``).
+    "sdpa" keeps diffusers' default (``torch.nn.functional.scaled_dot_product_attention``);
+    training passes run under :func:`trainable_attention`.
     "xformers" needs the xformers package and a CUDA device; models with the new attention
     dispatcher (FLUX, Wan, Qwen-Image) get ``transformer.set_attention_backend("xformers")``,
     older processors (SD3) ``enable_xformers_memory_efficient_attention()``.
@@ -75,6 +76,24 @@ def set_attention_backend(transformer: nn.Module, backend: str, device: torch.de
         transformer.set_attention_backend("xformers")
     else:
         transformer.enable_xformers_memory_efficient_attention()
+
+
+@contextlib.contextmanager
+def trainable_attention(device: torch.device) -> Iterator[None]:
+    """SDPA kernels whose backward pass works, for the passes that are differentiated.
+
+    On CUDA this leaves out PyTorch's cuDNN attention kernel (flash, memory-efficient and math
+    remain): measured on an H100 with torch 2.11 + cuDNN 9.19, its backward pass fails on
+    FLUX.1's attention (``mha_graph.execute ... is_good()``) at every size tried, while its
+    forward is the fastest, so no-grad rollouts keep it (docs/gpu-plan.md). A no-op elsewhere.
+    """
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 def configure_vae(vae: nn.Module | None, *, tiling: bool, slicing: bool) -> None:

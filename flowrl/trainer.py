@@ -21,7 +21,7 @@ from .guidance import apply_guidance
 from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape, output_resolution
 from .objectives import OBJECTIVES, Objective, RolloutBatch
-from .memory import apply_memory_settings
+from .memory import apply_memory_settings, trainable_attention
 from .prompt_cache import PromptCache
 from .prompts import Prompt, collate, sample_groups
 from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
@@ -181,7 +181,12 @@ class Trainer:
         return samples, None
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Run the objective's plan: one optimizer step per planned group of micro-batches."""
+        """Run the objective's plan: one optimizer step per planned group of micro-batches
+        (attention kernels with a working backward pass: ``flowrl.memory.trainable_attention``)."""
+        with trainable_attention(self.device):
+            return self._update(batch)
+
+    def _update(self, batch: RolloutBatch) -> dict[str, float]:
         totals: dict[str, float] = {}
         count = 0
         first_ratio = None

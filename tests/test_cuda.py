@@ -114,3 +114,16 @@ def test_real_adapter_families_train_on_cuda(family):
     stats = trainer.update(batch)
     assert stats["first_ratio"] == 1.0
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval/reward_mean"]))
+
+
+def test_trainable_attention_leaves_out_cudnn_and_flux_attention_backward_runs():
+    """cuDNN SDPA's backward failed on FLUX.1's attention shape (24 heads x 128, 1536 tokens) on an H100."""
+    from flowrl.memory import trainable_attention
+
+    q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with trainable_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).float().square().mean().backward()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # rollouts keep the fastest forward kernel
+    assert torch.isfinite(q.grad).all()

@@ -182,3 +182,13 @@ def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
     assert main(args) == 0 and out.is_file()
     assert main(["sample", "memory.attention_backend=xformers", "--prompt", "a 3", "--out", str(out)]) == 2
     assert "memory.attention_backend=xformers" in capsys.readouterr().err
+
+
+def test_trainable_attention_is_a_no_op_off_cuda():
+    """On the CPU nothing changes (the CUDA case, which leaves out cuDNN SDPA, runs in tests/test_cuda.py)."""
+    from flowrl.memory import trainable_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with trainable_attention(torch.device("cpu")):
+        inside = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert torch.equal(inside, torch.nn.functional.scaled_dot_product_attention(q, q, q))

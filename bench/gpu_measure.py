@@ -113,9 +113,10 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
                 model(**x, return_dict=False)
 
         def train() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16), trainable_attention(torch.device("cuda")):  # as Trainer.update
-                out = model(**x, return_dict=False)[0]
-            out.float().square().mean().backward()
+            with trainable_attention(torch.device("cuda")):  # around forward and backward, as Trainer.update: a
+                with torch.autocast("cuda", dtype=torch.bfloat16):  # checkpointed block recomputes with the same kernels
+                    out = model(**x, return_dict=False)[0]
+                out.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
 
         for ckpt in (False, True):

@@ -58,7 +58,8 @@ class TreeConfig:
     depth_prune: list[int] = field(default_factory=list)  # child depths not trained (backward only)
     depth_prune_slide_every: int = field(default=0, metadata=_rng(0))  # slide the window 1 depth rootward every N iterations
     depth_prune_stop: int | None = None  # the window stops sliding at this depth (None = last split step)
-    width_keep: float = field(default=1.0, metadata=_rng(0, 1, lo_open=True))  # share of last-segment edges trained (best + worst)
+    width_keep: float = field(default=1.0, metadata=_rng(0, 1, lo_open=True))  # share of last-segment edges trained
+    width_mode: Literal["best_worst", "per_branch"] = "best_worst"  # per tree: best + worst halves | per last-split node: best children
     prune_until: int | None = None  # prune only in the first N iterations (None = always)
 
 

@@ -5,9 +5,12 @@ Pruning only removes edges from the backward pass (the training set of an iterat
 - **Depth pruning**: edges whose child depth is in a window ``D`` are not trained. With a
   slide interval ``k``, the window moves ``floor(iteration / k)`` depths toward the root, but
   its shallowest depth never goes above ``stop`` (default: the last split step).
-- **Width pruning** on the last segment (edges drawn after the last split step): per tree, keep
-  ``max(2, int(fraction * count))`` of them, half with the best and half with the worst
-  advantages (BranchGRPO's mode 2; the worst half gets the odd one).
+- **Width pruning** on the last segment (edges drawn after the last split step), two modes:
+  ``best_worst`` (BranchGRPO's mode 2): per tree, keep ``max(2, int(fraction * count))`` edges,
+  half with the best and half with the worst advantages (the worst half gets the odd one);
+  ``per_branch`` (mode 1): inside each last-split branch (the children of one node at the last
+  split), keep the top ``max(1, int(fraction * factor))`` children by advantage (summed over the
+  segment), with all their segment edges.
 - Edges of ODE steps (noise level 0) carry no density and are never trained.
 
 References:
@@ -70,6 +73,28 @@ def width_prune_masks(advantages: Sequence[Tensor], steps: Sequence[int], num_tr
     return masks
 
 
+def branch_prune_masks(advantages: Sequence[Tensor], steps: Sequence[int], factor: int, fraction: float) -> list[Tensor]:
+    """Mode 1: the best children of every last-split branch keep their segment edges.
+
+    Args:
+        advantages: T tensors, ``advantages[t]`` (N * n_{t+1},) edge advantages; after the last
+            split, edge j of every step continues the path of child j, whose parent is ``j // factor``.
+        steps: the step indices of the last segment.
+        factor: children per node at the last split.
+        fraction: share of each branch's children kept (1 keeps all).
+
+    Returns:
+        One bool mask per entry of ``steps``.
+    """
+    if not steps or fraction >= 1.0:
+        return [torch.ones_like(advantages[t], dtype=torch.bool) for t in steps]
+    score = torch.stack([advantages[t] for t in steps]).sum(dim=0).reshape(-1, factor)  # (parents, factor)
+    order = torch.argsort(score, dim=1, descending=True, stable=True)
+    chosen = torch.zeros_like(score, dtype=torch.bool)
+    chosen.scatter_(1, order[:, : max(1, int(fraction * factor))], True)
+    return [chosen.reshape(-1).clone() for _ in steps]
+
+
 def train_masks(
     advantages: Sequence[Tensor],
     factors: Tensor,
@@ -81,6 +106,7 @@ def train_masks(
     slide_every: int = 0,
     stop_depth: int | None = None,
     width_keep: float = 1.0,
+    width_mode: str = "best_worst",
     prune_until: int | None = None,
 ) -> list[Tensor]:
     """Which edges are trained this iteration.
@@ -94,7 +120,9 @@ def train_masks(
         depth_prune: base window of child depths not trained.
         slide_every: depth-window slide interval (0 = fixed).
         stop_depth: where the window stops sliding (None = the last split step).
-        width_keep: fraction of last-segment edges kept (best and worst halves).
+        width_keep: fraction of last-segment edges kept.
+        width_mode: "best_worst" (per tree, best and worst halves) or "per_branch" (the best
+            children of each last-split node).
         prune_until: prune only while ``iteration < prune_until`` (None = always).
 
     Returns:
@@ -111,6 +139,12 @@ def train_masks(
         if t + 1 in pruned_depths:
             masks[t] = torch.zeros_like(masks[t])
     segment = [t for t in range(last + 1, len(masks))]
-    for t, keep in zip(segment, width_prune_masks(advantages, segment, num_trees, width_keep)):
+    if width_mode not in ("best_worst", "per_branch"):
+        raise ValueError(f"sampler.tree.width_mode must be 'best_worst' or 'per_branch'; got {width_mode!r}")
+    if width_mode == "per_branch" and last >= 0:
+        kept = branch_prune_masks(advantages, segment, int(factors[last]), width_keep)
+    else:
+        kept = width_prune_masks(advantages, segment, num_trees, width_keep)
+    for t, keep in zip(segment, kept):
         masks[t] = masks[t] & keep
     return masks

@@ -178,7 +178,8 @@ class TreeCollector:
         advantages = depthwise_advantages(node_rewards, n, clip=self.cfg.advantage.clip)
         masks = train_masks(
             advantages, self.factors, self.noise_levels, n, iteration=iteration, depth_prune=t.depth_prune,
-            slide_every=t.depth_prune_slide_every, stop_depth=t.depth_prune_stop, width_keep=t.width_keep, prune_until=t.prune_until,
+            slide_every=t.depth_prune_slide_every, stop_depth=t.depth_prune_stop, width_keep=t.width_keep,
+            width_mode=t.width_mode, prune_until=t.prune_until,
         )
         masks = [m.cpu() for m in masks]  # index bookkeeping stays on the CPU (CUDA tensors take CPU indices)
         batch = TreeBatch(tree, advantages, masks, node_rewards, cond, self.cfg.sampler.chunk_size)

@@ -7,7 +7,7 @@ import torch
 
 from flowrl.samplers.tree import split_factors, tree_widths
 from flowrl.tree_advantages import depthwise_advantages, fuse_rewards
-from flowrl.tree_pruning import depth_prune_window, train_masks, width_prune_masks
+from flowrl.tree_pruning import branch_prune_masks, depth_prune_window, train_masks, width_prune_masks
 
 D = torch.float64
 
@@ -93,3 +93,19 @@ def test_train_masks_combine_depth_width_and_ode_steps():
     assert int(kept.sum()) + int(masks[3].sum()) <= 6
     free = train_masks(adv, factors, levels, 1, iteration=7, depth_prune=[2], width_keep=0.5, prune_until=5)
     assert all(m.all() for t, m in enumerate(free) if t != 3)  # pruning switched off after prune_until
+
+
+def test_per_branch_width_pruning_keeps_the_best_children_of_each_last_split_node():
+    # 2 trees x 4 leaves after a last split of factor 2: parents (0, 1), (2, 3), (4, 5), (6, 7) per edge index
+    seg = [torch.tensor([0.1, 0.5, 0.3, -0.2, 0.0, 0.9, -1.0, 0.2]), torch.tensor([0.2, 0.1, 0.3, 0.1, 0.0, 0.0, -1.0, 0.0])]
+    masks = branch_prune_masks(seg, [0, 1], 2, 0.5)  # summed: 0.3 0.6 | 0.6 -0.1 | 0.0 0.9 | -2.0 0.2
+    assert [m.tolist() for m in masks] == [[False, True, True, False, False, True, False, True]] * 2
+    assert all(m.all() for m in branch_prune_masks(seg, [0, 1], 2, 1.0))
+    factors = split_factors(5, [0, 1], [2])  # last split at step 1 (factor 2); segment = steps 2..4, 4 edges each
+    levels = torch.full((5,), 0.7, dtype=D)
+    adv = [torch.arange(w, dtype=torch.float32) * (-1) ** torch.arange(w) for w in tree_widths(factors)[1:]]  # 0, -1, 2, -3
+    masks = train_masks(adv, factors, levels, 1, width_keep=0.5, width_mode="per_branch")
+    assert masks[0].all() and masks[1].all()  # the splits themselves are not width-pruned
+    assert all(m.tolist() == [True, False, True, False] for m in masks[2:])  # child 0 beats 1, child 2 beats 3
+    with pytest.raises(ValueError, match="width_mode"):
+        train_masks(adv, factors, levels, 1, width_keep=0.5, width_mode="middle")

@@ -62,8 +62,10 @@ def _total_loss(trainer, batch, plan, adv=None):
     return total, [p.grad.clone() for p in trainer.params]
 
 
-def test_pruned_edges_get_no_gradient_and_leave_rollouts_and_rewards_unchanged():
-    prune = ["sampler.tree.depth_prune=[2,3]", "sampler.tree.width_keep=0.5", "sampler.tree.split_steps=[0,2,4,6]"]
+@pytest.mark.parametrize("width_mode", ["best_worst", "per_branch"])
+def test_pruned_edges_get_no_gradient_and_leave_rollouts_and_rewards_unchanged(width_mode):
+    prune = ["sampler.tree.depth_prune=[2,3]", "sampler.tree.width_keep=0.5", "sampler.tree.split_steps=[0,2,4,6]",
+             f"sampler.tree.width_mode={width_mode}"]
     full, pruned = _trainer("sampler.tree.split_steps=[0,2,4,6]"), _trainer(*prune)
     a, _ = full.collect()
     b, _ = pruned.collect()

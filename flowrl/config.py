@@ -71,7 +71,8 @@ class SamplerConfig:
     noise_level: float = field(default=0.7, metadata=_rng(0))
     guidance_scale: float = field(default=1.0, metadata=_rng(0))  # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass
     sde: Literal["flow", "dance", "cps", "sage"] = "flow"  # SDE step of GRPO-style rollouts (flowrl.samplers.SDE_STEPS)
-    # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast): noise, storage and training only inside
+    # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast) and trees (BranchGRPO's mixed ODE/SDE tree, splits stay SDE):
+    # noise, storage and training only inside
     window: Literal["none", "random", "progressive", "fixed"] = "none"
     window_size: int = field(default=2, metadata=_rng(1))
     window_start: int = field(default=0, metadata=_rng(0))  # "fixed"

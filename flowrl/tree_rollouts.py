@@ -124,6 +124,16 @@ class TreeCollector:
             raise ConfigError("config: sampler.noise_level must be > 0 for tree rollouts (split steps need noise)")
         self.cfg, self.edge_trained = cfg, edge_trained
 
+    def levels(self, trainer: Any) -> Tensor:
+        """This iteration's (T,) noise levels: SDE on every step, or with ``sampler.window`` the
+        mixed ODE/SDE tree (BranchGRPO): SDE inside the iteration's window and at every split
+        step, Euler ODE elsewhere (those edges have no density and are not trained)."""
+        if self.cfg.sampler.window == "none":
+            return self.noise_levels
+        levels = trainer.sde_levels().clone()
+        levels[self.factors > 1] = float(self.cfg.sampler.noise_level)
+        return levels
+
     def collect(self, trainer: Any, prompts: Any, cond: Cond) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """Grow one tree per prompt, score the leaves, compute advantages.
 
@@ -144,7 +154,7 @@ class TreeCollector:
         roots = torch.randn((num_trees, *shape), generator=trainer.generator).to(getattr(trainer, "device", "cpu"))
         with use_adapter(trainer.model.transformer, trainer.objective.sampling_adapter):
             tree = chunked_tree_rollout(
-                trainer.model, tree_cond, roots, trainer.sigmas, self.noise_levels, self.factors, chunk_size=s.chunk_size,
+                trainer.model, tree_cond, roots, trainer.sigmas, self.levels(trainer), self.factors, chunk_size=s.chunk_size,
                 split_noise_scale=s.tree.split_noise_scale, sde=s.sde, generator=trainer.generator,
             )
         leaves = tree.leaves
@@ -177,7 +187,7 @@ class TreeCollector:
         node_rewards = fuse_rewards(rewards.double(), tree_widths(self.factors), tree.log_probs, n, t.fusion)
         advantages = depthwise_advantages(node_rewards, n, clip=self.cfg.advantage.clip)
         masks = train_masks(
-            advantages, self.factors, self.noise_levels, n, iteration=iteration, depth_prune=t.depth_prune,
+            advantages, self.factors, tree.noise_levels, n, iteration=iteration, depth_prune=t.depth_prune,
             slide_every=t.depth_prune_slide_every, stop_depth=t.depth_prune_stop, width_keep=t.width_keep,
             width_mode=t.width_mode, prune_until=t.prune_until,
         )

@@ -187,7 +187,8 @@ def tree_rollout(
             chunks it).
         roots: (N, ...) initial noise at sigmas[0], one per tree.
         sigmas: (T + 1,) decreasing grid.
-        noise_levels: (T,) SDE noise level per step; a split step must have a level > 0.
+        noise_levels: (T,) SDE noise level per step; a split step must have a level > 0. A step
+            with level 0 is an Euler ODE step; its edges get log-prob 0 (no density: never trained).
         factors: (T,) children per node at each step (see :func:`split_factors`).
         split_noise_scale: std multiplier at steps with factor > 1.
         sde: the step's name in :data:`flowrl.samplers.SDE_STEPS`.
@@ -219,5 +220,5 @@ def tree_rollout(
         step = branch_step(step_fn, xc, vc, sigma, sigma_next, float(noise_levels[t]), float(scales[t]), noise=noise, generator=generator)
         x = step.sample.float()
         nodes.append(x)
-        log_probs.append(step.log_prob.float())
+        log_probs.append(step.log_prob.float() if float(noise_levels[t]) > 0 else torch.zeros_like(step.log_prob, dtype=torch.float32))
     return TreeRollout(nodes, log_probs, factors, scales, sigmas, noise_levels, sde, num_trees)

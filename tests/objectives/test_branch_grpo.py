@@ -1,6 +1,7 @@
 """BranchGRPO on the embedded model: ratio exactly 1, pruning cuts only the backward pass, runs end to end."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,18 @@ def test_tree_leaves_scored_in_a_process_match_inline_scoring():
         assert inline.update(a) == proc.update(b)
     finally:
         proc.close()
+
+
+def test_mixed_ode_sde_tree_trains_only_window_and_split_edges():
+    """sampler.window on a tree: SDE inside the window and at splits, Euler ODE elsewhere (not trained)."""
+    trainer = _trainer("sampler.window=fixed", "sampler.window_start=4", "sampler.window_size=2")
+    batch, _ = trainer.collect()
+    levels = batch.tree.rollout.noise_levels
+    sde_steps = [t for t in range(len(levels)) if float(levels[t]) > 0]
+    assert sde_steps == [0, 3, 4, 5, 6, 9]  # splits 0, 3, 6, 9 and the window 4..5
+    for t, mask in enumerate(batch.tree.train):
+        assert bool(mask.any()) == (t in sde_steps)
+        if t not in sde_steps:
+            assert torch.equal(batch.tree.rollout.log_probs[t], torch.zeros_like(batch.tree.rollout.log_probs[t]))
+    stats = trainer.update(batch)
+    assert stats["first_ratio"] == 1.0 and all(math.isfinite(v) for v in stats.values())

@@ -118,3 +118,21 @@ def test_split_children_in_a_rollout_spread_with_the_scaled_std():
     torch.testing.assert_close(tree.log_probs[1].double(), normal.log_prob(tree.nodes[2].double()).mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-5)
     assert tree.noise_scales.tolist() == [1.0, scale, 1.0, 1.0]
     assert torch.equal(tree.parents(1), torch.arange(128) // 64) and torch.equal(tree.trees(2), torch.arange(128) // 64)
+
+
+def test_ode_steps_in_a_tree_are_euler_steps_with_zero_log_prob():
+    """Mixed ODE/SDE tree (BranchGRPO): level 0 outside the window = exact Euler, no density."""
+    d = torch.float64
+    sigmas = linear_sigmas(4).to(d)
+    factors = split_factors(4, [0, 2], [2])
+    levels = torch.tensor([0.7, 0.0, 0.7, 0.0], dtype=d)  # steps 1 and 3 deterministic; splits 0 and 2 stay SDE
+    a = torch.tensor([[0.5, -1.0]], dtype=d)
+    velocity = lambda x, s, trees: a.expand(x.shape[0], -1) * x  # noqa: E731 - a linear field
+    roots = torch.randn(1, 2, dtype=d, generator=torch.Generator().manual_seed(0))
+    tree = tree_rollout(velocity, roots, sigmas, levels, factors, generator=torch.Generator().manual_seed(1))
+    for t in (1, 3):
+        x = tree.nodes[t].double()
+        euler = x + (sigmas[t + 1] - sigmas[t]) * a * x
+        torch.testing.assert_close(tree.nodes[t + 1].double(), euler, rtol=0, atol=1e-6)  # nodes are stored in fp32
+        assert torch.equal(tree.log_probs[t], torch.zeros_like(tree.log_probs[t]))
+    assert all(torch.isfinite(lp).all() and (lp != 0).all() for lp in (tree.log_probs[0], tree.log_probs[2]))

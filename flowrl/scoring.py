@@ -31,7 +31,6 @@ from .rewards import RewardOutput
 from .scoring_process import ScoringProcess, score_chunk
 
 Decode = Callable[[Tensor], Tensor]
-ASYNC_MODES = (False, True, "thread", "process")
 
 
 def _rows(value: Any, rows: slice, total: int) -> Any:
@@ -41,11 +40,10 @@ def _rows(value: Any, rows: slice, total: int) -> Any:
     return value
 
 
-def _splits(total: int, chunk_size: int, score_chunk_size: int | None) -> list[slice]:
-    """The scoring jobs of a batch of ``total``: each rollout chunk cut into ``score_chunk_size`` rows."""
+def _jobs_per_batch(total: int, chunk_size: int, score_chunk_size: int | None) -> int:
+    """How many scoring jobs a batch of ``total`` makes: each rollout chunk cut into ``score_chunk_size`` rows."""
     step = score_chunk_size or chunk_size
-    return [slice(j, min(j + step, start + chunk_size, total))
-            for start in range(0, total, chunk_size) for j in range(start, min(start + chunk_size, total), step)]
+    return sum(math.ceil(min(chunk_size, total - start) / step) for start in range(0, total, chunk_size))
 
 
 def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int, score_chunk_size: int | None = None) -> int:
@@ -54,7 +52,7 @@ def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int, sc
     A job is a rollout chunk (``sampler.chunk_size``) or, with ``train.score_chunk_size``, one
     piece of it.
     """
-    return iteration * len(_splits(batch_size, chunk_size, score_chunk_size)) + chunk
+    return iteration * _jobs_per_batch(batch_size, chunk_size, score_chunk_size) + chunk
 
 
 class RolloutScorer:

@@ -109,10 +109,6 @@ class ScoringProcess:
     """
 
     def __init__(self, reward: Any, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0) -> None:
-        problem = _unpicklable_part(reward, decode)
-        if problem is not None:
-            raise ValueError(f"train.rewards_async=process: {problem}; use train.rewards_async=thread, "
-                             "or serve that reward with `flowrl serve-reward` and use it as remote:")
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._pending: dict[int, Future] = {}
@@ -123,7 +119,14 @@ class ScoringProcess:
         self._closed = False
         self._proc = ctx.Process(target=_worker_main, name="flowrl-scoring", daemon=True,
                                  args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results))
-        self._proc.start()
+        try:
+            self._proc.start()  # spawn pickles the arguments here, before any child exists
+        except Exception:
+            problem = _unpicklable_part(reward, decode)  # only on failure: name the part that can't travel
+            if problem is None:
+                raise
+            raise ValueError(f"train.rewards_async=process: {problem}; use train.rewards_async=thread, "
+                             "or serve that reward with `flowrl serve-reward` and use it as remote:") from None
         self._wait_ready(start_timeout_s)
         self._receiver = threading.Thread(target=self._receive, name="flowrl-scoring-receiver", daemon=True)
         self._receiver.start()

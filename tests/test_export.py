@@ -9,17 +9,22 @@ from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
 
 
-def _random_lora_run(tmp_path):
-    """The embedded model with a random r4 LoRA, saved the way a run saves it; returns (adapter, lora dir)."""
-    model = load_adapter("flowrl-digits")
+def _save_random_lora(model, lora_dir):
+    """Attach a random r4 LoRA to ``model`` and save it in ``lora_dir`` the way a run saves it."""
     params = add_lora(model.transformer, rank=4, alpha=8.0, targets=model.lora_target_modules)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    lora_dir = tmp_path / "run" / "lora"
     lora_dir.mkdir(parents=True)
     model.save_lora(lora_dir, lora_state_dict(model.transformer))
+
+
+def _random_lora_run(tmp_path):
+    """The embedded model with a random r4 LoRA, saved the way a run saves it; returns (adapter, lora dir)."""
+    model = load_adapter("flowrl-digits")
+    lora_dir = tmp_path / "run" / "lora"
+    _save_random_lora(model, lora_dir)
     (tmp_path / "run" / "config.yaml").write_text("model:\n  path: flowrl-digits\n  dtype: float32\n")
     return model, lora_dir
 
@@ -76,13 +81,7 @@ def test_merged_export_of_a_flux_lora(tmp_path):
     tiny_flux_pipeline().save_pretrained(str(base))
     (base / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8}))
     trained = tiny_flux()
-    params = add_lora(trained.transformer, rank=4, alpha=8.0, targets=trained.lora_target_modules)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    (tmp_path / "lora").mkdir()
-    trained.save_lora(tmp_path / "lora", lora_state_dict(trained.transformer))
+    _save_random_lora(trained, tmp_path / "lora")
     out = export_merged(tmp_path / "lora", tmp_path / "merged", base=str(base))
     merged = load_adapter(str(out))
     assert type(merged).__name__ == "FluxAdapter" and (out / "flowrl.json").is_file()
@@ -100,13 +99,7 @@ def test_merged_export_of_a_two_expert_wan_lora(tmp_path):
     trained = tiny_wan_adapter(two_experts=True)
     base = tmp_path / "wan"
     trained.pipe.save_pretrained(str(base))
-    params = add_lora(trained.transformer, rank=4, alpha=8.0, targets=trained.lora_target_modules)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    (tmp_path / "lora").mkdir()
-    trained.save_lora(tmp_path / "lora", lora_state_dict(trained.transformer))
+    _save_random_lora(trained, tmp_path / "lora")
     assert len(list((tmp_path / "lora").glob("*.safetensors"))) == 2
     out = export_merged(tmp_path / "lora", tmp_path / "merged", base=str(base))
     merged = load_adapter(str(out))

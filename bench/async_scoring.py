@@ -83,7 +83,7 @@ def _serve(layers: int):
 def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None, device: str = "cpu"):
     from flowrl.config import load_config
     from flowrl.models import load_adapter
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.rewards import MultiReward, build_reward
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
@@ -100,8 +100,8 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int |
 
 
 def _cases(trainer) -> dict[str, Any]:
-    from flowrl.prompts import sample_groups
-    from flowrl.scoring import RolloutScorer
+    from flowrl.prompts.batch import sample_groups
+    from flowrl.rollouts.scoring import RolloutScorer
 
     p = trainer.cfg.prompts
     state = trainer.generator.get_state()

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from flowrl.config import load_config
-from flowrl.guidance import apply_guidance
+from flowrl.policy.guidance import apply_guidance
 from flowrl.models import load_adapter
 from flowrl.models.adapter import CountingAdapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.runtime import configure_threads
 from flowrl.trainer import Trainer

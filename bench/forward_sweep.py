@@ -144,9 +144,9 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
     """Seconds per training iteration of each variant, interleaved round by round in one process
     so that every variant sees the same host load. Returns name -> list of per-round times."""
     from flowrl.config import load_config
-    from flowrl.guidance import apply_guidance
+    from flowrl.policy.guidance import apply_guidance
     from flowrl.models import load_adapter
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.recipe import build_reward
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
@@ -171,9 +171,9 @@ def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
     """Eval reward of the untrained base model sampled with true CFG at each scale (the same
     held-out seeds and 10-step ODE as every eval here; CFG costs 2 evaluations per step)."""
     from flowrl.config import load_config
-    from flowrl.guidance import apply_guidance
+    from flowrl.policy.guidance import apply_guidance
     from flowrl.models import load_adapter
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.recipe import build_reward
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer

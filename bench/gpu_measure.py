@@ -4,7 +4,7 @@
 checks those estimates on a real GPU. Each transformer is built from its published config (the
 builders in ``bench/gpu_plan.py``) with random weights directly on the GPU in bf16 (nothing is
 downloaded: speed and memory do not depend on the weight values), gets the LoRA of its shipped
-config through ``flowrl.lora.add_lora``, and runs the training geometry of docs/gpu-plan.md:
+config through ``flowrl.policy.lora.add_lora``, and runs the training geometry of docs/gpu-plan.md:
 
 - ``rollout``: one no-grad forward of a batch (a sampling step);
 - ``train``: forward + backward of a batch into the LoRA (a Flow-GRPO / NFT / AWM micro-batch),
@@ -27,7 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
-from flowrl.memory import trainable_attention
+from flowrl.policy.memory import trainable_attention
 
 GIB = 1024**3
 
@@ -63,7 +63,7 @@ def _models() -> dict[str, tuple[Callable, Callable[[int], dict], tuple[str, ...
 
 
 def _build(builder: Callable, targets: tuple[str, ...], rank: int) -> torch.nn.Module:
-    from flowrl.lora import add_lora
+    from flowrl.policy.lora import add_lora
 
     with torch.device("meta"):
         model = builder().to(torch.bfloat16)  # bf16 before allocating: FLUX in fp32 alone would take 48 GB

@@ -16,7 +16,7 @@ import torch
 
 
 def _setup():
-    from flowrl.lora import add_lora
+    from flowrl.policy.lora import add_lora
     from flowrl.models import load_adapter
 
     model = load_adapter("flowrl-digits")
@@ -25,7 +25,7 @@ def _setup():
 
 
 def _rollout(model, cond, x):
-    from flowrl.rollouts import chunked_rollout
+    from flowrl.rollouts.chunked import chunked_rollout
     from flowrl.samplers import linear_sigmas, sde_noise_levels
 
     chunked_rollout(model, cond, x, linear_sigmas(10), sde_noise_levels(10, 0.7), chunk_size=40)

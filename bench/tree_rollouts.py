@@ -34,14 +34,14 @@ import torch
 from flowrl.config import load_config
 from flowrl.models import load_adapter
 from flowrl.models.adapter import CountingAdapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
-from flowrl.rollouts import chunked_rollout
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.runtime import configure_threads
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 from flowrl.samplers.tree import split_factors, tree_nfe, tree_widths
 from flowrl.trainer import Trainer
-from flowrl.tree_rollouts import chunked_tree_rollout
+from flowrl.tree.rollouts import chunked_tree_rollout
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = {
@@ -84,7 +84,7 @@ def part_diversity(prompts_n: int = 20) -> str:
     """Mean leaf reward and mean within-group reward std of the base model: trees vs flat."""
     cfg = load_config(REPO / "configs/branch/digits.yaml")
     model, reward = load_adapter("flowrl-digits"), build_reward(cfg)
-    from flowrl.prompts import sample_groups
+    from flowrl.prompts.batch import sample_groups
 
     batch = sample_groups(load_prompts("digits-styles"), prompts_n, 16, torch.Generator().manual_seed(0))
     cond = model.encode_prompt(batch.texts)

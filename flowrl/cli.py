@@ -57,12 +57,12 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     import torch
 
     from .config import load_config
-    from .guidance import apply_guidance
-    from .memory import apply_memory_settings
+    from .policy.guidance import apply_guidance
+    from .policy.memory import apply_memory_settings
     from .models import load_adapter
     from .outputs import image_grid, save_png
-    from .prompts import load_prompts
-    from .rollouts import sample_images
+    from .prompts.sets import load_prompts
+    from .rollouts.chunked import sample_images
     from .runtime import configure_threads
     from .models.adapter import model_latent_shape, output_resolution
     from .models.pipeline_schedule import run_sigmas
@@ -158,7 +158,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
-    from .models.digits_pretrain import main as pretrain_main
+    from .models.digits.pretrain import main as pretrain_main
 
     return pretrain_main(ns.args)
 

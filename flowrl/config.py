@@ -49,7 +49,7 @@ class PromptConfig:
 
 @dataclass
 class TreeConfig:
-    """Branching tree rollouts (BranchGRPO; flowrl/tree_rollouts.py, docs/trees.md)."""
+    """Branching tree rollouts (BranchGRPO; flowrl/tree/rollouts.py, docs/trees.md)."""
 
     split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # steps where every node branches
     factors: list[int] = field(default_factory=lambda: [2])  # children per split: one value, or one per split
@@ -100,7 +100,7 @@ def _default_objective() -> dict[str, Any]:
 
 @dataclass
 class MemoryConfig:
-    """GPU memory controls (flowrl/memory.py); all off by default."""
+    """GPU memory controls (flowrl/policy/memory.py); all off by default."""
 
     gradient_checkpointing: bool = False
     autocast: Literal["none", "bf16", "fp16"] = "none"  # around the denoiser only; log-probs stay fp32

@@ -48,7 +48,7 @@ def run_model_settings(source: str | Path) -> dict[str, str]:
 
 def _base_folder(base: str) -> Path | None:
     if base in (None, EMBEDDED):
-        from .models.digits import DIGITS_DIR
+        from .models.digits.model import DIGITS_DIR
 
         return DIGITS_DIR
     return Path(base) if Path(base).is_dir() else None

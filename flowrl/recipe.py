@@ -24,7 +24,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
 from .models import EMBEDDED, load_adapter
 from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
-from .prompts import Prompt, holdout_split, load_prompts
+from .prompts.files import Prompt
+from .prompts.sets import holdout_split, load_prompts
 from .runtime import configure_threads
 from .trainer import Trainer
 
@@ -55,7 +56,7 @@ def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[
 
 def _digits_report(trainer: Trainer) -> dict[str, float]:
     """Independent-classifier accuracy and ink for the embedded model (held-out seeds)."""
-    from .models.digits_report import style_report
+    from .models.digits.report import style_report
 
     return style_report(trainer.sample)
 
@@ -142,7 +143,7 @@ class Run:
 
     def _finish(self, out: Path, logger: MetricsLogger, before: torch.Tensor, start: dict, end: dict, wall: float) -> dict[str, Any]:
         trainer = self.trainer
-        from .lora import lora_state_dict
+        from .policy.lora import lora_state_dict
 
         (out / "lora").mkdir(exist_ok=True)
         eval_adapter = trainer.objective.eval_adapter  # e.g. DiffusionNFT ships its EMA weights

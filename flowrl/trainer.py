@@ -15,22 +15,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantages import compute_advantages
+from .advantages.group import compute_advantages
 from .config import Config
-from .guidance import apply_guidance
-from .lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
+from .policy.guidance import apply_guidance
+from .policy.lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
 from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape, output_resolution
 from .objectives import OBJECTIVES, Objective, RolloutBatch
-from .memory import apply_memory_settings, trainable_attention
-from .prompt_cache import PromptCache
-from .prompts import Prompt, collate, sample_groups
-from .rollouts import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
+from .policy.memory import apply_memory_settings, trainable_attention
+from .prompts.cache import PromptCache
+from .prompts.files import Prompt
+from .prompts.batch import collate, sample_groups
+from .rollouts.chunked import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
 from .samplers.rollout import sde_noise_levels
-from .scoring import RolloutScorer, batch_index
-from .scoring_process import ScoringProcess
+from .rollouts.scoring import RolloutScorer, batch_index
+from .rollouts.scoring_process import ScoringProcess
 from .models.pipeline_schedule import run_sigmas
 from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
-from .tree_rollouts import TreeCollector, uses_tree
+from .tree.rollouts import TreeCollector, uses_tree
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
@@ -124,7 +125,7 @@ class Trainer:
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
-        if self.tree is not None:  # BranchGRPO, or solver objectives on tree leaves (flowrl/tree_rollouts.py)
+        if self.tree is not None:  # BranchGRPO, or solver objectives on tree leaves (flowrl/tree/rollouts.py)
             return self.tree.collect(self, prompts, cond)
         shape = (len(prompts.texts), *self.latent_shape)
         x_init = torch.randn(shape, generator=self.generator).to(self.device)
@@ -182,7 +183,7 @@ class Trainer:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Run the objective's plan: one optimizer step per planned group of micro-batches
-        (attention kernels with a working backward pass: ``flowrl.memory.trainable_attention``)."""
+        (attention kernels with a working backward pass: ``flowrl.policy.memory.trainable_attention``)."""
         with trainable_attention(self.device):
             return self._update(batch)
 

@@ -36,7 +36,7 @@ def tiny_sd3_pipeline(seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from flowrl.models.digits import build_digits_tokenizer
+    from flowrl.models.digits.model import build_digits_tokenizer
 
     torch.manual_seed(seed)
     tok = build_digits_tokenizer()

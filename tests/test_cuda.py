@@ -14,7 +14,7 @@ from conftest import tiny_sd3_pipeline
 from flowrl.config import load_config
 from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.trainer import Trainer
 
@@ -118,7 +118,7 @@ def test_real_adapter_families_train_on_cuda(family):
 
 def test_trainable_attention_leaves_out_cudnn_and_flux_attention_backward_runs():
     """cuDNN SDPA's backward failed on FLUX.1's attention shape (24 heads x 128, 1536 tokens) on an H100."""
-    from flowrl.memory import trainable_attention
+    from flowrl.policy.memory import trainable_attention
 
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     before = torch.backends.cuda.cudnn_sdp_enabled()

@@ -10,19 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowrl.models.digits import (
-    DIGITS_DIR,
-    MAX_SEQUENCE_LENGTH,
-    RESOLUTION,
-    build_digits_pipeline,
-    build_digits_t5_tokenizer,
-    build_digits_tokenizer,
-    digits_prompt,
-    encode_prompts,
-    load_digit_images,
-)
-from flowrl.models.digits_eval import digit_accuracy, sample_digits_with_pipeline
-from flowrl.models.digits_pretrain import pretrain_digits
+from flowrl.models.digits.model import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, build_digits_t5_tokenizer, build_digits_tokenizer, digits_prompt, encode_prompts, load_digit_images
+from flowrl.models.digits.evaluation import digit_accuracy, sample_digits_with_pipeline
+from flowrl.models.digits.pretrain import pretrain_digits
 
 torch.set_num_threads(1)
 

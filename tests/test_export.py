@@ -4,7 +4,7 @@ import torch
 
 from flowrl.cli import main
 from flowrl.export import export_merged
-from flowrl.lora import add_lora, lora_state_dict
+from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
 

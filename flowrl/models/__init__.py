@@ -63,7 +63,7 @@ def load_adapter(
     _quiet_hub_libraries()
 
     if path in (None, EMBEDDED):
-        from .digits import DIGITS_DIR
+        from .digits.model import DIGITS_DIR
 
         if not (DIGITS_DIR / "model_index.json").is_file():
             raise FileNotFoundError(

@@ -4,7 +4,7 @@ A trainer, sampler or reward never touches a diffusers pipeline directly: it cal
 methods, so every algorithm runs on every model.
 
 Conditioning for true classifier-free guidance rides in the same :data:`Cond` dict: the negative
-prompt's tensors are stored under keys prefixed ``"uncond."`` (see :mod:`flowrl.guidance`), so
+prompt's tensors are stored under keys prefixed ``"uncond."`` (see :mod:`flowrl.policy.guidance`), so
 :func:`select_cond` / :func:`repeat_cond` slice them with everything else and no objective needs
 to know whether guidance is on.
 """
@@ -37,7 +37,7 @@ class ModelAdapter(Protocol):
         default_resolution: (height, width) used when a config does not say.
         guidance: how the model is guided. ``"cfg"``: true classifier-free guidance, an
             unconditional (negative-prompt) pass combined as ``v_u + w (v_c - v_u)``; the trainer
-            wraps the adapter in :class:`flowrl.guidance.GuidedAdapter` when
+            wraps the adapter in :class:`flowrl.policy.guidance.GuidedAdapter` when
             ``sampler.guidance_scale != 1`` (SD3, Wan). ``"distilled"``: the guidance scale is an
             input of the network (FLUX.1-dev's guidance embedding), handled inside the adapter's
             ``velocity``; flowrl never adds an unconditional pass. ``"none"``: no guidance.
@@ -76,7 +76,7 @@ class ModelAdapter(Protocol):
         """
 
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
-        """Write a LoRA state dict (``flowrl.lora.lora_state_dict(transformer)``) in the layout the
+        """Write a LoRA state dict (``flowrl.policy.lora.lora_state_dict(transformer)``) in the layout the
         family's diffusers pipeline reads with ``pipe.load_lora_weights``; returns the main file.
 
         An adapter whose LoRA spans several files (Wan2.2: one per expert) also defines

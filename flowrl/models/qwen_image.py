@@ -88,7 +88,7 @@ class QwenImageAdapter:
     """
 
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
-    guidance = "cfg"  # true CFG (flowrl.guidance.GuidedAdapter) when sampler.guidance_scale != 1
+    guidance = "cfg"  # true CFG (flowrl.policy.guidance.GuidedAdapter) when sampler.guidance_scale != 1
 
     @staticmethod
     def combine_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:

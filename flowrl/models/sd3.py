@@ -70,7 +70,7 @@ class SD3Adapter:
     """
 
     lora_target_modules = SD3_LORA_TARGETS
-    guidance = "cfg"  # true CFG (flowrl.guidance.GuidedAdapter) when sampler.guidance_scale != 1
+    guidance = "cfg"  # true CFG (flowrl.policy.guidance.GuidedAdapter) when sampler.guidance_scale != 1
 
     def __init__(self, pipe: Any, *, max_sequence_length: int = 256, resolution: tuple[int, int] | None = None):
         self.pipe = pipe

@@ -1,6 +1,6 @@
 """Both experts of a two-expert Wan2.2 model as one module, so one LoRA adapter spans them.
 
-flowrl's LoRA helpers (``flowrl.lora``: ``add_lora``, ``adapters_disabled``, ``use_adapter``,
+flowrl's LoRA helpers (``flowrl.policy.lora``: ``add_lora``, ``adapters_disabled``, ``use_adapter``,
 ``add_frozen_copy``, ``lora_state_dict``) act on one module. :class:`WanExperts` holds the
 high-noise expert (``transformer``) under ``high.`` and the low-noise expert (``transformer_2``)
 under ``low.`` and gets diffusers' peft methods from ``PeftAdapterMixin``, so ``add_adapter``

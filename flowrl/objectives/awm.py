@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..lora import add_frozen_copy, soft_update
+from ..policy.lora import add_frozen_copy, soft_update
 from ..models.adapter import ModelAdapter
 from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled, use_adapter
+from ..policy.lora import adapters_disabled, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.rollout import Trajectory
 
@@ -37,7 +37,7 @@ class RolloutBatch(NamedTuple):
         chunk_size: the rollout micro-batch size; training reuses the same chunks so the
             forward pass sees the same batch geometry as sampling (ratio exactly 1).
         tree: for tree rollouts of edge-trained objectives (BranchGRPO), the
-            :class:`~flowrl.tree_rollouts.TreeBatch` (nodes, edge log-probs, advantages, pruning
+            :class:`~flowrl.tree.rollouts.TreeBatch` (nodes, edge log-probs, advantages, pruning
             masks); ``samples`` are then the leaves. None otherwise.
     """
 

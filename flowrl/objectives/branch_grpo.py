@@ -1,6 +1,6 @@
 """BranchGRPO: PPO-clip on the edges of branching tree rollouts, with depth-wise advantages.
 
-Each iteration grows one tree per prompt (:mod:`flowrl.tree_rollouts`). Every edge
+Each iteration grows one tree per prompt (:mod:`flowrl.tree.rollouts`). Every edge
 parent -> child of every tree is a training transition, trained once (shared prefixes are not
 repeated per leaf), with the child's depth-wise advantage ``A_e``:
 
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled
+from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step

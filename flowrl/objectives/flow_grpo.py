@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled
+from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
 from ..samplers.flow_sde import SDEStep, flow_sde_diffusion
 from ..samplers.sde_steps import get_sde_step

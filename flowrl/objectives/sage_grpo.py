@@ -46,7 +46,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from ..lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
+from ..policy.lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.flow_sde import SDEStep
 from ..samplers.sde_steps import get_sde_step

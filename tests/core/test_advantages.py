@@ -2,7 +2,7 @@
 
 import torch
 
-from flowrl.advantages import group_advantages
+from flowrl.advantages.group import group_advantages
 
 
 def test_group_mean_with_global_std():

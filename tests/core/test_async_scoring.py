@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_sd3_pipeline
 from flowrl.config import load_config
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
-from flowrl.scoring import RolloutScorer, batch_index
+from flowrl.rollouts.scoring import RolloutScorer, batch_index
 from flowrl.trainer import Trainer
 
 FAST = [

@@ -1,15 +1,15 @@
-"""True CFG (flowrl.guidance): batched [uncond; cond] evaluation, parity with diffusers' SD3 pipeline,
+"""True CFG (flowrl.policy.guidance): batched [uncond; cond] evaluation, parity with diffusers' SD3 pipeline,
 the same guided velocity in rollout, training and the KL reference (ratio exactly 1), NFE counting."""
 
 import pytest
 import torch
 
-from flowrl.guidance import GuidedAdapter, apply_guidance, encode_with_negative, split_cond, with_uncond
-from flowrl.lora import add_lora
+from flowrl.policy.guidance import GuidedAdapter, apply_guidance, encode_with_negative, split_cond, with_uncond
+from flowrl.policy.lora import add_lora
 from flowrl.models.adapter import CountingAdapter, select_cond
 from flowrl.objectives import FlowGRPO, RolloutBatch
-from flowrl.prompt_cache import PromptCache, model_fingerprint
-from flowrl.rollouts import chunked_rollout
+from flowrl.prompts.cache import PromptCache, model_fingerprint
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 from flowrl.samplers.ode_solve import ode_solve
 
@@ -163,7 +163,7 @@ def test_prompt_cache_over_guided_adapter(tiny_sd3, tmp_path):
 
 def test_trainer_default_is_unguided_and_cfg_trains_with_ratio_one(tiny_sd3):
     from flowrl.config import load_config
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.rewards import build_multi_reward
     from flowrl.trainer import Trainer
 

@@ -3,7 +3,7 @@
 import torch
 
 from conftest import tiny_sd3_pipeline
-from flowrl.lora import add_lora, count_parameters, load_lora_state, lora_state_dict
+from flowrl.policy.lora import add_lora, count_parameters, load_lora_state, lora_state_dict
 from flowrl.models.sd3 import SD3Adapter
 
 
@@ -55,7 +55,7 @@ def test_state_round_trip_and_mismatch_error(tiny_sd3):
 
 
 def test_frozen_copy_soft_update_and_switch(tiny_sd3):
-    from flowrl.lora import add_frozen_copy, adapter_parameters, soft_update, use_adapter
+    from flowrl.policy.lora import add_frozen_copy, adapter_parameters, soft_update, use_adapter
 
     params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
     for p in params:

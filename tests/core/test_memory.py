@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.lora import add_lora
-from flowrl.memory import MemoryAdapter, apply_memory_settings, set_attention_backend, text_encoders
+from flowrl.policy.lora import add_lora
+from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, set_attention_backend, text_encoders
 from flowrl.models.sd3 import SD3_LORA_TARGETS
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.samplers.flow_sde import flow_sde_step
 from flowrl.trainer import Trainer
@@ -186,7 +186,7 @@ def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
 
 def test_trainable_attention_is_a_no_op_off_cuda():
     """On the CPU nothing changes (the CUDA case, which leaves out cuDNN SDPA, runs in tests/test_cuda.py)."""
-    from flowrl.memory import trainable_attention
+    from flowrl.policy.memory import trainable_attention
 
     q = torch.randn(1, 2, 4, 8)
     with trainable_attention(torch.device("cpu")):

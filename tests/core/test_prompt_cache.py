@@ -4,7 +4,7 @@ import torch
 
 from conftest import tiny_sd3_pipeline
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.prompt_cache import PromptCache, model_fingerprint
+from flowrl.prompts.cache import PromptCache, model_fingerprint
 
 
 def test_hits_and_equality(tiny_sd3):

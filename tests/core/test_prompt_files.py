@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.prompts import holdout_split, load_prompts, sample_groups
+from flowrl.prompts.sets import holdout_split, load_prompts
+from flowrl.prompts.batch import sample_groups
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

@@ -3,7 +3,8 @@
 import torch
 import pytest
 
-from flowrl.prompts import collate, load_prompts, sample_groups
+from flowrl.prompts.batch import collate, sample_groups
+from flowrl.prompts.sets import load_prompts
 
 
 def test_builtin_sets():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowrl.rollouts import chunked_rollout, chunked_solve, sigma_window_levels
+from flowrl.rollouts.chunked import chunked_rollout, chunked_solve, sigma_window_levels
 from flowrl.samplers import linear_sigmas, rollout, sde_noise_levels
 
 

@@ -11,12 +11,12 @@ import torch
 from conftest import tiny_sd3_pipeline
 from test_async_scoring import FAST, assert_same_iteration, assert_same_weights  # 12 samples in chunks of 5, 5, 2
 from flowrl.config import ConfigError, load_config
-from flowrl.memory import MemoryAdapter
+from flowrl.policy.memory import MemoryAdapter
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
-from flowrl.scoring import RolloutScorer, batch_index
-from flowrl.scoring_process import ScoringProcess
+from flowrl.rollouts.scoring import RolloutScorer, batch_index
+from flowrl.rollouts.scoring_process import ScoringProcess
 from flowrl.trainer import Trainer
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import RewardError, build_multi_reward
 from flowrl.trainer import Trainer
 

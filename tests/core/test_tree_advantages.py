@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flowrl.samplers.tree import split_factors, tree_widths
-from flowrl.tree_advantages import depthwise_advantages, fuse_rewards
-from flowrl.tree_pruning import branch_prune_masks, depth_prune_window, train_masks, width_prune_masks
+from flowrl.tree.advantages import depthwise_advantages, fuse_rewards
+from flowrl.tree.pruning import branch_prune_masks, depth_prune_window, train_masks, width_prune_masks
 
 D = torch.float64
 

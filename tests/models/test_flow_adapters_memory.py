@@ -1,10 +1,10 @@
-"""Memory controls (flowrl/memory.py) on the FLUX.1 and Qwen-Image adapters, through the real Trainer."""
+"""Memory controls (flowrl/policy/memory.py) on the FLUX.1 and Qwen-Image adapters, through the real Trainer."""
 
 import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.trainer import Trainer
 from tiny_flow_pipelines import tiny_flux, tiny_qwen_image

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.lora import add_lora, lora_state_dict
+from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models.flux import FluxAdapter, flux_lora_targets
 from flowrl.models.packing import latent_image_ids, pack_latents, unpack_latents
-from flowrl.prompt_cache import PromptCache
-from flowrl.prompts import load_prompts
+from flowrl.prompts.cache import PromptCache
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
-from flowrl.rollouts import chunked_rollout
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import ode_solve, sde_noise_levels
 from flowrl.trainer import Trainer
 from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline

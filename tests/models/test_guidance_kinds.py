@@ -3,7 +3,7 @@ FLUX.1-schnell ("none") never are; a CFG scale for them is a one-line error."""
 
 import pytest
 
-from flowrl.guidance import GuidedAdapter, apply_guidance
+from flowrl.policy.guidance import GuidedAdapter, apply_guidance
 from flowrl.models.adapter import GUIDANCE_KINDS
 from tiny_flow_pipelines import tiny_flux, tiny_qwen_image
 from tiny_wan import tiny_wan_adapter

@@ -160,9 +160,9 @@ def test_flux_trains_and_samples_through_the_cli(flux_folder, tmp_path):
 def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
     """Weights in the configured dtype, velocity as the model computes it, log-probs fp32, ratio exactly 1."""
     from flowrl.config import load_config
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.rewards import build_multi_reward
-    from flowrl.rollouts import chunked_rollout
+    from flowrl.rollouts.chunked import chunked_rollout
     from flowrl.samplers import sde_noise_levels
     from flowrl.trainer import Trainer
 
@@ -188,7 +188,7 @@ def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
 def test_export_merge_writes_a_loadable_folder_with_the_trained_velocity(kind, tmp_path):
     """`flowrl export --merge` on FLUX / Qwen-Image: the fused folder reproduces the LoRA policy's velocity."""
     from flowrl.export import export_merged
-    from flowrl.lora import add_lora, lora_state_dict
+    from flowrl.policy.lora import add_lora, lora_state_dict
     from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
 
     build_pipe, build = (tiny_flux_pipeline, tiny_flux) if kind == "flux" else (tiny_qwen_image_pipeline, tiny_qwen_image)

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.lora import add_lora, lora_state_dict
+from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.packing import pack_latents, unpack_latents
 from flowrl.models.qwen_image import QwenImageAdapter, qwen_true_cfg
-from flowrl.prompt_cache import PromptCache
-from flowrl.prompts import load_prompts
+from flowrl.prompts.cache import PromptCache
+from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
-from flowrl.rollouts import chunked_rollout
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import ode_solve, sde_noise_levels
 from flowrl.trainer import Trainer
 from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
@@ -128,7 +128,7 @@ def test_saved_lora_loads_into_qwen_image_pipeline(tmp_path):
 
 def test_guided_adapter_uses_qwen_norm_rescaled_cfg(qwen):
     """flowrl's true-CFG wrapper (one batched [uncond; cond] call) reproduces QwenImagePipeline's CFG sampling."""
-    from flowrl.guidance import GuidedAdapter
+    from flowrl.policy.guidance import GuidedAdapter
 
     guided = GuidedAdapter(qwen, 4.0, negative_prompt=" ")
     cond, x_init, sigmas = guided.encode_prompt(PROMPTS), _noise(qwen), qwen.sigmas(2, 16, 16)

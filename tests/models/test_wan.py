@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from flowrl.guidance import GuidedAdapter, split_cond
-from flowrl.lora import adapters_disabled, add_lora, lora_state_dict
+from flowrl.policy.guidance import GuidedAdapter, split_cond
+from flowrl.policy.lora import adapters_disabled, add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.adapter import CountingAdapter, model_latent_shape
 from flowrl.models.wan import WanAdapter
 from flowrl.objectives import FlowGRPO, RolloutBatch
-from flowrl.prompt_cache import PromptCache
-from flowrl.rollouts import chunked_rollout
+from flowrl.prompts.cache import PromptCache
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 from flowrl.samplers.ode_solve import ode_solve
 from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
@@ -130,7 +130,7 @@ def test_two_step_rollout_log_probs_and_ratio_one_with_cfg():
 def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp_path):
     from flowrl.config import load_config
     from flowrl.outputs import save_before_after
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.rewards.combine import MultiReward
     from flowrl.trainer import Trainer
 
@@ -262,7 +262,7 @@ def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
 
 def _two_expert_trainer(model, *extra):
     from flowrl.config import load_config
-    from flowrl.prompts import Prompt
+    from flowrl.prompts.files import Prompt
     from flowrl.rewards.combine import MultiReward
     from flowrl.trainer import Trainer
 

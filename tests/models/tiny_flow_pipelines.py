@@ -15,7 +15,7 @@ def tiny_flux_pipeline(*, guidance_embeds: bool = True, seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from flowrl.models.digits import build_digits_t5_tokenizer, build_digits_tokenizer
+    from flowrl.models.digits.model import build_digits_t5_tokenizer, build_digits_tokenizer
 
     torch.manual_seed(seed)
     tok, t5_tok = build_digits_tokenizer(), build_digits_t5_tokenizer()
@@ -68,7 +68,7 @@ def tiny_qwen_tokenizer():
     and a few prompt words, plus Qwen's three specials. Any other text still tokenizes byte by byte.
     """
     from transformers import Qwen2Tokenizer
-    from flowrl.models.digits import _byte_chars
+    from flowrl.models.digits.model import _byte_chars
 
     chars = _byte_chars()  # byte-level BPE's printable stand-ins, in byte order
     byte_map = dict(enumerate(chars))

@@ -9,7 +9,7 @@ import torch
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import load_adapter
-from flowrl.prompts import load_prompts
+from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import Run, build_reward
 from flowrl.trainer import Trainer
 
@@ -124,7 +124,7 @@ def test_solver_objectives_train_on_tree_leaves(config, tmp_path):
 
 
 def test_every_shipped_tree_config_has_a_consistent_tree():
-    from flowrl.tree_rollouts import TreeCollector
+    from flowrl.tree.rollouts import TreeCollector
 
     found = 0
     for path in sorted((REPO / "configs").rglob("*.yaml")):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from flowrl.lora import add_lora, adapters_disabled
+from flowrl.policy.lora import add_lora, adapters_disabled
 from flowrl.objectives import FlowGRPO, Microbatch, RolloutBatch, clipped_policy_loss, gaussian_mean_kl
-from flowrl.rollouts import chunked_rollout
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 
 

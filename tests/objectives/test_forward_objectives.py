@@ -103,7 +103,7 @@ def test_decay_schedules():
 
 
 def test_nft_old_adapter_soft_update_follows_its_formula(tiny_sd3):
-    from flowrl.lora import add_lora, adapter_parameters
+    from flowrl.policy.lora import add_lora, adapter_parameters
 
     params = add_lora(tiny_sd3.transformer, rank=4, alpha=4, targets=tiny_sd3.lora_target_modules)
     nft = DiffusionNFT()

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from flowrl.checkpoint import load_checkpoint, save_checkpoint
-from flowrl.lora import adapter_parameters, add_lora, use_adapter
+from flowrl.policy.lora import adapter_parameters, add_lora, use_adapter
 from flowrl.models.adapter import select_cond
 from flowrl.objectives import OBJECTIVES, Microbatch, RolloutBatch, SageGRPO, clipped_policy_loss
 from flowrl.objectives.sage_grpo import adapt_kl_weight, equaliser_scales, step_sensitivity, transition_kl
-from flowrl.rollouts import chunked_rollout
+from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import get_sde_step, linear_sigmas, sage_sde_variance, sde_noise_levels, shift_sigmas
 
 REPO = Path(__file__).resolve().parents[2]
@@ -245,7 +245,7 @@ SMALL = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=
 def _trainer(overrides):
     from flowrl.config import load_config
     from flowrl.models import load_adapter
-    from flowrl.prompts import load_prompts
+    from flowrl.prompts.sets import load_prompts
     from flowrl.recipe import build_reward
     from flowrl.trainer import Trainer
 
@@ -306,7 +306,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_lora_loads_with_several_adapters_attached(tiny_sd3):
-    from flowrl.lora import add_frozen_copy, load_lora_state, lora_state_dict
+    from flowrl.policy.lora import add_frozen_copy, load_lora_state, lora_state_dict
 
     _lora(tiny_sd3)
     add_frozen_copy(tiny_sd3.transformer, "anchor")  # peft then reports the anchor's keys as "missing"

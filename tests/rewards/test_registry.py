@@ -9,17 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.rewards import (
-    MultiReward,
-    RewardError,
-    RewardOutput,
-    build_multi_reward,
-    build_reward,
-    ink,
-    ink_amount,
-    list_rewards,
-    register_reward,
-)
+from flowrl.rewards import MultiReward, RewardError, RewardOutput, build_multi_reward, build_reward, ink, ink_amount, list_rewards, register_reward
 from flowrl.rewards import registry
 from flowrl.rewards.digits import DigitCorrectness, Ink
 from flowrl.rewards.jpeg import JpegSize

@@ -20,7 +20,7 @@ PATCH = 4
 
 def clip_tokenizer():
     """A real ``CLIPTokenizer`` with a small byte-level BPE vocab, built offline."""
-    from flowrl.models.digits import build_digits_tokenizer
+    from flowrl.models.digits.model import build_digits_tokenizer
 
     return build_digits_tokenizer(WORDS)
 

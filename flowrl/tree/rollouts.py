@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .config import Config, ConfigError
-from .lora import use_adapter
-from .models.adapter import Cond, ModelAdapter, select_cond
-from .objectives.base import RolloutBatch
-from .samplers.tree import TreeRollout, split_factors, tree_rollout, tree_widths
-from .tree_advantages import depthwise_advantages, fuse_rewards
-from .tree_pruning import train_masks
+from ..config import Config, ConfigError
+from ..policy.lora import use_adapter
+from ..models.adapter import Cond, ModelAdapter, select_cond
+from ..objectives.base import RolloutBatch
+from ..samplers.tree import TreeRollout, split_factors, tree_rollout, tree_widths
+from .advantages import depthwise_advantages, fuse_rewards
+from .pruning import train_masks
 
 
 class TreeBatch(NamedTuple):
@@ -139,7 +139,7 @@ class TreeCollector:
 
         Args:
             trainer: the :class:`~flowrl.trainer.Trainer` (model, reward, generator, iteration).
-            prompts: the iteration's :class:`~flowrl.prompts.PromptBatch` (K consecutive copies
+            prompts: the iteration's :class:`~flowrl.prompts.sets.PromptBatch` (K consecutive copies
                 of each prompt, K = leaves per tree).
             cond: conditioning of the B = N * K samples.
 

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .models.adapter import GUIDANCE_KINDS, Cond, ModelAdapter, repeat_cond
-from .samplers.cfg import cfg as combine_cfg
+from ..models.adapter import GUIDANCE_KINDS, Cond, ModelAdapter, repeat_cond
+from ..samplers.cfg import cfg as combine_cfg
 
 UNCOND = "uncond."
 
@@ -103,7 +103,7 @@ class GuidedAdapter:
     def model_id(self) -> str:
         """Identity for the prompt cache's fingerprint: the wrapped model plus the negative prompt.
 
-        A :class:`~flowrl.prompt_cache.PromptCache` over a guided adapter stores each prompt with
+        A :class:`~flowrl.prompts.cache.PromptCache` over a guided adapter stores each prompt with
         its ``"uncond."`` tensors, so a cache folder is never reused for another negative prompt.
         """
         base = getattr(self._model, "model_id", type(self._model).__name__)

@@ -7,10 +7,10 @@ every reward (``train.rewards_async``):
 - ``false``: inline, after each chunk;
 - ``true`` / ``thread``: on one worker thread, so chunk k is decoded and scored while chunk
   k + 1 is being sampled (torch kernels and HTTP waits release the GIL; Python does not);
-- ``process``: in a spawned worker process (:mod:`flowrl.scoring_process`), which overlaps even
+- ``process``: in a spawned worker process (:mod:`flowrl.rollouts.scoring_process`), which overlaps even
   when both sides are bound by Python and op dispatch, as on the embedded model on a CPU.
 
-All modes run :func:`~flowrl.scoring_process.score_chunk` on the same chunks in the same order;
+All modes run :func:`~flowrl.rollouts.scoring_process.score_chunk` on the same chunks in the same order;
 only the thread or process differs. The rollout's RNG is untouched by decoding and scoring, so a run with
 ``rewards_async: true`` is bit-identical to one without (tested). The whole-batch checks (a
 reward that is NaN for every sample) run once all chunks are in, as for a single call.
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .rewards import RewardOutput
+from ..rewards import RewardOutput
 from .scoring_process import ScoringProcess, score_chunk
 
 Decode = Callable[[Tensor], Tensor]

@@ -5,7 +5,7 @@ gets advantage 0 and ``keep`` False (for several rewards: when none applies to i
 whose valid rewards are all equal, or that has fewer than two, carries no signal: it is counted
 as zero-variance and its samples are dropped (advantage 0, ``keep`` False). ``+-inf`` rewards
 are a bug in the reward and raise. The stateful DDPO per-prompt tracker lives in
-:mod:`flowrl.advantage_tracker`.
+:mod:`flowrl.advantages.tracker`.
 
 References:
     Shao et al., "DeepSeekMath" (GRPO), 2024. Liu et al., "Flow-GRPO", 2025 (per-prompt mean,

@@ -7,9 +7,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
-from .samplers.rollout import Trajectory, rollout
-from .runtime import seeded_noise
+from ..models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
+from ..samplers.rollout import Trajectory, rollout
+from ..runtime import seeded_noise
 
 ChunkHook = Callable[[slice, Tensor], None]  # (rows of the batch, final latents of those rows)
 
@@ -42,7 +42,7 @@ def chunked_rollout(
         generator: RNG for the SDE noise.
         sde: the SDE step's name in :data:`flowrl.samplers.SDE_STEPS`.
         on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk (e.g. to decode
-            and score it while the next chunk is sampled, :mod:`flowrl.scoring`).
+            and score it while the next chunk is sampled, :mod:`flowrl.rollouts.scoring`).
 
     Returns:
         Trajectory with latents (B, T + 1, ...) and log_probs (B, T).
@@ -117,11 +117,11 @@ def chunked_solve(
         c = select_cond(cond, idx)
         fn = lambda x, s, c=c: model.velocity(x, s, c)  # noqa: E731
         if solver == "sde_window":
-            from .samplers.window_solve import sde_window_solve
+            from ..samplers.window_solve import sde_window_solve
 
             parts.append(sde_window_solve(fn, x_init[idx].float(), sigmas, noise_levels, generator=generator).float())
         else:
-            from .samplers.ode_solve import ode_solve
+            from ..samplers.ode_solve import ode_solve
 
             parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
         if on_chunk is not None:
@@ -151,7 +151,7 @@ def sample_images(
         resolution: (height, width).
         frames: frames per video for video models (None = the model's default).
         chunk_size: samples per model call.
-        encode: prompt encoder (e.g. a :class:`~flowrl.prompt_cache.PromptCache`'s ``encode``);
+        encode: prompt encoder (e.g. a :class:`~flowrl.prompts.cache.PromptCache`'s ``encode``);
             default ``model.encode_prompt``.
 
     Returns:

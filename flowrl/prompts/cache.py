@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from .models.adapter import Cond, ModelAdapter
+from ..models.adapter import Cond, ModelAdapter
 
 
 def _tokenizer_identity(tokenizer: object) -> str:

@@ -2,7 +2,7 @@
 
 For recipes that normalise against past rewards of the same prompt instead of (or when there is
 no) in-batch group, e.g. one sample per prompt. The pure group-relative functions live in
-:mod:`flowrl.advantages`.
+:mod:`flowrl.advantages.group`.
 
 References:
     Black et al., "Training Diffusion Models with Reinforcement Learning" (DDPO), 2023:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .digits import MAX_SEQUENCE_LENGTH, RESOLUTION, STYLES, digits_prompt, load_digit_images
+from .model import MAX_SEQUENCE_LENGTH, RESOLUTION, STYLES, digits_prompt, load_digit_images
 
 
 @lru_cache(maxsize=1)

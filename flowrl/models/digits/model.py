@@ -8,7 +8,7 @@ diffusers 0.42's ``StableDiffusion3Pipeline.from_pretrained`` refuses a folder w
 ``text_encoder_3`` is null unless the caller passes ``text_encoder_3=None``; with it the folder
 loads with no extra arguments. Its sequence length is ``MAX_SEQUENCE_LENGTH`` (room for every
 prompt of :func:`digits_prompt`, so no truncation warnings). The weights are
-trained by :mod:`flowrl.models.digits_pretrain` on scikit-learn's bundled ``load_digits`` data
+trained by :mod:`flowrl.models.digits.pretrain` on scikit-learn's bundled ``load_digits`` data
 (no download) and shipped under ``flowrl/assets/flowrl-digits``.
 
 References:
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-DIGITS_DIR = Path(__file__).resolve().parent.parent / "assets" / "flowrl-digits"
+DIGITS_DIR = Path(__file__).resolve().parents[2] / "assets" / "flowrl-digits"
 RESOLUTION = 8
 MAX_SEQUENCE_LENGTH = 6
 STYLES = ("bold", "thin")

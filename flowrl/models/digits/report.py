@@ -1,6 +1,6 @@
 """Style and accuracy report for runs on the embedded model (held-out seeds, ODE sampling).
 
-The accuracy comes from the independent SVC of :mod:`flowrl.models.digits_eval`, not from the
+The accuracy comes from the independent SVC of :mod:`flowrl.models.digits.evaluation`, not from the
 reward classifier, so a run cannot "win" the report by fooling its own reward.
 """
 
@@ -11,9 +11,10 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..prompts import Prompt, load_prompts
-from ..rewards.digits import ink_amount
-from .digits_eval import digit_accuracy
+from ...prompts.files import Prompt
+from ...prompts.sets import load_prompts
+from ...rewards.digits import ink_amount
+from .evaluation import digit_accuracy
 
 REPORT_SEED_BASE = 3_000_000
 SampleFn = Callable[[Sequence[Prompt], Sequence[int]], Tensor]

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .digits import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, digits_prompt, encode_prompts
-from .digits import load_digit_images
+from .model import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, digits_prompt, encode_prompts
+from .model import load_digit_images
 
 VAE_STEPS = 400
 FLOW_STEPS = 1500
@@ -246,7 +246,7 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
 
     eval_report: dict[str, Any] = {}
     if eval_per_class > 0:
-        from .digits_eval import evaluate_base_model
+        from .evaluation import evaluate_base_model
 
         eval_report = evaluate_base_model(pipe, per_class=eval_per_class, steps=NUM_INFERENCE_STEPS)
         log(f"eval: accuracy {eval_report['accuracy']:.4f} (bold {eval_report['accuracy_bold']:.4f}, "

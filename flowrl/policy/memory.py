@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .models.adapter import Cond, ModelAdapter
+from ..models.adapter import Cond, ModelAdapter
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "xformers")

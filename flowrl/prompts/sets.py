@@ -2,21 +2,17 @@
 
 A prompt carries metadata (e.g. ``{"digit": 7, "style": "bold"}``, GenEval's ``include`` list
 or OCR's ``ocr_text``) that is passed through to rewards as keyword lists. File formats and the
-train/test folder layout are in :mod:`flowrl.prompt_files`.
+train/test folder layout are in :mod:`flowrl.prompts.files`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, NamedTuple
 
-import torch
-from torch import Tensor
+from .files import Prompt, read_prompt_file, split_file
 
-from .prompt_files import Prompt, read_prompt_file, split_file
-
-__all__ = ["BUILTIN_SETS", "Prompt", "PromptBatch", "collate", "holdout_split", "load_prompts", "sample_groups"]
+__all__ = ["BUILTIN_SETS", "holdout_split", "load_prompts"]
 
 
 def _digits_set(styles: tuple[str | None, ...]) -> list[Prompt]:
@@ -41,7 +37,7 @@ def load_prompts(spec: str, split: str = "train") -> list[Prompt]:
     Args:
         spec: a built-in name (``digits-styles``, ``digits``, ``digits-all``), a ``.txt``,
             ``.jsonl``, ``.csv`` or ``.json`` file, or a folder with ``train.*`` / ``test.*``
-            files (see :mod:`flowrl.prompt_files`).
+            files (see :mod:`flowrl.prompts.files`).
         split: which file of a folder to read: "train" or "test" (ignored for files and sets).
 
     Returns:
@@ -89,39 +85,3 @@ def holdout_split(prompts: list[Prompt], test_fraction: float, part: str) -> lis
     if not chosen:
         raise ValueError(f"prompts.test_fraction={test_fraction} leaves the {part} split of {len(prompts)} prompts empty; change the fraction or add prompts")
     return chosen
-
-
-class PromptBatch(NamedTuple):
-    """Prompts for one iteration: each chosen prompt repeated ``group_size`` times consecutively.
-
-    Attributes:
-        texts: B prompt strings.
-        metadata: key -> B values (None where a prompt lacks the key).
-        group_ids: (B,) int64 group index.
-    """
-
-    texts: list[str]
-    metadata: dict[str, list[Any]]
-    group_ids: Tensor
-
-
-def collate(prompts: list[Prompt], repeats: int = 1) -> PromptBatch:
-    """Repeat each prompt ``repeats`` times and gather metadata into per-key lists."""
-    texts, groups, rows = [], [], []
-    for g, prompt in enumerate(prompts):
-        for _ in range(repeats):
-            texts.append(prompt.text)
-            groups.append(g)
-            rows.append(prompt.metadata)
-    keys = sorted({k for row in rows for k in row})
-    metadata = {k: [row.get(k) for row in rows] for k in keys}
-    return PromptBatch(texts, metadata, torch.tensor(groups, dtype=torch.long))
-
-
-def sample_groups(prompts: list[Prompt], per_iteration: int, group_size: int, generator: torch.Generator) -> PromptBatch:
-    """Draw ``per_iteration`` prompts (without replacement while possible) and repeat each K times."""
-    picks: list[int] = []
-    while len(picks) < per_iteration:
-        perm = torch.randperm(len(prompts), generator=generator).tolist()
-        picks.extend(perm[: per_iteration - len(picks)])
-    return collate([prompts[i] for i in picks], group_size)

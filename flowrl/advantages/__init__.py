@@ -1,0 +1,1 @@
+"""Advantages: group-relative normalisers (GRPO, GDPO, MC-GRPO) and the per-prompt history tracker."""

@@ -1,0 +1,1 @@
+"""The embedded flowrl-digits model: pipeline, pretraining, evaluation and its style report."""

@@ -1,0 +1,1 @@
+"""The policy: a model adapter with LoRA, guidance, memory settings and evaluation counting."""

@@ -1,0 +1,1 @@
+"""Rollouts with a model adapter: chunked sampling, the rollout kinds, scoring of finished chunks."""

@@ -4,17 +4,19 @@ Convention: ``sigma`` in [0, 1] with 1 = noise, ``x = (1 - sigma) x0 + sigma eps
 ``v = eps - x0``.
 """
 
+from .broadcast import batch_view, compute_dtype, expand_like, standard_normal
 from .cfg import cfg
 from .cps import cps_log_prob_reference, cps_step
 from .dance_sde import dance_sde_step
 from .euler import euler_step
-from .flow_sde import SDEStep, flow_sde_diffusion, flow_sde_mean, flow_sde_step
+from .flow_sde import flow_sde_diffusion, flow_sde_mean, flow_sde_step
 from .gaussian import gaussian_log_prob
 from .ode_solve import DPMState, dpmpp_2m_step, heun_step, log_snr, ode_solve
-from .rollout import Trajectory, VelocityFn, rollout, sde_noise_levels
+from .rollout import rollout, sde_noise_levels
 from .sage_sde import sage_sde_step, sage_sde_variance
 from .sde_steps import SDE_STEPS, SDEStepFn, get_sde_step
 from .schedules import dynamic_shift_mu, dynamic_shift_sigmas, linear_sigmas, make_sigmas, shift_sigmas
+from .types import SDEStep, Trajectory, VelocityFn
 from .window_solve import sde_window_solve
 from .windows import progressive_window_start, random_window_start, window_noise_levels
 
@@ -29,7 +31,11 @@ __all__ = [
     "SDE_STEPS",
     "Trajectory",
     "VelocityFn",
+    "batch_view",
     "cfg",
+    "compute_dtype",
+    "expand_like",
+    "standard_normal",
     "cps_log_prob_reference",
     "cps_step",
     "dance_sde_step",

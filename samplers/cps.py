@@ -35,9 +35,9 @@ import math
 import torch
 from torch import Tensor
 
-from ._broadcast import compute_dtype, expand_like
-from ._sde_finish import finish_step
-from .flow_sde import SDEStep
+from .broadcast import compute_dtype, expand_like
+from .sde_finish import finish_step
+from .types import SDEStep
 from .gaussian import Reduction
 
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._broadcast import compute_dtype, expand_like
-from ._sde_finish import finish_step
-from .flow_sde import SDEStep, flow_sde_mean
+from .broadcast import compute_dtype, expand_like
+from .sde_finish import finish_step
+from .flow_sde import flow_sde_mean
+from .types import SDEStep
 from .gaussian import Reduction
 
 

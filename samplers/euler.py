@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._broadcast import expand_like
+from .broadcast import expand_like
 
 
 def euler_step(x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float) -> Tensor:

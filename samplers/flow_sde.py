@@ -16,29 +16,13 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from ._broadcast import compute_dtype, expand_like, standard_normal
-from .gaussian import Reduction, gaussian_log_prob
-
-
-class SDEStep(NamedTuple):
-    """Result of one stochastic step.
-
-    Attributes:
-        sample: (B, ...) the next latent x' (compute dtype).
-        mean: (B, ...) the transition mean (compute dtype).
-        std: (B, 1, ..., 1) the transition std ``s * sqrt(-Delta)``.
-        log_prob: (B,) log-density of ``sample`` under N(mean, std^2), reduced over elements.
-    """
-
-    sample: Tensor
-    mean: Tensor
-    std: Tensor
-    log_prob: Tensor
+from .broadcast import compute_dtype, expand_like
+from .gaussian import Reduction
+from .sde_finish import finish_step
+from .types import SDEStep
 
 
 def flow_sde_diffusion(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor | float) -> Tensor:
@@ -101,11 +85,4 @@ def flow_sde_step(
     s = flow_sde_diffusion(sig, sig_next, a)
     mean = flow_sde_mean(x32, v32, sig, sig_next, s)
     std = s * torch.sqrt(sig - sig_next)
-    if std.ndim == 0:
-        std = std.expand(x.shape[0]).reshape(-1, *([1] * (x.ndim - 1)))
-    if prev_sample is None:
-        if noise is None:
-            noise = standard_normal(x, generator)
-        prev_sample = mean + std * noise.to(dtype)
-    prev_sample = prev_sample.to(dtype)
-    return SDEStep(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std, reduce))
+    return finish_step(x, mean, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .euler import euler_step
-from .rollout import VelocityFn
+from .types import VelocityFn
 
 Method = Literal["euler", "heun", "dpmpp_2m"]
 

@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from .sde_steps import get_sde_step
-
-VelocityFn = Callable[[Tensor, Tensor], Tensor]
-"""``velocity_fn(x (B, ...), sigma (B,)) -> v (B, ...)``; conditioning is closed over."""
-
-
-class Trajectory(NamedTuple):
-    """A batch of sampled trajectories.
-
-    Attributes:
-        latents: (B, T + 1, ...) fp32 states; ``latents[:, 0]`` is the initial noise and
-            ``latents[:, -1]`` the final sample at sigma = sigmas[-1].
-        log_probs: (B, T) fp32 log-density of each transition (0 at deterministic steps).
-        sigmas: (T + 1,) float64 sigma grid.
-        noise_levels: (T,) float64 noise level used at each step (0 = ODE step).
-        sde: name of the SDE step in :data:`flowrl.samplers.SDE_STEPS` that drew the samples.
-    """
-
-    latents: Tensor
-    log_probs: Tensor
-    sigmas: Tensor
-    noise_levels: Tensor
-    sde: str = "flow"
-
+from .types import Trajectory, VelocityFn
 
 def sde_noise_levels(num_steps: int, noise_level: float, sde_steps: Sequence[int] | None = None) -> Tensor:
     """Per-step noise levels: ``noise_level`` on SDE steps, 0 (ODE) elsewhere.

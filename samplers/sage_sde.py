@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._broadcast import compute_dtype, expand_like
-from ._sde_finish import finish_step
-from .flow_sde import SDEStep
+from .broadcast import compute_dtype, expand_like
+from .sde_finish import finish_step
+from .types import SDEStep
 from .gaussian import Reduction
 
 DEFAULT_SIGMA_MAX = 1.0 - 3e-3

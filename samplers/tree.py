@@ -30,8 +30,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from ._broadcast import standard_normal
-from .flow_sde import SDEStep
+from .broadcast import standard_normal
+from .types import SDEStep
 from .gaussian import Reduction, gaussian_log_prob
 from .sde_steps import SDEStepFn, get_sde_step
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .flow_sde import flow_sde_step
-from .rollout import VelocityFn
+from .types import VelocityFn
 
 
 def sde_window_solve(

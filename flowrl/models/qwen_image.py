@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..samplers._broadcast import compute_dtype
+from ..samplers.broadcast import compute_dtype
 from .adapter import Cond, freeze_modules
 from .packing import packed_latent_shape, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from ..policy.lora import adapters_disabled, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
-from ..samplers.rollout import Trajectory
+from ..samplers.broadcast import batch_view
+from ..samplers.types import Trajectory
 
 
 class RolloutBatch(NamedTuple):
@@ -121,7 +122,7 @@ def noised_microbatch(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tens
     """
     x0 = batch.samples[mb.index].float()
     sigma = batch.sigmas[mb.step].float().expand(len(mb.index)).to(x0.device)
-    t = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    t = batch_view(sigma, x0.ndim)
     return x0, sigma, (1 - t) * x0 + t * mb.noise, select_cond(batch.cond, mb.index)
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..policy.lora import add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import ModelAdapter
+from ..samplers.broadcast import batch_view
 from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
@@ -62,7 +63,7 @@ def nft_policy_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sig
         beta: NFT mixing beta.
         clip: advantage clip c (scales the loss as in the reference).
     """
-    t = sigma.double().reshape(-1, *([1] * (x0.ndim - 1)))
+    t = batch_view(sigma.double(), x0.ndim)
     v_pos, v_neg = implicit_policies(v_theta.double(), v_old.double(), beta)
     loss_pos = adaptive_x0_loss(x_t.double() - t * v_pos, x0)
     loss_neg = adaptive_x0_loss(x_t.double() - t * v_neg, x0)

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
-from ..samplers.rollout import Trajectory, rollout
+from ..samplers.rollout import rollout
+from ..samplers.types import Trajectory
 from ..runtime import seeded_noise
 
 ChunkHook = Callable[[slice, Tensor], None]  # (rows of the batch, final latents of those rows)

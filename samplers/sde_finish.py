@@ -1,19 +1,19 @@
-"""Shared tail of the Gaussian SDE steps: draw (or take) x' and score it (private)."""
+"""Shared tail of every Gaussian SDE step: draw (or take) x' and score it."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ._broadcast import standard_normal
-from .flow_sde import SDEStep
+from .broadcast import batch_view, standard_normal
 from .gaussian import Reduction, gaussian_log_prob
+from .types import SDEStep
 
 
 def per_sample_std(std: Tensor, x: Tensor) -> Tensor:
     """Give a scalar or (B, 1, ..., 1) std the shape (B, 1, ..., 1) of ``x``'s batch."""
     if std.ndim == 0:
-        return std.expand(x.shape[0]).reshape(-1, *([1] * (x.ndim - 1)))
+        return batch_view(std.expand(x.shape[0]), x.ndim)
     return std
 
 

@@ -1,4 +1,4 @@
-"""Shape helpers shared by the samplers (private)."""
+"""Shape and dtype helpers shared by the samplers and the objectives."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ def expand_like(value: Tensor | float, x: Tensor) -> Tensor:
         raise ValueError(
             f"per-sample sigma/noise must have shape ({x.shape[0]},) to match the latent batch; got {tuple(value.shape)}"
         )
-    return value.reshape(-1, *([1] * (x.ndim - 1)))
+    return batch_view(value, x.ndim)
+
+
+def batch_view(value: Tensor, ndim: int) -> Tensor:
+    """View a per-sample (B,) tensor as (B, 1, ..., 1) of rank ``ndim``, keeping its dtype and device.
+    """
+    return value.reshape(-1, *([1] * (ndim - 1)))
 
 
 def standard_normal(x: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -96,19 +96,26 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int |
         rewards["clip_like"] = (build_reward("remote", url=url) if url else ClipLikeReward(layers, device=device), 0.1)
     reward = MultiReward(rewards)
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, load_adapter(cfg.model.path, device=device), reward, prompts, prompts[:2])
+    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path, device=device), trainable=True), reward, prompts, prompts[:2])
 
 
 def _cases(trainer) -> dict[str, Any]:
+    from flowrl.policy.lora import use_adapter
     from flowrl.prompts.batch import sample_groups
+    from flowrl.rollouts.collect import sample_sde
     from flowrl.rollouts.scoring import RolloutScorer
 
     p = trainer.cfg.prompts
     state = trainer.generator.get_state()
     prompts = sample_groups(trainer.train_prompts, p.per_iteration, p.group_size, trainer.generator)
     cond = trainer.prompt_cache.encode(prompts.texts)
-    x_init = torch.randn((len(prompts.texts), *trainer.latent_shape), generator=trainer.generator).to(trainer.device)
-    samples, _ = trainer._rollout(cond, x_init)
+    rows = len(prompts.texts)
+
+    def rollout() -> torch.Tensor:
+        with use_adapter(trainer.model.transformer, trainer.objective.sampling_adapter):
+            return sample_sde(trainer.rollout_context(), cond, rows, lambda part, latents: None).samples
+
+    samples = rollout()
 
     def rollout_alone(chunk_size: int | None = None):
         def run():
@@ -116,7 +123,7 @@ def _cases(trainer) -> dict[str, Any]:
             trainer.cfg.sampler.chunk_size = chunk_size or configured
             trainer.generator.set_state(state)
             try:
-                trainer._rollout(cond, x_init)
+                rollout()
             finally:
                 trainer.cfg.sampler.chunk_size = configured
         return run

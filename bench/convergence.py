@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 from flowrl.config import load_config
-from flowrl.policy.guidance import apply_guidance
-from flowrl.models import load_adapter
-from flowrl.models.adapter import CountingAdapter
+from flowrl.policy import build_policy
+from flowrl.policy.counting import CountingAdapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.runtime import configure_threads
@@ -58,7 +57,7 @@ class ComputeCounter(CountingAdapter):
 
     def velocity(self, x, sigma, cond):
         if torch.is_grad_enabled():
-            self.grad_nfe += x.shape[0] * int(getattr(self._model, "evaluations_per_sample", 1))
+            self.grad_nfe += x.shape[0] * int(self.wrapped.evaluations_per_sample)
         return super().velocity(x, sigma, cond)
 
 
@@ -93,8 +92,8 @@ def run_one(
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
-    model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), cfg.sampler.guidance_scale, cfg.prompts.negative))
-    trainer = Trainer(cfg, model, build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
+    policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
+    trainer = Trainer(cfg, policy, build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
     collect = trainer.collect
 
     def counted_collect():

@@ -144,8 +144,7 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
     """Seconds per training iteration of each variant, interleaved round by round in one process
     so that every variant sees the same host load. Returns name -> list of per-round times."""
     from flowrl.config import load_config
-    from flowrl.policy.guidance import apply_guidance
-    from flowrl.models import load_adapter
+    from flowrl.policy import build_policy
     from flowrl.prompts.sets import load_prompts
     from flowrl.recipe import build_reward
     from flowrl.runtime import configure_threads
@@ -156,8 +155,8 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
         cfg = load_config(config, ["train.progress=false", *overrides])
         configure_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
-        model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), cfg.sampler.guidance_scale, cfg.prompts.negative))
-        trainers[name] = Trainer(cfg, model, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+        policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
+        trainers[name] = Trainer(cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for _ in range(rounds):
         for name, trainer in trainers.items():
@@ -171,8 +170,7 @@ def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
     """Eval reward of the untrained base model sampled with true CFG at each scale (the same
     held-out seeds and 10-step ODE as every eval here; CFG costs 2 evaluations per step)."""
     from flowrl.config import load_config
-    from flowrl.policy.guidance import apply_guidance
-    from flowrl.models import load_adapter
+    from flowrl.policy import build_policy
     from flowrl.prompts.sets import load_prompts
     from flowrl.recipe import build_reward
     from flowrl.runtime import configure_threads
@@ -182,8 +180,8 @@ def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
     for scale in scales:
         cfg = load_config(GRPO, [f"sampler.guidance_scale={scale}", "train.progress=false", "train.eval_steps=10"])
         configure_threads(cfg.train.threads)
-        model = ComputeCounter(apply_guidance(load_adapter(cfg.model.path), scale, cfg.prompts.negative))
-        trainer = Trainer(cfg, model, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+        policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
+        trainer = Trainer(cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
         out[scale] = trainer.evaluate()
     return out
 

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.models import load_adapter
-from flowrl.models.adapter import CountingAdapter
+from flowrl.policy.counting import CountingAdapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.rollouts.chunked import chunked_rollout
@@ -107,7 +108,7 @@ def _trainer(config: str, overrides: list[str]) -> Trainer:
     cfg = load_config(REPO / config, ["train.progress=false", *overrides])
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    return Trainer(cfg, load_adapter(cfg.model.path), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
 
 
 def part_iteration(repeats: int) -> str:

@@ -5,7 +5,8 @@ Layout of a checkpoint folder::
     lora.safetensors        peft LoRA state
     optimizer.safetensors   optimizer tensors, keys "state.<param>.<name>"
     rng.safetensors         "generator" and "torch_rng" byte states
-    trainer.json            counters, optimizer param groups and the objective's scalar state
+    trainer.json            counters, optimizer param groups, the objective's scalar state and the
+                            per-prompt advantage history
     adapter-<name>.safetensors   extra LoRA adapters (e.g. DiffusionNFT's "old" and "ema")
 """
 
@@ -74,6 +75,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path) -> Path:
     save_file({"generator": state["generator"], "torch_rng": state["torch_rng"]}, str(tmp / "rng.safetensors"))
     meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "nfe": state.get("nfe", 0), "optimizer": opt_meta}
     meta["objective"] = state.get("objective", {})  # JSON scalars of the objective (e.g. SAGE-GRPO's adaptive beta)
+    meta["advantage"] = state.get("advantage", {})  # per-prompt reward history (advantage.method: per_prompt)
     _atomic_json(tmp / "trainer.json", meta)
     if directory.exists():
         shutil.rmtree(directory)
@@ -109,4 +111,5 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "samples_seen": meta["samples_seen"],
         "nfe": meta.get("nfe", 0),
         "objective": meta.get("objective", {}),
+        "advantage": meta.get("advantage", {}),
     }

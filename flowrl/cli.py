@@ -57,44 +57,27 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     import torch
 
     from .config import load_config
-    from .policy.guidance import apply_guidance
-    from .policy.memory import apply_memory_settings
-    from .models import load_adapter
     from .outputs import image_grid, save_png
+    from .policy import build_policy
     from .prompts.sets import load_prompts
     from .rollouts.chunked import sample_images
     from .runtime import configure_threads
-    from .models.adapter import model_latent_shape, output_resolution
-    from .models.pipeline_schedule import run_sigmas
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
     configure_threads(cfg.train.threads)
-    model = load_adapter(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, distilled_guidance=cfg.model.distilled_guidance)
-    if ns.lora:
-        lora = Path(ns.lora)
-        if lora.is_dir() and (lora / "lora").is_dir():
-            lora = lora / "lora"
-        if hasattr(model, "load_lora") and lora.is_dir():  # LoRA in several files (Wan2.2: one per expert)
-            model.load_lora(lora)
-        elif not (lora / "pytorch_lora_weights.safetensors").is_file() and not lora.is_file():
-            raise FileNotFoundError(f"no LoRA at {ns.lora}; pass a run folder or its lora/ folder")
-        else:
-            model.pipe.load_lora_weights(str(lora))
-    model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)  # the CFG training used
-    model = apply_memory_settings(model, cfg.memory)  # VAE tiling/slicing, offload, autocast, attention backend
+    policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    resolution = output_resolution(cfg.model.resolution, model)
-    latent = model_latent_shape(model, resolution, cfg.model.num_frames)
-    sigmas = run_sigmas(model, cfg.sampler.schedule, ns.steps or cfg.sampler.num_steps, shift=cfg.sampler.shift,
-                        resolution=resolution, latent=latent)
+    sigmas = policy.sigmas(ns.steps or cfg.sampler.num_steps)
     with torch.no_grad():
-        images = sample_images(model, prompts, seeds, sigmas, resolution=resolution, frames=cfg.model.num_frames)
+        images = sample_images(
+            policy.model, prompts, seeds, sigmas, resolution=policy.resolution, frames=cfg.model.num_frames
+        )
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_png(image_grid(images, len(texts), scale=max(1, 64 // resolution[0])), out)
+    save_png(image_grid(images, len(texts), scale=max(1, 64 // policy.resolution[0])), out)
     print(f"wrote {len(prompts)} samples ({len(texts)} prompts x {ns.seeds} seeds) to {out}")
     return 0
 
@@ -106,8 +89,8 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
     width = max(len(r.name) for r in rows)
     print(f"{'name':<{width}}  {'source':<12} offline  description")
     for r in rows:
-        note = f"(failed to load: {r.error})" if getattr(r, "error", None) else r.description
-        offline = "cached" if getattr(r, "cached", False) else "yes" if r.offline else "no"
+        note = f"(failed to load: {r.error})" if r.error else r.description
+        offline = "cached" if r.cached else "yes" if r.offline else "no"
         print(f"{r.name:<{width}}  {r.source:<12} {offline:<7}  {note}")
     return 0
 

@@ -87,10 +87,28 @@ class SamplerConfig:
 
 @dataclass
 class AdvantageConfig:
-    method: Literal["sum", "gdpo", "median"] = "sum"  # weighted sum then GRPO | GDPO | MC-GRPO median
-    std: Literal["global", "group", "none"] = "global"
+    """Reward -> advantage normalisation (flowrl/advantages/, built by ``AdvantageEstimator.from_config``)."""
+
+    # weighted sum then GRPO | GDPO | MC-GRPO median | DDPO per-prompt reward history (one sample per prompt)
+    method: Literal["sum", "gdpo", "median", "per_prompt"] = "sum"
+    std: Literal["global", "group", "none"] = "global"  # sum and median; gdpo and per_prompt use their own std
     clip: float = field(default=5.0, metadata=_rng(0, lo_open=True))
     eps: float = field(default=1e-4, metadata=_rng(0))
+    buffer_size: int = field(default=16, metadata=_rng(1))  # per_prompt: last rewards kept per prompt
+    min_count: int = field(default=16, metadata=_rng(1))  # per_prompt: rewards before a prompt's own history is used
+
+
+def validate_advantage(section: AdvantageConfig, where: str) -> None:
+    """Cross-key check of the ``advantage`` section (the per-key ranges are checked on load).
+
+    Raises:
+        ConfigError: ``advantage.min_count > advantage.buffer_size``.
+    """
+    if section.min_count > section.buffer_size:
+        raise ConfigError(
+            f"{where}: 'advantage.min_count' must be <= 'advantage.buffer_size' ({section.buffer_size}); "
+            f"got {section.min_count}. Lower min_count or raise buffer_size"
+        )
 
 
 def _default_objective() -> dict[str, Any]:
@@ -375,6 +393,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
         where = f"{where} + command line"
     cfg = _build(Config, data, "", where)
     validate_rewards(cfg.rewards, where)
+    validate_advantage(cfg.advantage, where)
     cfg.objective = validate_objective(cfg.objective, where)
     return cfg
 

@@ -16,25 +16,9 @@ from pathlib import Path
 import yaml
 
 from .models import EMBEDDED, load_adapter
+from .policy.lora import find_lora
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
-LORA_FILES = (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors")  # Wan2.2 writes one file per expert
-DENOISERS = ("transformer", "transformer_2")
-
-
-def find_lora(source: str | Path) -> Path:
-    """The folder holding ``pytorch_lora_weights.safetensors`` for a run folder, lora folder or file.
-
-    Raises:
-        FileNotFoundError: nothing LoRA-like at ``source``.
-    """
-    path = Path(source)
-    for candidate in (path / "lora", path):
-        if any((candidate / name).is_file() for name in LORA_FILES):
-            return candidate
-    if path.is_file() and path.suffix == ".safetensors":
-        return path
-    raise FileNotFoundError(f"no LoRA at {source}; pass a run folder, its lora/ folder or a {LORA_FILE} file")
+DENOISERS = ("transformer", "transformer_2")  # diffusers pipeline components that may hold a LoRA
 
 
 def run_model_settings(source: str | Path) -> dict[str, str]:
@@ -81,10 +65,7 @@ def export_merged(source: str | Path, out: str | Path, *, base: str | None = Non
         raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
     model = load_adapter(base, dtype=dtype, device="cpu")
     pipe = model.pipe
-    if lora.is_dir() and hasattr(model, "load_lora"):  # adapters with several LoRA files (Wan2.2 experts)
-        model.load_lora(lora)
-    else:
-        pipe.load_lora_weights(str(lora))
+    model.load_lora(lora)  # diffusers' loader; Wan2.2 loads one file per expert
     adapted = [c for c in DENOISERS if getattr(getattr(pipe, c, None), "peft_config", None)]
     pipe.fuse_lora(components=adapted, lora_scale=1.0)
     pipe.unload_lora_weights()

@@ -22,7 +22,8 @@ import yaml
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
-from .models import EMBEDDED, load_adapter
+from .models.digits import EVAL_REPORTS
+from .policy import build_policy
 from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
 from .prompts.files import Prompt
 from .prompts.sets import holdout_split, load_prompts
@@ -54,13 +55,6 @@ def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[
     return [p for p in chosen for _ in range(seeds)], [GRID_SEED_BASE + j for _ in chosen for j in range(seeds)]
 
 
-def _digits_report(trainer: Trainer) -> dict[str, float]:
-    """Independent-classifier accuracy and ink for the embedded model (held-out seeds)."""
-    from .models.digits.report import style_report
-
-    return style_report(trainer.sample)
-
-
 class Run:
     """One training run, set up and validated before anything is written.
 
@@ -80,12 +74,9 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         reward = build_reward(cfg)
-        model = load_adapter(
-            cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, distilled_guidance=cfg.model.distilled_guidance
-        )
-        self.trainer = Trainer(cfg, model, reward, train_prompts, eval_prompts)
+        self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), reward, train_prompts, eval_prompts)
         self.resume_state = load_checkpoint(resume) if resume else None
-        self.is_digits = cfg.model.path == EMBEDDED
+        self.eval_report = EVAL_REPORTS.get(cfg.model.path)  # model-specific figures, e.g. the embedded style report
 
     def _grid(self) -> torch.Tensor:
         prompts, seeds = _grid_inputs(self.trainer.eval_prompts, self.cfg.output.grid_seeds)
@@ -93,8 +84,8 @@ class Run:
 
     def _evaluate(self) -> dict[str, float]:
         metrics = self.trainer.evaluate()
-        if self.is_digits:
-            metrics.update({f"eval/{k}": v for k, v in _digits_report(self.trainer).items()})
+        if self.eval_report is not None:
+            metrics.update({f"eval/{k}": v for k, v in self.eval_report(self.trainer.sample).items()})
         return metrics
 
     def execute(self) -> dict[str, Any]:

@@ -15,23 +15,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .advantages.group import compute_advantages
+from .advantages import AdvantageEstimator
+from .advantages.group import AdvantageStats
 from .config import Config
-from .policy.guidance import apply_guidance
-from .policy.lora import add_lora, adapter_names, lora_state_dict, load_lora_state, use_adapter
-from .models.adapter import CountingAdapter, ModelAdapter, model_latent_shape, output_resolution
 from .objectives import OBJECTIVES, Objective, RolloutBatch
-from .policy.memory import apply_memory_settings, trainable_attention
+from .policy import Policy
+from .policy.lora import adapter_names, load_lora_state, lora_state_dict, use_adapter
+from .policy.memory import trainable_attention
+from .prompts.batch import PromptBatch, collate, sample_groups
 from .prompts.cache import PromptCache
 from .prompts.files import Prompt
-from .prompts.batch import collate, sample_groups
-from .rollouts.chunked import chunked_rollout, chunked_solve, sample_images, sigma_window_levels
-from .samplers.rollout import sde_noise_levels
+from .rewards import MultiReward
+from .rollouts.chunked import sample_images, sigma_window_levels
+from .rollouts.collect import RolloutContext, collect_rollouts, rollout_kind
 from .rollouts.scoring import RolloutScorer, batch_index
 from .rollouts.scoring_process import ScoringProcess
-from .models.pipeline_schedule import run_sigmas
-from .samplers.windows import progressive_window_start, random_window_start, window_noise_levels
-from .tree.rollouts import TreeCollector, uses_tree
+from .tree.rollouts import tree_spec
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
@@ -42,51 +41,49 @@ def build_objective(cfg: Config) -> Objective:
 
 
 class Trainer:
-    """Online RL on a model adapter with a LoRA policy.
+    """Online RL on a policy with trainable LoRA weights.
 
     Args:
         cfg: validated run config.
-        model: model adapter (the LoRA is attached to ``model.transformer`` here).
-        reward: a reward callable returning ``(total (B,), components)`` (``MultiReward``).
+        policy: the policy from :func:`flowrl.policy.build_policy` with ``trainable=True``
+            (adapter stack, LoRA parameters, output geometry).
+        reward: the weighted rewards (``(total (B,), components)`` per batch).
         train_prompts: prompts to sample groups from.
         eval_prompts: prompts for held-out-seed evaluation.
+
+    Raises:
+        ValueError: the policy has no trainable LoRA parameters.
     """
 
-    def __init__(self, cfg: Config, model: ModelAdapter, reward: Any, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
-        self.cfg, self.reward = cfg, reward
-        if not isinstance(model, CountingAdapter):  # true CFG folds into velocity; scale 1.0 leaves the model as is
-            model = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)
-        if not isinstance(model, CountingAdapter):  # memory controls wrap the adapter once, inside the counter
-            model = CountingAdapter(apply_memory_settings(model, cfg.memory))
-        self.model = model
-        self.device = torch.device(getattr(model, "device", "cpu"))  # where the denoiser runs; the RNG stays on the CPU
+    def __init__(self, cfg: Config, policy: Policy, reward: MultiReward, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
+        if not policy.params:
+            raise ValueError("the Trainer needs trainable LoRA parameters; build the policy with build_policy(cfg, trainable=True)")
+        self.cfg, self.reward, self.policy = cfg, reward, policy
+        self.model = policy.model
+        self.params = policy.params
+        self.device = torch.device(self.model.device)  # where the denoiser runs; the RNG stays on the CPU
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
-        self.resolution = output_resolution(cfg.model.resolution, model)
-        self.latent_shape = latent = model_latent_shape(model, self.resolution, cfg.model.num_frames)
+        self.resolution, self.latent_shape = policy.resolution, policy.latent_shape
         s = cfg.sampler
-        self.sigmas = run_sigmas(model, s.schedule, s.num_steps, shift=s.shift, resolution=self.resolution, latent=latent)
-        eval_steps = cfg.train.eval_steps
-        self.eval_sigmas = self.sigmas if eval_steps is None else run_sigmas(
-            model, s.schedule, eval_steps, shift=s.shift, resolution=self.resolution, latent=latent
-        )
-        self.noise_levels = sde_noise_levels(s.num_steps, s.noise_level)
-        targets = cfg.lora.targets or list(model.lora_target_modules)
-        self.params = add_lora(model.transformer, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)
+        self.sigmas = policy.sigmas(s.num_steps)
+        self.eval_sigmas = self.sigmas if cfg.train.eval_steps is None else policy.sigmas(cfg.train.eval_steps)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.advantage = AdvantageEstimator.from_config(cfg.advantage)
         self.objective = build_objective(cfg)
-        self.objective.setup(model)
+        self.objective.setup(self.model)
         self.prompt_cache = PromptCache(self.model, cfg.prompts.cache_dir)
         if cfg.memory.free_encoders_when_cached:
             self._free_encoders()
-        self.window_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
-        self.tree = TreeCollector(cfg, self.objective.rollout == "tree") if uses_tree(cfg, self.objective) else None
+        self.rollout_kind = rollout_kind(self.objective.rollout, s.solver)
+        self.solver_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
+        self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
         self._scoring_process: ScoringProcess | None = None
 
-    def scorer(self, prompts: Any) -> RolloutScorer:
+    def scorer(self, prompts: PromptBatch) -> RolloutScorer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
         mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
         first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
@@ -96,11 +93,7 @@ class Trainer:
     def scoring_process(self) -> ScoringProcess:
         """The worker process of ``train.rewards_async: process``, started on first use and kept for the run."""
         if self._scoring_process is None:
-            decoder = getattr(self.model, "decoder", None)
-            if decoder is None:
-                raise ValueError(f"train.rewards_async=process needs the model adapter ({type(self.model).__name__}) to define "
-                                 "decoder() (a picklable decode); use train.rewards_async=thread")
-            self._scoring_process = ScoringProcess(self.reward, decoder(), threads=torch.get_num_threads())
+            self._scoring_process = ScoringProcess(self.reward, self.model.decoder(), threads=torch.get_num_threads())
         return self._scoring_process
 
     def close(self) -> None:
@@ -121,65 +114,28 @@ class Trainer:
     # -- one iteration -------------------------------------------------------------------------
 
     def collect(self) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        """Sample groups, roll out with SDE noise, decode, score and compute advantages."""
+        """Sample prompt groups, roll out, decode, score and compute advantages
+        (:func:`flowrl.rollouts.collect.collect_rollouts`, the same path for every rollout kind)."""
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
-        if self.tree is not None:  # BranchGRPO, or solver objectives on tree leaves (flowrl/tree/rollouts.py)
-            return self.tree.collect(self, prompts, cond)
-        shape = (len(prompts.texts), *self.latent_shape)
-        x_init = torch.randn(shape, generator=self.generator).to(self.device)
-        with self.scorer(prompts) as scorer:
-            samples, traj = self._rollout(cond, x_init, on_chunk=scorer.submit)  # chunk k scored while k + 1 samples
-            images, scored = scorer.result(samples)
-        adv, keep, stats = self.advantages(scored.components, prompts.group_ids)
-        batch = RolloutBatch(
-            prompts.texts, prompts.group_ids, cond, samples, traj, self.sigmas, images.cpu(), scored.total.cpu(), adv, keep,
-            self.cfg.sampler.chunk_size,
-        )
-        info = {"zero_std_groups": torch.tensor(float(stats.zero_std_groups)), **{f"reward/{k}": v for k, v in scored.components.items()}}
-        return batch, info
+        return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
 
-    def advantages(self, components: dict[str, Tensor], group_ids: Tensor) -> tuple[Tensor, Tensor, Any]:
-        """``advantage`` config applied to per-component rewards (B,): computed on the CPU, returned
-        (advantages, keep) on the model's device, plus the statistics."""
-        a = self.cfg.advantage
-        adv, keep, stats = compute_advantages(
-            {k: v.cpu() for k, v in components.items()}, self.reward.weights, group_ids.cpu(),
-            method=a.method, std=a.std, eps=a.eps, clip=a.clip,
+    def rollout_context(self) -> RolloutContext:
+        """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""
+        return RolloutContext(
+            model=self.model, sampling_adapter=self.objective.sampling_adapter, sampler=self.cfg.sampler, sigmas=self.sigmas,
+            latent_shape=self.latent_shape, device=self.device, generator=self.generator, iteration=self.iteration,
+            scorer=self.scorer, advantages=self.advantages, advantage_clip=self.cfg.advantage.clip, tree=self.tree,
+            solver_levels=self.solver_levels,
         )
+
+    def advantages(self, components: dict[str, Tensor], group_ids: Tensor, prompts: list[str]) -> tuple[Tensor, Tensor, AdvantageStats]:
+        """``advantage`` config applied to per-component rewards (B,) of the B ``prompts``: computed
+        on the CPU, returned (advantages, keep) on the model's device, plus the statistics."""
+        components = {k: v.cpu() for k, v in components.items()}
+        adv, keep, stats = self.advantage(components, self.reward.weights, group_ids.cpu(), prompts)
         return adv.to(self.device), keep.to(self.device), stats
-
-    def sde_levels(self) -> Tensor:
-        """Per-step noise levels of this iteration's SDE rollout (T,): all steps but the last,
-        or only an SDE window (random, progressive or fixed; MixGRPO / Flow-GRPO-Fast)."""
-        s = self.cfg.sampler
-        if s.window == "none":
-            return self.noise_levels
-        if s.window == "fixed":
-            start = s.window_start
-        elif s.window == "random":
-            start = random_window_start(s.num_steps, s.window_size, *s.window_range, generator=self.generator)
-        else:
-            start = progressive_window_start(self.iteration, s.num_steps, s.window_size, s.window_shift_every)
-        return window_noise_levels(s.num_steps, s.noise_level, start, s.window_size)
-
-    def _rollout(self, cond: dict[str, Tensor], x_init: Tensor, on_chunk: Any = None) -> tuple[Tensor, Any]:
-        """Sample with the objective's adapter: stored SDE transitions, or a black-box solver.
-        ``on_chunk(rows, latents)`` receives each chunk's clean latents as soon as it is done."""
-        s, chunk = self.cfg.sampler, self.cfg.sampler.chunk_size
-        with use_adapter(self.model.transformer, self.objective.sampling_adapter):
-            if self.objective.rollout == "sde":
-                traj = chunked_rollout(
-                    self.model, cond, x_init, self.sigmas, self.sde_levels(), chunk_size=chunk, generator=self.generator, sde=s.sde,
-                    on_chunk=on_chunk,
-                )
-                return traj.latents[:, -1], traj
-            samples = chunked_solve(
-                self.model, cond, x_init, self.sigmas, solver=s.solver, chunk_size=chunk,
-                noise_levels=self.window_levels, generator=self.generator, on_chunk=on_chunk,
-            )
-        return samples, None
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Run the objective's plan: one optimizer step per planned group of micro-batches
@@ -209,8 +165,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(group)
             self.optimizer.step()
-            after_update = getattr(self.objective, "after_update", None)  # optional hook (SAGE-GRPO)
-            update_stats = after_update(self.model) if after_update is not None else {}
+            update_stats = self.objective.after_update(self.model)
         out = {k: v / max(count, 1) for k, v in totals.items()}
         out.update(update_stats)
         if first_ratio is not None:
@@ -285,7 +240,8 @@ class Trainer:
             "iteration": self.iteration,
             "samples_seen": self.samples_seen,
             "nfe": self.model.nfe,
-            "objective": self.objective.state_dict() if hasattr(self.objective, "state_dict") else {},
+            "objective": self.objective.state_dict(),
+            "advantage": self.advantage.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -299,5 +255,5 @@ class Trainer:
         self.iteration = int(state["iteration"])
         self.samples_seen = int(state["samples_seen"])
         self.model.nfe = int(state.get("nfe", 0))
-        if state.get("objective") and hasattr(self.objective, "load_state_dict"):
-            self.objective.load_state_dict(state["objective"])  # scalar state, e.g. SAGE-GRPO's beta
+        self.objective.load_state_dict(state.get("objective", {}))
+        self.advantage.load_state_dict(state.get("advantage", {}))  # per-prompt reward history  # scalar state, e.g. SAGE-GRPO's beta

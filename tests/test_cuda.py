@@ -12,6 +12,7 @@ import torch
 
 from conftest import tiny_sd3_pipeline
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts.sets import load_prompts
@@ -27,7 +28,7 @@ SMALL = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=
 def digits_trainer(device: str, *overrides: str, config: str | None = None) -> Trainer:
     cfg = load_config(config and str(ROOT / config), [*SMALL, f"model.device={device}", *overrides])
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, load_adapter(cfg.model.path, device=device), build_reward(cfg), prompts, prompts[:2])
+    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path, device=device), trainable=True), build_reward(cfg), prompts, prompts[:2])
 
 
 @pytest.mark.parametrize("config", [None, "configs/nft/digits_fast.yaml", "configs/awm/digits_fast.yaml",
@@ -78,7 +79,7 @@ def test_tiny_sd3_with_true_cfg_trains_on_cuda():
     cfg = load_config(None, [*SMALL, "sampler.num_steps=3", "sampler.guidance_scale=4.5", "model.device=cuda"])
     model = SD3Adapter(tiny_sd3_pipeline().to("cuda"), max_sequence_length=2, resolution=(8, 8))
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, model, build_reward(cfg), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_reward(cfg), prompts, prompts[:2])
     metrics = trainer.train_step()
     assert metrics["nfe"] > 0 and torch.isfinite(torch.tensor(metrics["reward_mean"]))
 
@@ -91,7 +92,7 @@ def _adapter_trainer(model, *overrides):
                              "sampler.chunk_size=2", "objective.kl_beta=0.01", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
                              "train.progress=false", "model.device=cuda", *overrides])
     prompts = load_prompts("digits-styles")
-    return Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:4], prompts[:1])
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:4], prompts[:1])
 
 
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "wan2.2"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -12,7 +14,10 @@ from safetensors.torch import load_file
 
 from flowrl.models.digits.model import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, build_digits_t5_tokenizer, build_digits_tokenizer, digits_prompt, encode_prompts, load_digit_images
 from flowrl.models.digits.evaluation import digit_accuracy, sample_digits_with_pipeline
+from flowrl.models import EMBEDDED
+from flowrl.models.digits import EVAL_REPORTS, style_report
 from flowrl.models.digits.pretrain import pretrain_digits
+from flowrl.models.digits.prompts import DIGITS_SETS, digits_set
 
 torch.set_num_threads(1)
 
@@ -25,6 +30,59 @@ def test_prompts() -> None:
         digits_prompt(10, None)
     with pytest.raises(ValueError):
         digits_prompt(3, "italic")
+
+
+def test_prompt_sets_use_digits_prompt() -> None:
+    assert list(DIGITS_SETS) == ["digits-styles", "digits", "digits-all"]
+    sets = {"digits": (None,), "digits-styles": ("bold", "thin"), "digits-all": (None, "bold", "thin")}
+    for name, styles in sets.items():
+        prompts = DIGITS_SETS[name]()
+        assert prompts == digits_set(styles)
+        assert [p.text for p in prompts] == [digits_prompt(d, s) for s in styles for d in range(10)]
+        assert [p.metadata for p in prompts] == [{"digit": d, "style": s} for s in styles for d in range(10)]
+    with pytest.raises(ValueError, match="style"):
+        digits_set(("italic",))
+
+
+FIRST_IMPORTS = ["flowrl.prompts.sets", "flowrl.models.digits.report", "flowrl.models.digits.prompts"]
+
+
+@pytest.mark.parametrize("first", FIRST_IMPORTS)
+def test_no_import_cycle_whichever_module_comes_first(first) -> None:
+    # prompts.sets serves the digits sets and the digits modules use flowrl.prompts: any may be imported first
+    code = f"import {first}; from flowrl.prompts.sets import load_prompts; assert len(load_prompts('digits-all')) == 30"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_eval_reports_table(monkeypatch) -> None:
+    import flowrl.models.digits.report as report
+
+    assert list(EVAL_REPORTS) == [EMBEDDED]
+    calls = []
+
+    def fake(sample_fn, seeds_per_prompt=10):
+        calls.append((sample_fn, seeds_per_prompt))
+        return {"accuracy": 1.0}
+
+    monkeypatch.setattr(report, "style_report", fake)  # the table's entry imports the report on each call
+    sample = object()
+    assert EVAL_REPORTS[EMBEDDED](sample) == {"accuracy": 1.0} and calls == [(sample, 10)]
+
+
+def test_style_report_inputs_and_metric_names() -> None:
+    seen = []
+
+    def sample_fn(prompts, seeds):  # blank images: only the inputs and the keys are checked
+        seen.append((list(prompts), list(seeds)))
+        return torch.zeros(len(prompts), 3, RESOLUTION, RESOLUTION)
+
+    out = style_report(sample_fn, 2)
+    # the keys, in order, are what the recipe logs as eval/<key>
+    assert list(out) == ["accuracy", "accuracy_bold", "accuracy_thin", "ink_bold", "ink_thin", "ink_gap"]
+    (prompts, seeds), = seen
+    assert prompts == [p for p in DIGITS_SETS["digits-styles"]() for _ in range(2)]
+    assert seeds == [3_000_000 + i % 2 for i in range(40)]
 
 
 def test_clip_tokenizer_whole_words() -> None:

@@ -77,7 +77,8 @@ class GroupStats(NamedTuple):
 def _check(values: Tensor, group_ids: Tensor) -> None:
     """Raise ValueError on shape mismatch or infinite values."""
     if values.shape != group_ids.shape or values.ndim != 1:
-        raise ValueError(f"rewards and group_ids must both be (B,); got {tuple(values.shape)}, {tuple(group_ids.shape)}")
+        shapes = f"{tuple(values.shape)}, {tuple(group_ids.shape)}"
+        raise ValueError(f"rewards and group_ids must both be (B,); got {shapes}")
     if torch.isinf(values).any():
         raise ValueError("rewards contain +-inf; return NaN for 'not applicable' and finite values otherwise")
 
@@ -188,7 +189,9 @@ def _finish(
         clipped = int(((adv.abs() > clip) & keep).sum())
         adv = clip_advantages(adv, clip)
     adv = torch.where(keep, adv, torch.zeros_like(adv))
-    stats = AdvantageStats(len(zero), int(zero.sum()), std, len(adv), int(keep.sum()), int(not_applicable.sum()), clipped)
+    stats = AdvantageStats(
+        len(zero), int(zero.sum()), std, len(adv), int(keep.sum()), int(not_applicable.sum()), clipped
+    )
     return adv.float(), keep, stats
 
 

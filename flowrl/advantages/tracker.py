@@ -1,8 +1,9 @@
 """DDPO-style per-prompt reward history: the one stateful advantage normaliser.
 
 For recipes that normalise against past rewards of the same prompt instead of (or when there is
-no) in-batch group, e.g. one sample per prompt. The pure group-relative functions live in
-:mod:`flowrl.advantages.group`.
+no) in-batch group, e.g. one sample per prompt: ``advantage.method: per_prompt``, run by
+:class:`flowrl.advantages.estimator.AdvantageEstimator` through :func:`per_prompt_advantages`. The
+pure group-relative functions live in :mod:`flowrl.advantages.group`.
 
 References:
     Black et al., "Training Diffusion Models with Reinforcement Learning" (DDPO), 2023:
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .group import AdvantageStats, _finish, _finite_std, weighted_sum
 
 _STATE_KEYS = ("buffer_size", "min_count", "eps", "history")
 
@@ -39,7 +42,8 @@ class StatTracker:
 
     def __init__(self, buffer_size: int = 16, min_count: int = 16, eps: float = 1e-6) -> None:
         if not 1 <= min_count <= buffer_size:
-            raise ValueError(f"StatTracker needs 1 <= min_count <= buffer_size; got min_count={min_count}, buffer_size={buffer_size}")
+            got = f"min_count={min_count}, buffer_size={buffer_size}"
+            raise ValueError(f"StatTracker needs 1 <= min_count <= buffer_size; got {got}")
         self.buffer_size, self.min_count, self.eps = int(buffer_size), int(min_count), float(eps)
         self.history: dict[str, list[float]] = {}
 
@@ -103,6 +107,45 @@ class StatTracker:
         if missing:
             raise ValueError(f"StatTracker state is missing {missing}; pass the dict returned by state_dict()")
         if not 1 <= state["min_count"] <= state["buffer_size"]:
-            raise ValueError(f"StatTracker state needs 1 <= min_count <= buffer_size; got {state['min_count']}, {state['buffer_size']}")
-        self.buffer_size, self.min_count, self.eps = int(state["buffer_size"]), int(state["min_count"]), float(state["eps"])
+            got = f"{state['min_count']}, {state['buffer_size']}"
+            raise ValueError(f"StatTracker state needs 1 <= min_count <= buffer_size; got {got}")
+        self.buffer_size, self.min_count = int(state["buffer_size"]), int(state["min_count"])
+        self.eps = float(state["eps"])
         self.history = {str(p): [float(x) for x in buf][-self.buffer_size :] for p, buf in state["history"].items()}
+
+
+def per_prompt_advantages(
+    tracker: StatTracker,
+    rewards: dict[str, Tensor],
+    weights: dict[str, float],
+    group_ids: Tensor,
+    prompts: list[str],
+    *,
+    clip: float | None = None,
+) -> tuple[Tensor, Tensor, AdvantageStats]:
+    """DDPO advantages: weighted sum of the rewards, then :meth:`StatTracker.update` (records the batch).
+
+    Nothing is dropped for a lack of signal: a prompt whose history is constant gets advantage 0
+    but stays kept, as in DDPO. Only samples with no applicable reward are dropped.
+
+    Args:
+        tracker: the run's per-prompt history (updated in place).
+        rewards: reward name -> (B,) values (NaN = not applicable, counts 0 in the sum).
+        weights: reward name -> weight.
+        group_ids: (B,) integer prompt-group index per sample (only counted, for the stats).
+        prompts: B prompt texts, the history keys.
+        clip: if given, advantages are clipped to [-clip, clip].
+
+    Returns:
+        (advantages (B,) float32, keep (B,) bool, AdvantageStats with ``zero_std_groups`` 0 and
+        ``std`` the std of the finite weighted rewards of the batch). A sample with no applicable
+        reward has advantage 0 and keep False.
+
+    Raises:
+        ValueError: missing weights, bad shapes, ``len(prompts) != B``, infinite rewards.
+    """
+    total = weighted_sum(rewards, weights)  # (B,) float64, NaN where no reward applies
+    adv = tracker.update(prompts, total).double()
+    nan = torch.isnan(total)
+    no_group_dropped = torch.zeros(len(torch.unique(group_ids)), dtype=torch.bool)
+    return _finish(adv, ~nan, nan, no_group_dropped, float(_finite_std(total)), clip)

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
 from .hub import resolve_model_path
-from .loading import FLOW_PIPELINES, load_flow_pipeline
+from .loading import PIPELINES, load_pipeline_adapter, read_model_index
 
 EMBEDDED = "flowrl-digits"
 
-__all__ = ["Cond", "EMBEDDED", "ModelAdapter", "load_adapter", "repeat_cond", "select_cond"]
+__all__ = ["Cond", "EMBEDDED", "ModelAdapter", "PIPELINES", "load_adapter", "repeat_cond", "select_cond"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _pipeline_class(path: Path) -> str:
-    index = path / "model_index.json"
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"model folder {path} has no model_index.json; point model.path at a diffusers pipeline folder"
-        )
-    return json.loads(index.read_text()).get("_class_name", "")
 
 
 def _quiet_hub_libraries() -> None:
@@ -38,13 +28,37 @@ def _quiet_hub_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def _pipeline_folder(path: str | None) -> Path:
+    """The local pipeline folder for ``model.path`` (the embedded model, a folder or a hub id), weights checked.
+
+    Raises:
+        FileNotFoundError: the folder or its weights are missing.
+        ValueError: a local folder's ``model_index.json`` is not a JSON object.
+    """
+    if path in (None, EMBEDDED):
+        from .digits.model import DIGITS_DIR
+
+        if not (DIGITS_DIR / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"embedded model weights are missing at {DIGITS_DIR}; rebuild them with `flowrl pretrain-digits`"
+            )
+        path = str(DIGITS_DIR)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        read_model_index(local)  # a malformed index fails here in one line, before the weight check reads it
+    return resolve_model_path(path)  # local folder or cached hub id; one-line error when weights are missing
+
+
 def load_adapter(
     path: str | None = None, *, dtype: str = "float32", device: str = "cpu", distilled_guidance: float | None = None
 ) -> ModelAdapter:
-    """Load a model adapter from a local diffusers folder, or the embedded model.
+    """Load a model adapter from a local diffusers folder, a cached hub id, or the embedded model.
+
+    The folder's ``model_index.json`` ``_class_name`` picks the adapter from
+    :data:`~flowrl.models.loading.PIPELINES` (SD3, FLUX.1, Qwen-Image, Wan).
 
     Args:
-        path: a diffusers pipeline folder, or None / "flowrl-digits" for the embedded model.
+        path: a diffusers pipeline folder or hub id, or None / "flowrl-digits" for the embedded model.
         dtype: "float32", "bfloat16" or "float16".
         device: torch device string.
         distilled_guidance: ``model.distilled_guidance``: the guidance-embedding scale of a
@@ -55,39 +69,14 @@ def load_adapter(
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (the message says how to fix it).
-        ValueError: the folder holds a pipeline class flowrl has no adapter for, or
-            ``distilled_guidance`` is set for a model without a guidance embedding.
+        ValueError: a malformed ``model_index.json``, a pipeline class flowrl has no adapter for,
+            ``distilled_guidance`` for a model without a guidance embedding, or a folder that
+            needs remote code.
     """
-    from .sd3 import SD3Adapter
-
     _quiet_hub_libraries()
-
-    if path in (None, EMBEDDED):
-        from .digits.model import DIGITS_DIR
-
-        if not (DIGITS_DIR / "model_index.json").is_file():
-            raise FileNotFoundError(
-                f"embedded model weights are missing at {DIGITS_DIR}; rebuild them with `flowrl pretrain-digits`"
-            )
-        path = str(DIGITS_DIR)
-    folder = resolve_model_path(path)  # local folder or cached hub id; one-line error when weights are missing
-    cls_name = _pipeline_class(folder)
-    if distilled_guidance is not None and cls_name != "FluxPipeline":
-        raise ValueError(
-            f"model.distilled_guidance={distilled_guidance} but {cls_name} has no guidance embedding; remove it "
-            "(true CFG is sampler.guidance_scale)"
-        )
-    if isinstance(cls_name, str) and cls_name in FLOW_PIPELINES:
-        return load_flow_pipeline(
-            cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=str(path), distilled_guidance=distilled_guidance
-        )
-    if cls_name == "StableDiffusion3Pipeline":
-        return SD3Adapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device)
-    if cls_name == "WanPipeline":
-        from .wan import WanAdapter
-
-        return WanAdapter.from_pretrained(folder, dtype=_DTYPES[dtype], device=device, model_id=str(path))
-    raise ValueError(
-        f"no flowrl adapter for pipeline class {cls_name!r} in {folder}; supported: StableDiffusion3Pipeline, WanPipeline, "
-        f"{', '.join(FLOW_PIPELINES)}"
+    folder = _pipeline_folder(path)
+    cls_name = read_model_index(folder).get("_class_name", "")
+    model_id = EMBEDDED if path in (None, EMBEDDED) else str(path)
+    return load_pipeline_adapter(
+        cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=model_id, distilled_guidance=distilled_guidance
     )

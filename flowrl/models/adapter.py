@@ -11,11 +11,14 @@ to know whether guidance is on.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from ..samplers.cfg import cfg
 
 Cond = dict[str, Tensor]
 """Prompt conditioning: a dict of batch-first tensors, e.g. SD3's
@@ -27,26 +30,33 @@ GUIDANCE_KINDS = ("cfg", "distilled", "none")
 
 @runtime_checkable
 class ModelAdapter(Protocol):
-    """What flowrl needs from a text-to-image (or text-to-video) flow model.
+    """What flowrl needs from a text-to-image (or text-to-video) flow model: the whole contract.
+
+    Every member below is used by library code on a bare adapter or on the policy stack
+    (``CountingAdapter(MemoryAdapter(GuidedAdapter(adapter)))``, :mod:`flowrl.policy`), whose
+    wrappers define each member explicitly. The built-in adapters inherit honest defaults for the
+    optional ones from :class:`AdapterBase`.
 
     Attributes:
         transformer: the denoiser module LoRA is attached to (for a two-expert model such as
             Wan2.2-A14B: the trained expert, or ``WanExperts`` holding both).
         lora_target_modules: default LoRA target module names for this family.
         dtype: the dtype the model weights run in (log-probs and SDE means stay fp32 regardless).
+        device: where the denoiser runs (inputs are moved there; the RNG stays on the CPU).
         default_resolution: (height, width) used when a config does not say.
         guidance: how the model is guided. ``"cfg"``: true classifier-free guidance, an
-            unconditional (negative-prompt) pass combined as ``v_u + w (v_c - v_u)``; the trainer
+            unconditional (negative-prompt) pass combined with :meth:`combine_cfg`; the policy
             wraps the adapter in :class:`flowrl.policy.guidance.GuidedAdapter` when
-            ``sampler.guidance_scale != 1`` (SD3, Wan). ``"distilled"``: the guidance scale is an
-            input of the network (FLUX.1-dev's guidance embedding), handled inside the adapter's
-            ``velocity``; flowrl never adds an unconditional pass. ``"none"``: no guidance.
-        default_num_frames: video adapters only: frame count used when ``model.num_frames`` is
-            null. Image adapters do not define it.
-
-    Optional: ``decoder()`` returns ``decode`` as a picklable callable holding only the VAE (e.g.
-    ``functools.partial(decode_scaled, vae)``); ``train.rewards_async: process`` sends it to the
-    scoring process. Every built-in adapter defines it.
+            ``sampler.guidance_scale != 1`` (SD3, Wan, Qwen-Image). ``"distilled"``: the guidance
+            scale is an input of the network (FLUX.1-dev's guidance embedding), handled inside the
+            adapter's ``velocity``; flowrl never adds an unconditional pass. ``"none"``: no guidance.
+        model_id: name of the model (folder or hub id) in messages and the prompt cache's fingerprint.
+        pipe: the diffusers pipeline the parts come from (text encoders, VAE, LoRA loading).
+        max_sequence_length: text tokens per prompt the encoders produce.
+        default_num_frames: frames per video when ``model.num_frames`` is null; None for image
+            models (this is what :func:`is_video` tests).
+        evaluations_per_sample: network evaluations one ``velocity`` call costs per sample (1; 2
+            under true CFG), counted by :class:`flowrl.policy.counting.CountingAdapter`.
     """
 
     transformer: nn.Module
@@ -54,6 +64,15 @@ class ModelAdapter(Protocol):
     dtype: torch.dtype
     default_resolution: tuple[int, int]
     guidance: str
+    model_id: str
+    pipe: Any
+    max_sequence_length: int
+    default_num_frames: int | None
+    evaluations_per_sample: int
+
+    @property
+    def device(self) -> torch.device:
+        """Where the denoiser runs."""
 
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
         """Encode B prompts in one batched call to conditioning tensors (no gradient).
@@ -68,25 +87,96 @@ class ModelAdapter(Protocol):
     def decode(self, latents: Tensor) -> Tensor:
         """Decode latents to float32 in [0, 1]: images (B, 3, H, W) or videos (B, F, 3, H, W)."""
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Latent shape (without batch) for an output resolution.
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (e.g.
+        ``functools.partial(decode_scaled, vae)``); ``train.rewards_async: process`` sends it to
+        the scoring process."""
 
-        Video adapters take a third argument ``frames`` (``latent_shape(h, w, frames=None)``,
-        None = ``default_num_frames``) and return (C, F_lat, H_lat, W_lat).
-        """
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """Latent shape (without batch) for an output resolution: (C, H_lat, W_lat) for images,
+        (C, F_lat, H_lat, W_lat) for videos (``frames`` None = ``default_num_frames``; image
+        adapters reject a frame count)."""
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
+        """The (num_steps + 1,) float64 sigma grid the model's own pipeline uses at this
+        resolution (``sampler.schedule: model``), or None when it has no schedule of its own."""
+
+    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
+        """Combine the unconditional and conditional velocities (B, ...) of true CFG (plain
+        :func:`flowrl.samplers.cfg`; Qwen-Image rescales norms)."""
 
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
         """Write a LoRA state dict (``flowrl.policy.lora.lora_state_dict(transformer)``) in the layout the
-        family's diffusers pipeline reads with ``pipe.load_lora_weights``; returns the main file.
+        family's diffusers pipeline reads with ``pipe.load_lora_weights``; returns the main file."""
 
-        An adapter whose LoRA spans several files (Wan2.2: one per expert) also defines
-        ``load_lora(directory)``, which ``flowrl sample --lora`` prefers over ``pipe.load_lora_weights``.
+    def load_lora(self, path: str | Path) -> None:
+        """Load a LoRA written by :meth:`save_lora` (its folder, or a ``.safetensors`` file) into
+        the pipeline's denoiser(s)."""
+
+    def free_text_encoders(self) -> int:
+        """Drop the text encoders from the pipeline (once every prompt is cached); returns the
+        number of parameters released."""
+
+
+def text_encoders(pipe: Any) -> dict[str, nn.Module]:
+    """The pipeline's text encoders by component name (``text_encoder``, ``text_encoder_2``, ...)."""
+    return {k: v for k, v in pipe.components.items() if k.startswith("text_encoder") and isinstance(v, nn.Module)}
+
+
+class AdapterBase:
+    """Defaults shared by the built-in pipeline adapters (SD3, FLUX, Qwen-Image, Wan).
+
+    A subclass sets ``pipe``, ``transformer``, ``dtype``, ``model_id``, ``max_sequence_length``,
+    ``default_resolution``, ``lora_target_modules`` and ``guidance``, and defines
+    ``encode_prompt``, ``velocity``, ``decode``, ``decoder``, ``latent_shape`` and ``save_lora``.
+    The class attributes and methods here are the defaults of the optional members of
+    :class:`ModelAdapter`: an image model, one evaluation per sample, plain CFG, no sigma grid of
+    its own, LoRA loaded by ``pipe.load_lora_weights``.
+    """
+
+    pipe: Any
+    transformer: nn.Module
+    default_num_frames: int | None = None
+    evaluations_per_sample: int = 1
+    combine_cfg = staticmethod(cfg)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the denoiser runs."""
+        return self.transformer.device
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
+        """None: no sigma grid of its own (FLUX and Qwen-Image override this)."""
+        return None
+
+    def load_lora(self, path: str | Path) -> None:
+        """``pipe.load_lora_weights(path)``: a folder holding ``pytorch_lora_weights.safetensors`` or the file."""
+        self.pipe.load_lora_weights(str(path))
+
+    def free_text_encoders(self) -> int:
+        """Set every text encoder of the pipeline to None and release its memory.
+
+        Returns:
+            The number of encoder parameters released.
         """
+        released = 0
+        for name, encoder in text_encoders(self.pipe).items():
+            released += sum(p.numel() for p in encoder.parameters())
+            setattr(self.pipe, name, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return released
+
+    def _image_only(self, frames: int | None) -> None:
+        """Reject a frame count in an image adapter's ``latent_shape``."""
+        if frames is not None:
+            raise ValueError(f"{type(self).__name__} is an image model; got frames={frames} (remove model.num_frames)")
 
 
-def is_video(model: object) -> bool:
-    """Whether an adapter produces videos (it defines ``default_num_frames``)."""
-    return getattr(model, "default_num_frames", None) is not None
+def is_video(model: ModelAdapter) -> bool:
+    """Whether an adapter produces videos (its ``default_num_frames`` is set)."""
+    return model.default_num_frames is not None
 
 
 def output_resolution(resolution: int | Sequence[int] | None, model: ModelAdapter) -> tuple[int, int]:
@@ -142,23 +232,3 @@ def select_cond(cond: Cond, index: Tensor | slice) -> Cond:
 def repeat_cond(cond: Cond, repeats: int) -> Cond:
     """Repeat each row ``repeats`` times consecutively: (B, ...) -> (B * repeats, ...)."""
     return {key: value.repeat_interleave(repeats, dim=0) for key, value in cond.items()}
-
-
-class CountingAdapter:
-    """Wraps a model adapter and counts network evaluations per sample (NFE).
-
-    A guided adapter (true CFG) declares ``evaluations_per_sample = 2`` and is counted twice per
-    sample. Everything but ``velocity`` is forwarded to the wrapped adapter unchanged.
-    """
-
-    def __init__(self, model: ModelAdapter):
-        self._model = model
-        self.nfe = 0
-
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Count ``B * evaluations_per_sample`` evaluations, then call the wrapped model."""
-        self.nfe += x.shape[0] * int(getattr(self._model, "evaluations_per_sample", 1))
-        return self._model.velocity(x, sigma, cond)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond, freeze_modules
+from .adapter import AdapterBase, Cond, freeze_modules
 from .packing import packed_latent_shape, latent_image_ids, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import decode_scaled, read_model_card
@@ -49,7 +49,7 @@ def flux_lora_targets(num_single_layers: int) -> tuple[str, ...]:
     return FLUX_ATTENTION_TARGETS + FLUX_MLP_TARGETS + singles
 
 
-class FluxAdapter:
+class FluxAdapter(AdapterBase):
     """Model adapter over a ``FluxPipeline`` (FLUX.1-dev or FLUX.1-schnell).
 
     Args:
@@ -119,10 +119,6 @@ class FluxAdapter:
             resolution=(res, res) if isinstance(res, int) else res,
             model_id=model_id or Path(path).name,
         )
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
 
     @property
     def has_guidance_embeds(self) -> bool:
@@ -195,8 +191,9 @@ class FluxAdapter:
         """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
         return functools.partial(decode_scaled, self.vae)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
+        self._image_only(frames)
         return packed_latent_shape("FLUX", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:

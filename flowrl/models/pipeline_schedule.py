@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..samplers.schedules import dynamic_shift_mu, shift_sigmas
+from .adapter import ModelAdapter
 
 
 def scheduler_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
@@ -64,11 +65,19 @@ def pipeline_sigmas(config: Mapping[str, Any], num_steps: int, image_seq_len: in
     return torch.cat([sigmas, sigmas.new_zeros(1)])
 
 
-def run_sigmas(model: Any, kind: str, num_steps: int, *, shift: float, resolution: tuple[int, int], latent: tuple[int, ...]) -> Tensor:
+def run_sigmas(
+    model: ModelAdapter,
+    kind: str,
+    num_steps: int,
+    *,
+    shift: float,
+    resolution: tuple[int, int],
+    latent: tuple[int, ...],
+) -> Tensor:
     """A run's sigma grid: a named schedule, or ``"model"`` = the adapter's own pipeline grid.
 
     Args:
-        model: the adapter (wrappers forward ``sigmas``).
+        model: the adapter (or the policy stack, which delegates ``sigmas``).
         kind: ``sampler.schedule``: "linear", "shift", "dynamic_shift" or "model".
         num_steps: T.
         shift: ``sampler.shift`` (for "shift").
@@ -79,16 +88,16 @@ def run_sigmas(model: Any, kind: str, num_steps: int, *, shift: float, resolutio
         (T + 1,) float64 sigmas.
 
     Raises:
-        ValueError: "model" for an adapter without a ``sigmas(num_steps, height, width)`` method.
+        ValueError: "model" for an adapter without a grid of its own (its ``sigmas`` returns None).
     """
     from ..samplers.schedules import make_sigmas
 
     if kind == "model":
-        own = getattr(model, "sigmas", None)
-        if not callable(own):
+        own = model.sigmas(num_steps, *resolution)
+        if own is None:
             raise ValueError(
-                f"sampler.schedule='model' needs an adapter with its pipeline's sigma grid; {type(model).__name__} has none; "
+                f"sampler.schedule='model' needs an adapter with its pipeline's sigma grid; {model.model_id} has none; "
                 "use 'linear', 'shift' or 'dynamic_shift'"
             )
-        return own(num_steps, *resolution)
+        return own
     return make_sigmas(kind, num_steps, shift=shift, image_seq_len=math.prod(latent[1:]) // 4)

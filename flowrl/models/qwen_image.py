@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..samplers.broadcast import compute_dtype
-from .adapter import Cond, freeze_modules
+from .adapter import AdapterBase, Cond, freeze_modules
 from .packing import packed_latent_shape, pack_latents, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import read_model_card
@@ -74,7 +74,7 @@ def decode_qwen_image(vae: Any, latents: Tensor) -> Tensor:
     images = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
-class QwenImageAdapter:
+class QwenImageAdapter(AdapterBase):
     """Model adapter over a ``QwenImagePipeline``.
 
     Args:
@@ -129,10 +129,6 @@ class QwenImageAdapter:
             model_id=model_id or Path(path).name,
         )
 
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
     @torch.no_grad()
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
         """Encode prompts (batched) with the Qwen2.5-VL encoder, padded to ``max_sequence_length``.
@@ -179,8 +175,9 @@ class QwenImageAdapter:
         """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
         return functools.partial(decode_qwen_image, self.vae)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing)."""
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
+        self._image_only(frames)
         return packed_latent_shape("Qwen-Image", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:

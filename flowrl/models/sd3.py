@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond, freeze_modules
+from .adapter import AdapterBase, Cond, freeze_modules
 
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 MODEL_CARD = "flowrl.json"
@@ -60,20 +60,29 @@ def decode_scaled(vae: Any, latents: Tensor) -> Tensor:
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
-class SD3Adapter:
+class SD3Adapter(AdapterBase):
     """Model adapter over a ``StableDiffusion3Pipeline``.
 
     Args:
         pipe: a loaded ``StableDiffusion3Pipeline``.
         max_sequence_length: T5 token length (zeros of this length when there is no T5).
         resolution: default (height, width).
+        model_id: name used in the prompt cache's fingerprint and messages.
     """
 
     lora_target_modules = SD3_LORA_TARGETS
     guidance = "cfg"  # true CFG (flowrl.policy.guidance.GuidedAdapter) when sampler.guidance_scale != 1
 
-    def __init__(self, pipe: Any, *, max_sequence_length: int = 256, resolution: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        max_sequence_length: int = 256,
+        resolution: tuple[int, int] | None = None,
+        model_id: str = "sd3",
+    ):
         self.pipe = pipe
+        self.model_id = model_id
         self.transformer = pipe.transformer
         self.vae = pipe.vae
         self.max_sequence_length = max_sequence_length
@@ -83,7 +92,9 @@ class SD3Adapter:
         freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "SD3Adapter":
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", model_id: str | None = None
+    ) -> "SD3Adapter":
         """Load a local diffusers folder (or hub id) holding a ``StableDiffusion3Pipeline``."""
         from diffusers import StableDiffusion3Pipeline
 
@@ -96,11 +107,8 @@ class SD3Adapter:
             pipe,
             max_sequence_length=int(card.get("max_sequence_length", 256)),
             resolution=(res, res) if isinstance(res, int) else res,
+            model_id=model_id or Path(path).name,
         )
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
 
     @torch.no_grad()
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
@@ -140,8 +148,9 @@ class SD3Adapter:
         """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
         return functools.partial(decode_scaled, self.vae)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """(C, H / f, W / f) where f is the VAE's downsampling factor."""
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """(C, H / f, W / f) where f is the VAE's downsampling factor (``frames`` must be None: an image model)."""
+        self._image_only(frames)
         factor = self.pipe.vae_scale_factor * self.transformer.config.patch_size
         if height % factor or width % factor:
             raise ValueError(f"SD3 resolution must be a multiple of {factor}; got {height}x{width}")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .adapter import Cond, freeze_modules, select_cond
+from .adapter import AdapterBase, Cond, freeze_modules, select_cond
 from .sd3 import read_model_card
 from .wan_experts import WanExperts, split_expert_state
 
@@ -55,7 +55,7 @@ def decode_wan(vae: Any, latents: Tensor) -> Tensor:
     video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
     return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
 
-class WanAdapter:
+class WanAdapter(AdapterBase):
     """Model adapter over a ``WanPipeline`` (text-to-video).
 
     Args:
@@ -148,10 +148,6 @@ class WanAdapter:
             shift=card.get("shift"),
             model_id=model_id or str(path),
         )
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
 
     @torch.no_grad()
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
@@ -257,9 +253,14 @@ class WanAdapter:
     def load_lora(self, directory: str | Path) -> None:
         """Load LoRA files written by :meth:`save_lora` into the pipeline's experts (diffusers' loader).
 
+        A single ``.safetensors`` file goes to ``pipe.load_lora_weights`` as is (the high expert).
+
         Raises:
             FileNotFoundError: no LoRA file for this model's experts in ``directory``.
         """
+        if Path(directory).is_file():
+            super().load_lora(directory)
+            return
         found = [e for e, name in LORA_FILES.items() if (Path(directory) / name).is_file()]
         if not found:
             raise FileNotFoundError(f"no Wan LoRA ({' or '.join(LORA_FILES.values())}) in {directory}; pass the run's lora/ folder")

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..policy.lora import add_frozen_copy, soft_update
 from ..models.adapter import ModelAdapter
-from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
+from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -62,7 +62,7 @@ def stratified_steps(num_steps: int, count: int, fraction: float, generator: tor
 
 
 @dataclass
-class AWM:
+class AWM(Objective):
     """Advantage-weighted matching (reference defaults in parentheses).
 
     Args:

@@ -68,20 +68,25 @@ class Microbatch(NamedTuple):
     noise: Tensor | None = None
 
 
+ROLLOUT_KINDS = ("sde", "solver", "tree")
+"""What an objective trains on: stored SDE transitions with log-probs ("sde"), clean samples of a
+black-box solver ("solver") or the edges of branching tree rollouts ("tree"); the loop dispatches
+on it through :data:`flowrl.rollouts.collect.ROLLOUTS`."""
+
+
 class Objective(Protocol):
-    """An RL objective plugged into the training loop.
+    """An RL objective plugged into the training loop: everything the loop relies on.
+
+    An objective class subclasses this Protocol explicitly and so inherits the no-op defaults of
+    the hooks it does not need; the loop calls every hook unconditionally.
 
     Attributes:
         name: registry name.
-        rollout: "sde" (stored transitions with log-probs, e.g. Flow-GRPO) or "solver"
-            (clean samples from a black-box ODE/SDE solver, e.g. DiffusionNFT, AWM).
+        rollout: one of :data:`ROLLOUT_KINDS`: "sde" (e.g. Flow-GRPO), "solver" (e.g.
+            DiffusionNFT, AWM; ``sampler.solver: tree`` gives them tree leaves) or "tree"
+            (BranchGRPO: every tree edge is a training transition).
         sampling_adapter: the LoRA adapter that samples rollouts ("default" or e.g. "old").
         eval_adapter: the adapter used for evaluation and the saved LoRA ("default" or "ema").
-
-    Optional hooks, called only when an objective defines them (e.g. SAGE-GRPO):
-    ``after_update(model) -> dict[str, float]`` after every optimizer step, and
-    ``state_dict() -> dict`` / ``load_state_dict(state)`` for JSON-scalar state that
-    ``Trainer.state_dict`` checkpoints (extra LoRA adapters are saved without a hook).
     """
 
     name: str
@@ -90,16 +95,41 @@ class Objective(Protocol):
     eval_adapter: str
 
     def setup(self, model: ModelAdapter) -> None:
-        """Create extra adapters once the trainable LoRA exists."""
-
-    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
-        """Soft-update auxiliary adapters after an iteration's optimizer steps."""
+        """Create extra adapters once the trainable LoRA exists (default: none)."""
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Micro-batches grouped per optimizer step, in the order they run."""
+        raise NotImplementedError
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Scalar loss of one micro-batch and detached stats for logging."""
+        raise NotImplementedError
+
+    def after_update(self, model: ModelAdapter) -> dict[str, float]:
+        """Called after every optimizer step; returns stats to log (default: nothing to do)."""
+        return {}
+
+    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
+        """Called after an iteration's optimizer steps, e.g. to soft-update auxiliary adapters
+        (default: nothing to do)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-scalar state that must survive a resume (default: stateless). Extra LoRA adapters
+        are checkpointed by the trainer, not here."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: a stateless objective is given state (a checkpoint of another objective).
+        """
+        if state:
+            raise ValueError(
+                f"objective {self.name!r} keeps no state but the checkpoint holds {sorted(state)}; "
+                "resume with the objective that wrote it"
+            )
 
 
 def chunk_indices(batch_size: int, chunk_size: int) -> list[Tensor]:

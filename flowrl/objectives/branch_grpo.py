@@ -20,8 +20,6 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -29,37 +27,13 @@ from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
-from .base import RolloutBatch, chunk_indices, split_even
+from .base import Objective, RolloutBatch
 from .flow_grpo import clipped_policy_loss, gaussian_mean_kl, kl_scale
-
-
-class EdgeMicrobatch(NamedTuple):
-    """Parents (b,) of one frontier chunk at one step, and the loss weight ``n_mb / E``.
-
-    ``noise`` is unused (kept for the trainer's micro-batch shape).
-    """
-
-    index: Tensor
-    step: int
-    noise: Tensor | None = None
-    weight: float = 1.0
-
-
-def chunk_children(parents: Tensor, factor: int, train: Tensor) -> tuple[Tensor, Tensor]:
-    """Trained children of ``parents`` at a step with ``factor`` children per node.
-
-    Returns:
-        (children (c,) index into the step's edges, local (c,) row of each child's parent in
-        ``parents``).
-    """
-    children = (parents[:, None] * factor + torch.arange(factor)).reshape(-1)
-    local = torch.arange(len(parents)).repeat_interleave(factor)
-    keep = train[children]
-    return children[keep], local[keep]
+from .planning import EdgeMicrobatch, chunk_children, plan_tree_edges
 
 
 @dataclass
-class BranchGRPO:
+class BranchGRPO(Objective):
     """BranchGRPO objective (reference script values in parentheses).
 
     Args:
@@ -76,36 +50,9 @@ class BranchGRPO:
     sampling_adapter = "default"
     eval_adapter = "default"
 
-    def setup(self, model: ModelAdapter) -> None:
-        """No extra adapter (the KL reference is the LoRA switched off)."""
-
-    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
-        """Nothing to update between iterations."""
-        return {}
-
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[EdgeMicrobatch]]:
-        """Every (step, frontier chunk) with a trained edge once, in random order.
-
-        Raises:
-            ValueError: the batch holds no tree (run with an objective whose rollout is "tree").
-        """
-        tb = batch.tree
-        if tb is None:
-            raise ValueError("branch_grpo needs tree rollouts (batch.tree is None); run it through the Trainer")
-        tr, mbs, edges = tb.rollout, [], []
-        for t in range(len(tb.train)):
-            f, parents_n = int(tr.factors[t]), tr.nodes[t].shape[0]
-            has_child = tb.train[t].reshape(parents_n, f).any(dim=1)
-            for chunk in chunk_indices(parents_n, tb.chunk_size):
-                parents = chunk[has_child[chunk]]
-                if len(parents):
-                    mbs.append(EdgeMicrobatch(parents, t))
-                    edges.append(len(chunk_children(parents, f, tb.train[t])[0]))
-        if not mbs:
-            return []
-        order = torch.randperm(len(mbs), generator=generator).tolist()
-        groups = split_even(order, self.updates_per_iteration)
-        return [[mbs[i]._replace(weight=len(g) / sum(edges[j] for j in g)) for i in g] for g in groups]
+        """Every (step, frontier chunk) with a trained edge once, in random order."""
+        return plan_tree_edges(batch, generator, self.updates_per_iteration)
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: EdgeMicrobatch) -> tuple[Tensor, dict[str, float]]:
         """Summed clipped loss of the trained edges below one chunk of parents, times the weight."""

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..policy.lora import add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import ModelAdapter
 from ..samplers.broadcast import batch_view
-from .base import Microbatch, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
+from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
 def optimality_probability(advantages: Tensor, clip: float) -> Tensor:
@@ -72,7 +72,7 @@ def nft_policy_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sig
 
 
 @dataclass
-class DiffusionNFT:
+class DiffusionNFT(Objective):
     """DiffusionNFT objective (reference defaults in parentheses).
 
     Args:

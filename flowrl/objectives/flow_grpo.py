@@ -20,9 +20,11 @@ from torch import Tensor
 
 from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
-from ..samplers.flow_sde import SDEStep, flow_sde_diffusion
+from ..samplers.flow_sde import flow_sde_diffusion
 from ..samplers.sde_steps import get_sde_step
-from .base import Microbatch, RolloutBatch, chunk_indices, split_even
+from ..samplers.types import SDEStep
+from .base import Microbatch, Objective, RolloutBatch
+from .planning import plan_transitions
 
 
 def clipped_policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float) -> tuple[Tensor, Tensor]:
@@ -58,7 +60,7 @@ def kl_scale(sde: str, step: SDEStep, sigma: Tensor, sigma_next: Tensor, level: 
 
 
 @dataclass
-class FlowGRPO:
+class FlowGRPO(Objective):
     """Flow-GRPO objective.
 
     Args:
@@ -75,24 +77,9 @@ class FlowGRPO:
     sampling_adapter = "default"
     eval_adapter = "default"
 
-    def setup(self, model: ModelAdapter) -> None:
-        """Flow-GRPO needs no extra adapter (the KL reference is the adapter switched off)."""
-
-    def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
-        """Nothing to update between iterations."""
-        return {}
-
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""
-        levels = batch.trajectory.noise_levels
-        steps = [j for j in range(len(levels)) if levels[j] > 0]
-        chunks = [c for c in chunk_indices(len(batch.prompts), batch.chunk_size) if batch.keep[c].any()]
-        order = torch.randperm(len(chunks), generator=generator).tolist()
-        mbs = []
-        for c in order:
-            for k in torch.randperm(len(steps), generator=generator).tolist():
-                mbs.append(Microbatch(chunks[c], steps[k]))
-        return split_even(mbs, self.updates_per_iteration) if mbs else []
+        return plan_transitions(batch, generator, self.updates_per_iteration)
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Clipped ratio loss (+ beta KL) on one chunk at one step."""

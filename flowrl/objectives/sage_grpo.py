@@ -48,12 +48,12 @@ from torch import Tensor
 
 from ..policy.lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
-from ..samplers.flow_sde import SDEStep
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
-from .base import Microbatch, RolloutBatch
-from .branch_grpo import BranchGRPO, chunk_children
-from .flow_grpo import FlowGRPO, clipped_policy_loss, gaussian_mean_kl
+from ..samplers.types import SDEStep
+from .base import Microbatch, Objective, RolloutBatch
+from .flow_grpo import clipped_policy_loss, gaussian_mean_kl
+from .planning import chunk_children, plan_transitions, plan_tree_edges
 
 ANCHOR = "anchor"
 ROLLOUT = "rollout"
@@ -186,7 +186,7 @@ def tree_edges(batch: RolloutBatch, mb: Any) -> Edges:
 
 
 @dataclass
-class SageGRPO:
+class SageGRPO(Objective):
     """SAGE-GRPO objective (reference defaults in parentheses).
 
     Args:
@@ -265,8 +265,8 @@ class SageGRPO:
         """Every (chunk, stochastic step) pair once as Flow-GRPO plans it; on trees, every
         (step, frontier chunk) with a trained edge once, as BranchGRPO plans it."""
         if batch.tree is not None:
-            return BranchGRPO(updates_per_iteration=self.updates_per_iteration).plan(batch, generator)
-        return FlowGRPO(updates_per_iteration=self.updates_per_iteration).plan(batch, generator)
+            return plan_tree_edges(batch, generator, self.updates_per_iteration)
+        return plan_transitions(batch, generator, self.updates_per_iteration)
 
     def step_scale(self, sde: str, sigmas: Tensor, levels: Tensor, noise_scales: Tensor | None, step: int) -> float:
         """The equaliser's ``c_j`` (1 when off); a tree's split steps have their std scaled, so g / scale."""

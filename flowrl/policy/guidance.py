@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import GUIDANCE_KINDS, Cond, ModelAdapter, repeat_cond
-from ..samplers.cfg import cfg as combine_cfg
+from .wrapper import AdapterWrapper
 
 UNCOND = "uncond."
 
@@ -75,7 +75,7 @@ def encode_with_negative(encode: Callable[[list[str]], Cond], prompts: Sequence[
     return with_uncond(cond, repeat_cond(encode([negative]), len(prompts)))
 
 
-class GuidedAdapter:
+class GuidedAdapter(AdapterWrapper):
     """A model adapter with true CFG folded into ``velocity`` (and ``encode_prompt``).
 
     Args:
@@ -85,17 +85,18 @@ class GuidedAdapter:
 
     Attributes:
         evaluations_per_sample: 2 (each sample runs the conditional and unconditional branch);
-            :class:`~flowrl.models.adapter.CountingAdapter` counts NFE with it.
+            :class:`~flowrl.policy.counting.CountingAdapter` counts NFE with it.
+
+    Raises:
+        ValueError: the adapter's ``guidance`` is not ``"cfg"``.
     """
 
     evaluations_per_sample = 2
 
     def __init__(self, model: ModelAdapter, scale: float, negative_prompt: str = ""):
-        if getattr(model, "guidance", "none") != "cfg":
-            raise ValueError(
-                f"{type(model).__name__} has guidance={getattr(model, 'guidance', None)!r}; true CFG needs guidance='cfg'"
-            )
-        self._model = model
+        if model.guidance != "cfg":
+            raise ValueError(f"{type(model).__name__} has guidance={model.guidance!r}; true CFG needs guidance='cfg'")
+        super().__init__(model)
         self.scale = float(scale)
         self.negative_prompt = negative_prompt
 
@@ -106,8 +107,8 @@ class GuidedAdapter:
         A :class:`~flowrl.prompts.cache.PromptCache` over a guided adapter stores each prompt with
         its ``"uncond."`` tensors, so a cache folder is never reused for another negative prompt.
         """
-        base = getattr(self._model, "model_id", type(self._model).__name__)
-        return f"{base}|negative:{hashlib.sha256(self.negative_prompt.encode('utf-8')).hexdigest()[:16]}"
+        digest = hashlib.sha256(self.negative_prompt.encode("utf-8")).hexdigest()[:16]
+        return f"{self._model.model_id}|negative:{digest}"
 
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
         """Prompt conditioning plus the negative prompt's under ``"uncond."`` keys (B each).
@@ -135,11 +136,7 @@ class GuidedAdapter:
         both = {k: torch.cat([neg[k], pos[k]]) for k in pos}
         v = self._model.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         v_u, v_c = v.to(torch.promote_types(v.dtype, torch.float32)).chunk(2)  # half -> fp32; fp64 stays
-        combine = getattr(self._model, "combine_cfg", combine_cfg)  # a model's own rule (Qwen-Image: norm rescale)
-        return combine(v_u, v_c, self.scale)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
+        return self._model.combine_cfg(v_u, v_c, self.scale)  # the model's own rule (Qwen-Image: norm rescale)
 
 
 def apply_guidance(model: ModelAdapter, scale: float, negative_prompt: str = "") -> ModelAdapter:
@@ -152,7 +149,7 @@ def apply_guidance(model: ModelAdapter, scale: float, negative_prompt: str = "")
     Raises:
         ValueError: ``scale != 1`` for an adapter without true CFG, or an unknown guidance kind.
     """
-    kind = getattr(model, "guidance", "none")
+    kind = model.guidance
     if kind not in GUIDANCE_KINDS:
         raise ValueError(f"{type(model).__name__}.guidance must be one of {GUIDANCE_KINDS}; got {kind!r}")
     if scale == 1.0:

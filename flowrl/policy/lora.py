@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILES = (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors")  # Wan2.2 writes one file per expert
+
+
+def find_lora(source: str | Path) -> Path:
+    """The saved LoRA for a run folder, its ``lora/`` folder or a ``.safetensors`` file.
+
+    Args:
+        source: a run folder (its ``lora/`` is used), a folder holding ``pytorch_lora_weights*.safetensors``
+            (as ``ModelAdapter.save_lora`` writes it), or one such file.
+
+    Returns:
+        The folder holding the LoRA file(s), or the file itself; what ``ModelAdapter.load_lora`` takes.
+
+    Raises:
+        FileNotFoundError: nothing LoRA-like at ``source`` (one line).
+    """
+    path = Path(source)
+    for candidate in (path / "lora", path):
+        if any((candidate / name).is_file() for name in LORA_FILES):
+            return candidate
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    raise FileNotFoundError(f"no LoRA at {source}; pass a run folder, its lora/ folder or a {LORA_FILE} file")
 
 
 def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequence[str]) -> list[nn.Parameter]:

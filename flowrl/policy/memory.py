@@ -14,24 +14,18 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ..models.adapter import Cond, ModelAdapter
+from ..models.adapter import Cond, ModelAdapter, text_encoders
+from .wrapper import AdapterWrapper
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 OFFLOAD_DEVICE = torch.device("cpu")
-
-
-def text_encoders(pipe: Any) -> dict[str, nn.Module]:
-    """The pipeline's text encoders by component name (``text_encoder``, ``text_encoder_2``, ...)."""
-    components = getattr(pipe, "components", {}) or {}
-    return {k: v for k, v in components.items() if k.startswith("text_encoder") and isinstance(v, nn.Module)}
 
 
 def enable_gradient_checkpointing(transformer: nn.Module) -> None:
@@ -127,8 +121,8 @@ def placed(modules: Sequence[nn.Module], device: torch.device, offload: bool) ->
             torch.cuda.empty_cache()
 
 
-class MemoryAdapter:
-    """Wraps a model adapter with autocast and phase-wise offload; everything else is forwarded.
+class MemoryAdapter(AdapterWrapper):
+    """Wraps a model adapter with autocast and phase-wise offload; every other member is delegated.
 
     Args:
         model: the adapter (exposes ``.pipe`` and ``.transformer``).
@@ -140,17 +134,16 @@ class MemoryAdapter:
     def __init__(self, model: ModelAdapter, *, autocast: str = "none", offload_encoders: bool = False, offload_vae: bool = False):
         if autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"memory.autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}; got {autocast!r}")
-        self._model = model
+        super().__init__(model)
         self.autocast_dtype = AUTOCAST_DTYPES[autocast]
         self.offload_encoders = offload_encoders
         self.offload_vae = offload_vae
         self.encoders_freed = False
-        pipe = getattr(model, "pipe", None)
         if offload_encoders:
-            for encoder in text_encoders(pipe).values():
+            for encoder in text_encoders(model.pipe).values():
                 encoder.to(OFFLOAD_DEVICE)
-        if offload_vae and getattr(pipe, "vae", None) is not None:
-            pipe.vae.to(OFFLOAD_DEVICE)
+        if offload_vae and model.pipe.vae is not None:
+            model.pipe.vae.to(OFFLOAD_DEVICE)
 
     @property
     def compute_device(self) -> torch.device:
@@ -177,13 +170,13 @@ class MemoryAdapter:
                 f"prompt {shown[0]!r} is not in the prompt cache and the text encoders were freed "
                 "(memory.free_encoders_when_cached); list it in prompts.train/prompts.eval or set memory.free_encoders_when_cached=false"
             )
-        encoders = list(text_encoders(getattr(self._model, "pipe", None)).values())
+        encoders = list(text_encoders(self._model.pipe).values())
         with placed(encoders, self.compute_device, self.offload_encoders):
             return self._model.encode_prompt(prompts)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Decode with the VAE brought to the compute device for the call."""
-        vae = getattr(getattr(self._model, "pipe", None), "vae", None)
+        vae = self._model.pipe.vae
         with placed([vae] if vae is not None else [], self.compute_device, self.offload_vae):
             return self._model.decode(latents)
 
@@ -200,24 +193,15 @@ class MemoryAdapter:
         return self._model.decoder()
 
     def free_text_encoders(self) -> int:
-        """Drop the text encoders from the pipeline (after the prompt cache is warm).
+        """Drop the text encoders from the pipeline (after the prompt cache is warm); a later
+        :meth:`encode_prompt` then fails with a one-line message instead of deep in diffusers.
 
         Returns:
             The number of encoder parameters released.
         """
-        pipe = self._model.pipe
-        released = 0
-        for name, encoder in text_encoders(pipe).items():
-            released += sum(p.numel() for p in encoder.parameters())
-            setattr(pipe, name, None)
+        released = self._model.free_text_encoders()
         self.encoders_freed = True
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         return released
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
 
 
 def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
@@ -239,5 +223,5 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
     set_attention_backend(transformer, memory.attention_backend, torch.device(transformer.device))
     if memory.gradient_checkpointing:
         enable_gradient_checkpointing(transformer)
-    configure_vae(getattr(getattr(model, "pipe", None), "vae", None), tiling=memory.vae_tiling, slicing=memory.vae_slicing)
+    configure_vae(model.pipe.vae, tiling=memory.vae_tiling, slicing=memory.vae_slicing)
     return MemoryAdapter(model, autocast=memory.autocast, offload_encoders=memory.offload_encoders, offload_vae=memory.offload_vae)

@@ -28,9 +28,9 @@ def _tokenizer_identity(tokenizer: object) -> str:
 def model_fingerprint(model: ModelAdapter) -> str:
     """Short hash of what the embeddings depend on: the model id, each text encoder's config and
     weights (a checksum), and each tokenizer's vocabulary."""
-    pipe = getattr(model, "pipe", None)
-    parts = {"model": getattr(model, "model_id", type(model).__name__), "max_len": getattr(model, "max_sequence_length", None)}
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+    pipe = model.pipe
+    parts = {"model": model.model_id, "max_len": model.max_sequence_length}
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # optional pipeline components
         encoder = getattr(pipe, name, None)
         if encoder is not None:
             parts[name] = encoder.config.to_json_string(use_diff=False)
@@ -99,7 +99,7 @@ class PromptCache:
         self.misses += len(todo)
         self.hits += len(prompts) - len(todo)
         names = self.memory[keys[0]].keys()
-        device = getattr(self.model, "device", "cpu")
+        device = self.model.device
         return {n: torch.cat([self.memory[k][n] for k in keys]).to(device) for n in names}
 
     def __contains__(self, prompt: str) -> bool:

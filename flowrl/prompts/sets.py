@@ -1,4 +1,4 @@
-"""Prompt sets: built-in sets for the embedded model, prompt files and dataset folders.
+"""Prompt sets: the embedded model's built-in sets, prompt files and dataset folders.
 
 A prompt carries metadata (e.g. ``{"digit": 7, "style": "bold"}``, GenEval's ``include`` list
 or OCR's ``ocr_text``) that is passed through to rewards as keyword lists. File formats and the
@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Callable
 
+from ..models.digits.prompts import DIGITS_SETS
 from .files import Prompt, read_prompt_file, split_file
 
 __all__ = ["BUILTIN_SETS", "holdout_split", "load_prompts"]
 
-
-def _digits_set(styles: tuple[str | None, ...]) -> list[Prompt]:
-    out = []
-    for style in styles:
-        for digit in range(10):
-            word = f"{style} " if style else ""
-            out.append(Prompt(f"a {word}handwritten {digit}", {"digit": digit, "style": style}))
-    return out
-
-
-BUILTIN_SETS = {
-    "digits-styles": lambda: _digits_set(("bold", "thin")),
-    "digits": lambda: _digits_set((None,)),
-    "digits-all": lambda: _digits_set((None, "bold", "thin")),
-}
+# name -> builder; the embedded model's sets live with the model (flowrl/models/digits/prompts.py)
+BUILTIN_SETS: dict[str, Callable[[], list[Prompt]]] = {**DIGITS_SETS}
 
 
 def load_prompts(spec: str, split: str = "train") -> list[Prompt]:

@@ -160,7 +160,7 @@ def sample_images(
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"need one seed per prompt; got {len(prompts)} prompts and {len(seeds)} seeds")
-    x_init = seeded_noise(model_latent_shape(model, resolution, frames), list(seeds)).to(getattr(model, "device", "cpu"))
+    x_init = seeded_noise(model_latent_shape(model, resolution, frames), list(seeds)).to(model.device)
     cond = (encode or model.encode_prompt)(list(prompts))
     levels = torch.zeros(sigmas.shape[0] - 1, dtype=torch.float64)
     traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size)

@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_sd3_pipeline
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
@@ -44,7 +45,7 @@ def trainer(async_, *extra, reward=None, events=None):
     reward = reward or MultiReward({"ink": (SlowInk(events), 1.0), "ink_bold": (ink("bold"), 0.5)})
     prompts = load_prompts("digits-styles")
     model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
-    return Trainer(cfg, model, reward, prompts, prompts[:2])
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), reward, prompts, prompts[:2])
 
 
 def assert_same_iteration(sync, other):

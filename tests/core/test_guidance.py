@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from flowrl.policy.guidance import GuidedAdapter, apply_guidance, encode_with_negative, split_cond, with_uncond
+from flowrl.policy import build_policy
 from flowrl.policy.lora import add_lora
-from flowrl.models.adapter import CountingAdapter, select_cond
+from flowrl.models.adapter import select_cond
+from flowrl.policy.counting import CountingAdapter
 from flowrl.objectives import FlowGRPO, RolloutBatch
 from flowrl.prompts.cache import PromptCache, model_fingerprint
 from flowrl.rollouts.chunked import chunked_rollout
@@ -171,14 +173,14 @@ def test_trainer_default_is_unguided_and_cfg_trains_with_ratio_one(tiny_sd3):
     prompts = load_prompts("digits-styles")
     cfg = load_config(None, fast)
     assert cfg.sampler.guidance_scale == 1.0 and cfg.prompts.negative == ""
-    plain = Trainer(cfg, tiny_sd3, build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    plain = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
     assert not isinstance(plain.model._model, GuidedAdapter)
 
     from conftest import tiny_sd3_pipeline
     from flowrl.models.sd3 import SD3Adapter
 
     cfg = load_config(None, fast + ["sampler.guidance_scale=4.5", "prompts.negative=blurry"])
-    trainer = Trainer(cfg, SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)), build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)), trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
     # rollout 4 x 3 steps + policy and KL-reference passes on 2 SDE steps x 4 samples, each 2 evaluations

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.policy.lora import add_lora
 from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, set_attention_backend, text_encoders
 from flowrl.models.sd3 import SD3_LORA_TARGETS
@@ -72,7 +73,7 @@ def test_autocast_runs_the_denoiser_in_half_but_sde_math_in_fp32(tiny_sd3, autoc
 def test_bf16_autocast_training_keeps_ratio_one_and_fp32_log_probs(tiny_sd3):
     cfg = load_config(None, FAST + ["memory.autocast=bf16", "objective.kl_beta=0.01"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, tiny_sd3, build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
     batch, _ = trainer.collect()
     assert batch.trajectory.log_probs.dtype == torch.float32 and batch.trajectory.latents.dtype == torch.float32
     stats = trainer.update(batch)
@@ -128,7 +129,7 @@ def test_attention_backend(tiny_sd3):
 def test_free_encoders_when_cached(tiny_sd3, tmp_path):
     cfg = load_config(None, FAST + ["memory.free_encoders_when_cached=true", f"prompts.cache_dir={tmp_path}"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, tiny_sd3, build_multi_reward(cfg.rewards), prompts[:6], prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts[:6], prompts[:2])
     assert tiny_sd3.pipe.text_encoder is None and tiny_sd3.pipe.text_encoder_2 is None
     assert trainer.prompt_cache.misses == 6 and len(list(tmp_path.rglob("*.safetensors"))) == 6
     metrics = trainer.train_step()
@@ -147,7 +148,7 @@ def test_memory_adapter_is_applied_once(tiny_sd3):
 def test_free_encoders_under_true_cfg_keeps_the_negative_in_each_entry(tiny_sd3):
     cfg = load_config(None, FAST + ["memory.free_encoders_when_cached=true", "sampler.guidance_scale=3.0", "memory.autocast=bf16"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, tiny_sd3, build_multi_reward(cfg.rewards), prompts[:4], prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts[:4], prompts[:2])
     assert tiny_sd3.pipe.text_encoder is None and trainer.prompt_cache.misses == 4
     cond = trainer.prompt_cache.encode([prompts[0].text])
     assert any(k.startswith("uncond.") for k in cond)
@@ -166,7 +167,7 @@ def test_every_memory_control_on_wan_video_with_true_cfg(tmp_path):
         "memory.offload_encoders=true", "memory.offload_vae=true", "memory.free_encoders_when_cached=true",
     ])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:3], prompts[:1])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:3], prompts[:1])
     assert model.transformer.gradient_checkpointing and model.vae.use_tiling and model.pipe.text_encoder is None
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))

@@ -3,8 +3,10 @@
 import torch
 import pytest
 
+from flowrl.models.digits.prompts import DIGITS_SETS
 from flowrl.prompts.batch import collate, sample_groups
-from flowrl.prompts.sets import load_prompts
+from flowrl.prompts.files import Prompt
+from flowrl.prompts.sets import BUILTIN_SETS, load_prompts
 
 
 def test_builtin_sets():
@@ -12,6 +14,24 @@ def test_builtin_sets():
     assert len(styles) == 20
     assert styles[0].text == "a bold handwritten 0" and styles[0].metadata == {"digit": 0, "style": "bold"}
     assert load_prompts("digits")[3].text == "a handwritten 3"
+
+
+@pytest.mark.parametrize(
+    "name, styles", [("digits-styles", ("bold", "thin")), ("digits", (None,)), ("digits-all", (None, "bold", "thin"))]
+)
+def test_builtin_digit_sets_are_exact(name, styles):
+    # the texts the embedded model was pretrained on, as they were hard-coded here: style-major, digits 0..9
+    texts = [f"a {s + ' ' if s else ''}handwritten {d}" for s in styles for d in range(10)]
+    expected = [(text, {"digit": i % 10, "style": styles[i // 10]}) for i, text in enumerate(texts)]
+    prompts = load_prompts(name)
+    assert [(p.text, p.metadata) for p in prompts] == expected
+    assert all(isinstance(p, Prompt) for p in prompts)
+    assert load_prompts(name)[0].metadata is not prompts[0].metadata  # a fresh list each call: callers may edit it
+
+
+def test_builtin_sets_come_from_the_digits_package():
+    assert list(BUILTIN_SETS) == ["digits-styles", "digits", "digits-all"]
+    assert all(BUILTIN_SETS[name] is DIGITS_SETS[name] for name in DIGITS_SETS)
 
 
 def test_files(tmp_path):

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_sd3_pipeline
 from test_async_scoring import FAST, assert_same_iteration, assert_same_weights  # 12 samples in chunks of 5, 5, 2
 from flowrl.config import ConfigError, load_config
+from flowrl.policy import build_policy
 from flowrl.policy.memory import MemoryAdapter
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts.sets import load_prompts
@@ -56,7 +57,7 @@ def trainer(mode, reward, *extra):
     cfg = load_config(None, FAST + [f"train.rewards_async={mode}", *extra])
     prompts = load_prompts("digits-styles")
     model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
-    return Trainer(cfg, model, reward, prompts, prompts[:2])
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), reward, prompts, prompts[:2])
 
 
 def inks(log_path, delay=0.0):

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import RewardError, build_multi_reward
+from flowrl.rollouts.collect import iteration_levels
 from flowrl.trainer import Trainer
 
 FAST = [
@@ -17,7 +19,7 @@ FAST = [
 def _trainer(model, *extra):
     cfg = load_config(None, FAST + list(extra))
     prompts = load_prompts("digits-styles")
-    return Trainer(cfg, model, build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
 
 
 def test_one_iteration_updates_only_the_lora(tiny_sd3):
@@ -64,7 +66,7 @@ def test_nan_reward_is_named(tiny_sd3):
 
     cfg = load_config(None, FAST)
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, tiny_sd3, MultiReward({"broken_reward": (broken, 1.0)}), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), MultiReward({"broken_reward": (broken, 1.0)}), prompts, prompts[:2])
     with pytest.raises(RewardError, match="broken_reward"):
         trainer.train_step()
 
@@ -73,14 +75,14 @@ def test_nan_reward_is_named(tiny_sd3):
 def test_sde_window_trains_only_window_steps(tiny_sd3, mode):
     trainer = _trainer(tiny_sd3, "sampler.num_steps=4", f"sampler.window={mode}", "sampler.window_size=2",
                        "sampler.window_start=1", "sampler.window_range=[0, 4]", "sampler.window_shift_every=1")
-    levels = trainer.sde_levels()
+    levels = iteration_levels(trainer.rollout_context())
     assert int((levels > 0).sum()) == 2
     if mode == "fixed":
         assert levels.tolist() == [0.0, 0.7, 0.7, 0.0]
     if mode == "progressive":
         assert levels.tolist() == [0.7, 0.7, 0.0, 0.0]
         trainer.iteration = 1  # slides by one step every window_shift_every=1 iterations
-        assert trainer.sde_levels().tolist() == [0.0, 0.7, 0.7, 0.0]
+        assert iteration_levels(trainer.rollout_context()).tolist() == [0.0, 0.7, 0.7, 0.0]
     batch, _ = trainer.collect()
     stored = batch.trajectory.noise_levels
     assert int((stored > 0).sum()) == 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.trainer import Trainer
@@ -23,7 +24,7 @@ def test_every_memory_control_trains_with_an_exact_first_ratio(build, tmp_path):
         "lora.rank=4", "lora.alpha=8", "optim.lr=0.05", f"prompts.cache_dir={tmp_path}", *ALL_ON,
     ])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
     assert model.transformer.is_gradient_checkpointing
     lora_b = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
     metrics = trainer.train_step()

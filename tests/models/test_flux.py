@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models.flux import FluxAdapter, flux_lora_targets
 from flowrl.models.packing import latent_image_ids, pack_latents, unpack_latents
@@ -203,7 +204,7 @@ def test_flow_grpo_update_through_the_trainer(tmp_path):
     cfg = load_config(None, FAST)
     prompts = load_prompts("digits-styles")
     reward = build_multi_reward({"ink": {"weight": 1.0}, "jpeg_compressibility": {"weight": 0.1}})
-    trainer = Trainer(cfg, model, reward, prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), reward, prompts, prompts[:2])
     torch.testing.assert_close(trainer.sigmas, model.sigmas(2, 16, 16), rtol=0, atol=1e-12)
     frozen = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_" not in n}
     lora_b = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
@@ -230,5 +231,5 @@ def test_run_sigmas_model_schedule(tiny_sd3):
     # FLUX.1-dev's scheduler config is the generic dynamic shift; schnell's is the plain linear grid
     torch.testing.assert_close(grid, make_sigmas("dynamic_shift", 4, image_seq_len=64), rtol=0, atol=1e-12)
     torch.testing.assert_close(schnell.sigmas(4, 32, 32), make_sigmas("linear", 4), rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="schedule='model'.*SD3Adapter"):
+    with pytest.raises(ValueError, match="schedule='model'.*sd3 has none"):  # named by its model_id
         run_sigmas(tiny_sd3, "model", 4, shift=1.0, resolution=(8, 8), latent=(4, 4, 4))

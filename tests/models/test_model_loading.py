@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.models import load_adapter
+from flowrl.policy import build_policy
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.hub import resolve_model_path
 from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
@@ -179,7 +180,7 @@ def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
     cfg = load_config(None, ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
                              "sampler.schedule=model", "model.dtype=bfloat16", "lora.rank=4", "lora.alpha=8"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
     assert all(p.dtype == torch.float32 for p in trainer.params)  # LoRA weights train in fp32
     assert trainer.train_step()["train/first_ratio"] == 1.0
 

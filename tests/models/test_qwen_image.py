@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.policy import build_policy
 from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.packing import pack_latents, unpack_latents
@@ -148,7 +149,7 @@ def test_flow_grpo_update_through_the_trainer(guidance_scale):
         f"sampler.guidance_scale={guidance_scale}", "prompts.negative=' '", "sampler.schedule=model",
     ])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, model, build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
     torch.testing.assert_close(trainer.sigmas, model.sigmas(2, 16, 16), rtol=0, atol=0)  # the pipeline's own grid
     lora_b = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
     metrics = trainer.train_step()

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from flowrl.policy.guidance import GuidedAdapter, split_cond
+from flowrl.policy import build_policy
 from flowrl.policy.lora import adapters_disabled, add_lora, lora_state_dict
 from flowrl.models import load_adapter
-from flowrl.models.adapter import CountingAdapter, model_latent_shape
+from flowrl.models.adapter import model_latent_shape
+from flowrl.policy.counting import CountingAdapter
 from flowrl.models.wan import WanAdapter
 from flowrl.objectives import FlowGRPO, RolloutBatch
 from flowrl.prompts.cache import PromptCache
@@ -142,7 +144,7 @@ def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp
         "objective.kl_beta=0.01", "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
     ])
     model = tiny_wan_adapter()
-    trainer = Trainer(cfg, model, MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
     assert metrics["nfe"] == 2 * (4 * 2 + 2 * 4)  # CFG: rollout 4 x 2 steps + policy and KL passes at 1 SDE step
@@ -272,7 +274,7 @@ def _two_expert_trainer(model, *extra):
         "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1", *extra,
     ])
     prompts = [Prompt(t, {}) for t in PROMPTS]
-    return Trainer(cfg, model, MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
 
 
 def test_one_lora_adapter_spans_both_experts(tmp_path):

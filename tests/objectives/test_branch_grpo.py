@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, load_config
+from flowrl.policy import build_policy
 from flowrl.models import load_adapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import Run, build_reward
@@ -20,7 +21,7 @@ SMALL = ["prompts.per_iteration=1", "sampler.chunk_size=8", "train.progress=fals
 def _trainer(*overrides: str) -> Trainer:
     cfg = load_config(REPO / "configs/branch/digits.yaml", SMALL + list(overrides))
     torch.manual_seed(0)
-    return Trainer(cfg, load_adapter(cfg.model.path), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
 
 
 def _perturb_lora(trainer: Trainer) -> None:
@@ -124,13 +125,13 @@ def test_solver_objectives_train_on_tree_leaves(config, tmp_path):
 
 
 def test_every_shipped_tree_config_has_a_consistent_tree():
-    from flowrl.tree.rollouts import TreeCollector
+    from flowrl.tree.rollouts import tree_spec
 
     found = 0
     for path in sorted((REPO / "configs").rglob("*.yaml")):
         cfg = load_config(path)
         if cfg.objective["name"] == "branch_grpo" or cfg.sampler.solver == "tree":
-            TreeCollector(cfg, cfg.objective["name"] == "branch_grpo")  # group size = leaves, valid splits
+            tree_spec(cfg)  # group size = leaves, valid splits
             found += 1
     assert found >= 3
 

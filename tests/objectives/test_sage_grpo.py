@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowrl.checkpoint import load_checkpoint, save_checkpoint
+from flowrl.policy import build_policy
 from flowrl.policy.lora import adapter_parameters, add_lora, use_adapter
 from flowrl.models.adapter import select_cond
 from flowrl.objectives import OBJECTIVES, Microbatch, RolloutBatch, SageGRPO, clipped_policy_loss
@@ -252,7 +253,7 @@ def _trainer(overrides):
     cfg = load_config(REPO / "configs/sage/digits.yaml", SMALL + overrides)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, load_adapter(cfg.model.path), build_reward(cfg), prompts, prompts)
+    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), prompts, prompts)
 
 
 @pytest.mark.slow

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from ...prompts.files import Prompt
-from ...prompts.sets import load_prompts
 from ...rewards.digits import ink_amount
 from .evaluation import digit_accuracy
+from .prompts import DIGITS_SETS
 
 REPORT_SEED_BASE = 3_000_000
 SampleFn = Callable[[Sequence[Prompt], Sequence[int]], Tensor]
@@ -31,7 +31,7 @@ def style_report(sample_fn: SampleFn, seeds_per_prompt: int = 10) -> dict[str, f
         ``accuracy`` (SVC, all samples), ``accuracy_bold``, ``accuracy_thin``, ``ink_bold``,
         ``ink_thin`` and ``ink_gap`` (bold minus thin).
     """
-    prompts = [p for p in load_prompts("digits-styles") for _ in range(seeds_per_prompt)]
+    prompts = [p for p in DIGITS_SETS["digits-styles"]() for _ in range(seeds_per_prompt)]
     seeds = [REPORT_SEED_BASE + i % seeds_per_prompt for i in range(len(prompts))]
     images = sample_fn(prompts, seeds)
     labels = torch.tensor([p.metadata["digit"] for p in prompts])

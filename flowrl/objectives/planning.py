@@ -1,0 +1,94 @@
+"""Planning shared by the objectives: which micro-batches form each optimizer step.
+
+Plain functions of the rollout batch, so any objective can plan like Flow-GRPO (every stored
+transition once) or like BranchGRPO (every trained tree edge once) without borrowing another
+objective's object.
+
+References:
+    Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", 2025.
+    Li et al., "BranchGRPO: Stable and Efficient GRPO with Structured Branching in Diffusion
+    Models", arXiv 2509.06040, 2025.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .base import Microbatch, RolloutBatch, chunk_indices, split_even
+
+
+class EdgeMicrobatch(NamedTuple):
+    """Parents (b,) of one tree frontier chunk at one step, and the loss weight ``n_mb / E``.
+
+    ``noise`` is unused (kept for the trainer's micro-batch shape).
+    """
+
+    index: Tensor
+    step: int
+    noise: Tensor | None = None
+    weight: float = 1.0
+
+
+def chunk_children(parents: Tensor, factor: int, train: Tensor) -> tuple[Tensor, Tensor]:
+    """Trained children of ``parents`` at a step with ``factor`` children per node.
+
+    Args:
+        parents: (b,) parent indices into the step's nodes.
+        factor: children per node at the step.
+        train: (b_all * factor,) bool, False for pruned edges.
+
+    Returns:
+        (children (c,) index into the step's edges, local (c,) row of each child's parent in
+        ``parents``).
+    """
+    children = (parents[:, None] * factor + torch.arange(factor)).reshape(-1)
+    local = torch.arange(len(parents)).repeat_interleave(factor)
+    keep = train[children]
+    return children[keep], local[keep]
+
+
+def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
+    """Every (chunk, stochastic step) pair of the stored trajectories once, chunks and steps in
+    random order, split evenly into ``updates`` optimizer steps (Flow-GRPO).
+
+    Chunks whose samples are all dropped (``keep`` False) are skipped.
+    """
+    levels = batch.trajectory.noise_levels
+    steps = [j for j in range(len(levels)) if levels[j] > 0]
+    chunks = [c for c in chunk_indices(len(batch.prompts), batch.chunk_size) if batch.keep[c].any()]
+    order = torch.randperm(len(chunks), generator=generator).tolist()
+    mbs = []
+    for c in order:
+        for k in torch.randperm(len(steps), generator=generator).tolist():
+            mbs.append(Microbatch(chunks[c], steps[k]))
+    return split_even(mbs, updates) if mbs else []
+
+
+def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[EdgeMicrobatch]]:
+    """Every (step, frontier chunk) with a trained edge once, in random order, split evenly into
+    ``updates`` optimizer steps; each micro-batch weighs ``n_mb / E`` so a step's loss is the mean
+    over its E trained edges (BranchGRPO).
+
+    Raises:
+        ValueError: the batch holds no tree (the objective's rollout is not a tree).
+    """
+    tb = batch.tree
+    if tb is None:
+        raise ValueError("tree-edge planning needs tree rollouts (batch.tree is None); set the objective's rollout to 'tree'")
+    tr, mbs, edges = tb.rollout, [], []
+    for t in range(len(tb.train)):
+        f, parents_n = int(tr.factors[t]), tr.nodes[t].shape[0]
+        has_child = tb.train[t].reshape(parents_n, f).any(dim=1)
+        for chunk in chunk_indices(parents_n, tb.chunk_size):
+            parents = chunk[has_child[chunk]]
+            if len(parents):
+                mbs.append(EdgeMicrobatch(parents, t))
+                edges.append(len(chunk_children(parents, f, tb.train[t])[0]))
+    if not mbs:
+        return []
+    order = torch.randperm(len(mbs), generator=generator).tolist()
+    groups = split_even(order, updates)
+    return [[mbs[i]._replace(weight=len(g) / sum(edges[j] for j in g)) for i in g] for g in groups]

@@ -50,14 +50,25 @@ class ClipLikeReward:
         from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
         torch.manual_seed(seed)
-        cfg = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
-                               image_size=32, patch_size=4, projection_dim=128)
+        cfg = CLIPVisionConfig(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=4,
+            projection_dim=128,
+        )
         self.model = CLIPVisionModelWithProjection(cfg).eval().requires_grad_(False).to(device)
-        self.direction = torch.nn.functional.normalize(torch.randn(128, generator=torch.Generator().manual_seed(seed)), dim=0).to(device)
+        self.direction = torch.nn.functional.normalize(
+            torch.randn(128, generator=torch.Generator().manual_seed(seed)), dim=0
+        ).to(device)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], **metadata: Any) -> torch.Tensor:
-        x = torch.nn.functional.interpolate(images.float().to(self.direction.device), size=(32, 32), mode="bilinear", align_corners=False)
+        x = torch.nn.functional.interpolate(
+            images.float().to(self.direction.device), size=(32, 32), mode="bilinear", align_corners=False
+        )
         embeds = self.model(pixel_values=x * 2 - 1).image_embeds
         return (torch.nn.functional.normalize(embeds, dim=-1) @ self.direction).to(images.device)
 
@@ -71,8 +82,23 @@ def _serve(layers: int):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "flowrl", "serve-reward", "bench.async_scoring:clip_like", f"layers={layers}",
-                             "--port", "0", "--idle-exit", "300"], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowrl",
+            "serve-reward",
+            "bench.async_scoring:clip_like",
+            f"layers={layers}",
+            "--port",
+            "0",
+            "--idle-exit",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     line = proc.stdout.readline()
     if not line.startswith("serving reward"):
         proc.kill()
@@ -82,21 +108,37 @@ def _serve(layers: int):
 
 def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None, device: str = "cpu"):
     from flowrl.config import load_config
-    from flowrl.models import load_adapter
+    from flowrl.policy import build_policy
     from flowrl.prompts.sets import load_prompts
     from flowrl.rewards import MultiReward, build_reward
     from flowrl.runtime import configure_threads
     from flowrl.trainer import Trainer
 
-    cfg = load_config(None, ["train.progress=false", f"sampler.chunk_size={chunk_size}", f"model.device={device}",
-                             f"train.score_chunk_size={'null' if pieces is None else pieces}"])
+    cfg = load_config(
+        None,
+        [
+            "train.progress=false",
+            f"sampler.chunk_size={chunk_size}",
+            f"model.device={device}",
+            f"train.score_chunk_size={'null' if pieces is None else pieces}",
+        ],
+    )
     configure_threads(cfg.train.threads)
-    rewards = {"ink": (build_reward("ink", target="prompt"), 1.0), "digit_correctness": (build_reward("digit_correctness"), 0.5)}
+    rewards = {
+        "ink": (build_reward("ink", target="prompt"), 1.0),
+        "digit_correctness": (build_reward("digit_correctness"), 0.5),
+    }
     if layers or url:
         rewards["clip_like"] = (build_reward("remote", url=url) if url else ClipLikeReward(layers, device=device), 0.1)
     reward = MultiReward(rewards)
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path, device=device), trainable=True), reward, prompts, prompts[:2])
+    return Trainer(
+        cfg,
+        build_policy(cfg, trainable=True),
+        reward,
+        prompts,
+        prompts[:2],
+    )
 
 
 def _cases(trainer) -> dict[str, Any]:
@@ -126,11 +168,17 @@ def _cases(trainer) -> dict[str, Any]:
                 rollout()
             finally:
                 trainer.cfg.sampler.chunk_size = configured
+
         return run
 
     def scoring_alone():
-        with RolloutScorer(trainer.reward, trainer.model.decode, prompts.texts, prompts.metadata,
-                           score_chunk_size=trainer.cfg.train.score_chunk_size) as scorer:
+        with RolloutScorer(
+            trainer.reward,
+            trainer.model.decode,
+            prompts.texts,
+            prompts.metadata,
+            score_chunk_size=trainer.cfg.train.score_chunk_size,
+        ) as scorer:
             for start in range(0, samples.shape[0], trainer.cfg.sampler.chunk_size):
                 rows = slice(start, start + trainer.cfg.sampler.chunk_size)
                 scorer.submit(rows, samples[rows])
@@ -141,11 +189,15 @@ def _cases(trainer) -> dict[str, Any]:
             trainer.cfg.train.rewards_async = mode
             trainer.generator.set_state(state)
             trainer.collect()
+
         return run
 
     default_chunk = 40
-    reference = {} if trainer.cfg.sampler.chunk_size == default_chunk else {
-        f"rollout alone, default chunks of {default_chunk}": rollout_alone(default_chunk)}
+    reference = (
+        {}
+        if trainer.cfg.sampler.chunk_size == default_chunk
+        else {f"rollout alone, default chunks of {default_chunk}": rollout_alone(default_chunk)}
+    )
     return {
         "rollout alone": rollout_alone(),
         **reference,
@@ -210,7 +262,9 @@ def contention(layers: int, chunk_size: int, repeats: int) -> None:
 
     alone = median_time()
     code = f"from bench.async_scoring import _score_forever; _score_forever({layers}, {chunk_size})"
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     try:
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError("the scoring child did not start")
@@ -218,7 +272,10 @@ def contention(layers: int, chunk_size: int, repeats: int) -> None:
     finally:
         child.kill()
         child.wait()
-    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, {repeats} repeats, chunks of {chunk_size}, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} CPUs, {repeats} repeats, chunks of {chunk_size}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print("| rollout | median s | ratio |")
     print("|---|---|---|")
     print(f"| alone | {alone:.3f} | 1.00 |")
@@ -228,15 +285,30 @@ def contention(layers: int, chunk_size: int, repeats: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward (0: no model reward)")
-    parser.add_argument("--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)")
-    parser.add_argument("--score-chunk-size", type=int, default=None,
-                        help="train.score_chunk_size: rows per scoring call (the trainer shares the last chunk's pieces)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="encoder layers of the CLIP-like model reward (0: no model reward)"
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=40, help="sampler.chunk_size (the last chunk's scoring is never hidden)"
+    )
+    parser.add_argument(
+        "--score-chunk-size",
+        type=int,
+        default=None,
+        help="train.score_chunk_size: rows per scoring call (the trainer shares the last chunk's pieces)",
+    )
     parser.add_argument("--device", default="cpu", help="model.device (and the CLIP-like reward's device), e.g. cuda")
-    parser.add_argument("--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess")
-    parser.add_argument("--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get")
-    parser.add_argument("--contention", action="store_true",
-                        help="only measure how much a scoring process running beside it slows the rollout")
+    parser.add_argument(
+        "--remote", action="store_true", help="serve the model reward from a flowrl serve-reward subprocess"
+    )
+    parser.add_argument(
+        "--cpu-share", action="store_true", help="only measure how much CPU two threads of this process get"
+    )
+    parser.add_argument(
+        "--contention",
+        action="store_true",
+        help="only measure how much a scoring process running beside it slows the rollout",
+    )
     args = parser.parse_args(argv)
     if args.contention:
         contention(args.layers, args.chunk_size, args.repeats)
@@ -268,15 +340,21 @@ def main(argv: list[str] | None = None) -> None:
             server.wait(timeout=10)
     base = statistics.median(times["rollout alone"])
     gpu = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
-    print(f"# {platform.machine()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
-          f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, scored in pieces of "
-          f"{args.score_chunk_size or args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch thread(s), "
+        f"{args.repeats} repeats, 160 samples x 10 steps, chunks of {args.chunk_size}, scored in pieces of "
+        f"{args.score_chunk_size or args.chunk_size}, model reward {'remote' if url else 'in-process'}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print("| case | median s | min s | max s | CPU s (median) | median / rollout alone |")
     print("|---|---|---|---|---|---|")
     for name, values in times.items():
         med = statistics.median(values)
-        print(f"| {name} | {med:.3f} | {min(values):.3f} | {max(values):.3f} | {statistics.median(cpu[name]):.3f} | {med / base:.2f} |")
+        print(
+            f"| {name} | {med:.3f} | {min(values):.3f} | {max(values):.3f} | "
+            f"{statistics.median(cpu[name]):.3f} | {med / base:.2f} |"
+        )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
 
 

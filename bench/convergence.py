@@ -47,8 +47,11 @@ CONFIGS = {
 
 
 class ComputeCounter(CountingAdapter):
-    """Counts model evaluations by kind: ``nfe`` (all), ``grad_nfe`` (with autograd on, i.e.
-    forwards that are also backpropagated) and, via :func:`run_one`, ``rollout_nfe``."""
+    """Counts model evaluations by kind: ``nfe``, ``grad_nfe`` and ``rollout_nfe``.
+
+    ``nfe`` counts all evaluations, ``grad_nfe`` those with autograd on (i.e. forwards that are also
+    backpropagated) and ``rollout_nfe`` (set via :func:`run_one`) those made during rollouts.
+    """
 
     def __init__(self, model):
         super().__init__(model)
@@ -62,8 +65,10 @@ class ComputeCounter(CountingAdapter):
 
 
 def compute_equivalent(nfe: int, grad_nfe: int) -> int:
-    """Forward-equivalent cost: every evaluation counts 1 and a backward pass ~2 more, so a
-    train forward+backward counts 3 (rollout NFE + no-grad train NFE + 3 x grad NFE)."""
+    """Forward-equivalent cost: every evaluation counts 1 and a backward pass ~2 more.
+
+    So a train forward+backward counts 3 (rollout NFE + no-grad train NFE + 3 x grad NFE).
+    """
     return nfe + 2 * grad_nfe
 
 
@@ -88,11 +93,14 @@ def run_one(
     fixed ``eval_steps``-step ODE schedule when given (else the run's own sampler steps).
     """
     fixed_eval = [f"train.eval_steps={eval_steps}"] if eval_steps else []
-    cfg = load_config(config or CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides, *fixed_eval])
+    cfg = load_config(
+        config or CONFIGS[name], ["train.iterations=100000", "train.progress=false", *overrides, *fixed_eval]
+    )
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
     policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
+    model = policy.model
     trainer = Trainer(cfg, policy, build_reward(cfg), prompts, load_prompts(cfg.prompts.eval))
     collect = trainer.collect
 
@@ -106,8 +114,12 @@ def run_one(
 
     def point(wall: float) -> dict[str, float]:
         return {
-            "wall_s": wall, "nfe": model.nfe, "grad_nfe": model.grad_nfe, "rollout_nfe": model.rollout_nfe,
-            "compute": compute_equivalent(model.nfe, model.grad_nfe), "iteration": trainer.iteration,
+            "wall_s": wall,
+            "nfe": model.nfe,
+            "grad_nfe": model.grad_nfe,
+            "rollout_nfe": model.rollout_nfe,
+            "compute": compute_equivalent(model.nfe, model.grad_nfe),
+            "iteration": trainer.iteration,
             **trainer.evaluate(),
         }
 
@@ -130,7 +142,10 @@ def run_one(
         if due or done():
             points.append(point(train_s))
             next_eval += eval_every
-            print(f"  {name}: {train_s:6.1f}s it {trainer.iteration:4d} eval reward {points[-1]['eval/reward_mean']:.4f}", flush=True)
+            print(
+                f"  {name}: {train_s:6.1f}s it {trainer.iteration:4d} eval reward {points[-1]['eval/reward_mean']:.4f}",
+                flush=True,
+            )
     return points
 
 
@@ -166,10 +181,12 @@ def report(results: dict[str, list[dict[str, float]]], budget: float | str, comm
     target = base[-1]["eval/reward_mean"] if base else None
     lines = [
         f"Command: `{command}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s); "
         f"date {dt.date.today().isoformat()}; budget {budget_text(budget)} per algorithm.",
         "",
-        "| algorithm | start reward | final reward | iterations | time to Flow-GRPO's final (s) | ratio | NFE to it | NFE ratio "
+        "| algorithm | start reward | final reward | iterations | time to Flow-GRPO's final (s) | ratio "
+        "| NFE to it | NFE ratio "
         "| compute-eq. to it | compute ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -183,7 +200,8 @@ def report(results: dict[str, list[dict[str, float]]], budget: float | str, comm
         c = f"{hit['compute']:,}" if hit and "compute" in hit else "–"
         cratio = f"{hit['compute'] / hit_base['compute']:.2f}" if hit and hit_base and hit_base.get("compute") else "–"
         lines.append(
-            f"| {name} | {points[0]['eval/reward_mean']:.4f} | {points[-1]['eval/reward_mean']:.4f} | {points[-1]['iteration']} "
+            f"| {name} | {points[0]['eval/reward_mean']:.4f} | {points[-1]['eval/reward_mean']:.4f} "
+            f"| {points[-1]['iteration']} "
             f"| {t} | {ratio} | {n} | {nratio} | {c} | {cratio} |"
         )
     return "\n".join(lines)
@@ -199,9 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="training seconds per algorithm")
     parser.add_argument("--eval-every-s", type=float, default=30.0)
     parser.add_argument("--iterations", type=int, help="iteration budget per algorithm (replaces --budget)")
-    parser.add_argument("--nfe-budget", type=float, help="compute-equivalent budget (NFE + 2 x grad NFE; replaces --budget)")
+    parser.add_argument(
+        "--nfe-budget", type=float, help="compute-equivalent budget (NFE + 2 x grad NFE; replaces --budget)"
+    )
     parser.add_argument("--eval-every-it", type=int, help="evaluate every N iterations instead of every N seconds")
-    parser.add_argument("--eval-steps", type=int, help="fixed ODE steps for evaluation (default: each run's sampler steps)")
+    parser.add_argument(
+        "--eval-steps", type=int, help="fixed ODE steps for evaluation (default: each run's sampler steps)"
+    )
     parser.add_argument("--algos", default="flow_grpo,diffusion_nft,awm")
     parser.add_argument("--out", default=str(REPO / "docs"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to every algorithm")
@@ -212,15 +234,24 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.algos.split(","):
         print(f"running {name}", flush=True)
         results[name] = run_one(
-            name, budget, args.eval_every_s, args.overrides, iterations=args.iterations, nfe_budget=args.nfe_budget,
-            eval_every_it=args.eval_every_it, eval_steps=args.eval_steps,
+            name,
+            budget,
+            args.eval_every_s,
+            args.overrides,
+            iterations=args.iterations,
+            nfe_budget=args.nfe_budget,
+            eval_every_it=args.eval_every_it,
+            eval_steps=args.eval_steps,
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "benchmarks-convergence.png")
     (out / "benchmarks-convergence.json").write_text(json.dumps(results, indent=1))
     command = "python -m bench.convergence " + " ".join(argv if argv is not None else os.sys.argv[1:])
-    limits = [f"{args.iterations} iterations" if args.iterations else "", f"{args.nfe_budget:,.0f} compute-eq." if args.nfe_budget else ""]
+    limits = [
+        f"{args.iterations} iterations" if args.iterations else "",
+        f"{args.nfe_budget:,.0f} compute-eq." if args.nfe_budget else "",
+    ]
     section = report(results, " / ".join(x for x in limits if x) if count_budget else args.budget, command.strip())
     print(section)
     update_docs(out / "benchmarks.md", section)

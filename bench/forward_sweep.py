@@ -5,7 +5,8 @@ Usage::
     # 1. the baseline curve (Flow-GRPO at its tuned default, 36 iterations, eval every 2)
     python -m bench.convergence --algos flow_grpo --iterations 36 --eval-every-it 2 --eval-steps 10 --out OUT/base
     # 2. variants (named below), two processes at a time, each stopped once it reaches the target
-    python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --variants nft_ref,awm_ref
+    python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep \
+        --variants nft_ref,awm_ref
     # 3. the table of everything run so far
     python -m bench.forward_sweep --baseline OUT/base/benchmarks-convergence.json --out OUT/sweep --table
     # 4. seconds per iteration, variants interleaved with the baseline in one process (wall-clock ratios)
@@ -57,8 +58,17 @@ VARIANTS: dict[str, tuple[str, Path, list[str]]] = {
     "nftA_beta0.1": ("diffusion_nft", NFT, [*NFT_FAST, "objective.beta=0.1"]),
     "nftA_g4": ("diffusion_nft", NFT, [*NFT_FAST, "prompts.group_size=4", "prompts.per_iteration=40"]),
     "nft_fastB": ("diffusion_nft", NFT, [*NFT_FAST, "objective.kl_beta=0.0", "objective.ema_decay_max=0.0"]),
-    "nft_fastC": ("diffusion_nft", NFT, [*NFT_FAST, "objective.kl_beta=0.0", "objective.ema_decay_max=0.0",
-                                         "prompts.group_size=4", "prompts.per_iteration=40"]),
+    "nft_fastC": (
+        "diffusion_nft",
+        NFT,
+        [
+            *NFT_FAST,
+            "objective.kl_beta=0.0",
+            "objective.ema_decay_max=0.0",
+            "prompts.group_size=4",
+            "prompts.per_iteration=40",
+        ],
+    ),
     "awm_ref": ("awm", AWM, []),
     "awm_fastA": ("awm", AWM, AWM_FAST),
     "awmA_lr1e-3": ("awm", AWM, [*AWM_FAST, "optim.lr=1e-3"]),
@@ -95,24 +105,43 @@ def run_variant(job: tuple[str, str, str, list[str], float, float, int, str]) ->
     """Run one variant in a worker process and write OUT/name.json."""
     name, algo, config, overrides, stop, cap, max_it, out = job
     points = run_one(
-        f"{name}", None, 0.0, overrides, config=Path(config), iterations=max_it, nfe_budget=cap,
-        eval_every_it=1, eval_steps=10, stop_at=stop,
+        f"{name}",
+        None,
+        0.0,
+        overrides,
+        config=Path(config),
+        iterations=max_it,
+        nfe_budget=cap,
+        eval_every_it=1,
+        eval_steps=10,
+        stop_at=stop,
     )
-    Path(out, f"{name}.json").write_text(json.dumps({"algo": algo, "config": str(Path(config).relative_to(REPO)), "overrides": overrides, "points": points}, indent=1))
+    Path(out, f"{name}.json").write_text(
+        json.dumps(
+            {"algo": algo, "config": str(Path(config).relative_to(REPO)), "overrides": overrides, "points": points},
+            indent=1,
+        )
+    )
     return name
 
 
-def table(out: Path, target: float, base: dict[str, float], names: list[str] | None = None, vs: str | None = None) -> str:
-    """Markdown table of the variants in ``out`` (all, or ``names`` in that order); with ``vs``
-    (a variant in ``out``, e.g. a stronger Flow-GRPO) also the compute ratio to that variant's hit."""
+def table(
+    out: Path, target: float, base: dict[str, float], names: list[str] | None = None, vs: str | None = None
+) -> str:
+    """Markdown table of the variants in ``out`` (all, or ``names`` in that order).
+
+    With ``vs`` (a variant in ``out``, e.g. a stronger Flow-GRPO) the table also has the compute ratio to that
+    variant's hit.
+    """
     files = [out / f"{n}.json" for n in names] if names else sorted(out.glob("*.json"))
     strong = first_reach(json.loads((out / f"{vs}.json").read_text())["points"], target) if vs else None
     lines = [
-        f"Target: Flow-GRPO's final eval reward {target:.4f}, reached by the baseline at iteration {base['iteration']} "
+        f"Target: Flow-GRPO's final eval reward {target:.4f}, reached by the baseline at iteration "
+        f"{base['iteration']} "
         f"({base['nfe']:,} NFE, {base['compute']:,} compute-eq., {base['wall_s']:.0f} s).",
         "",
-        "| variant | settings (diff to the shipped config) | compute-eq. / iteration | iterations | NFE ratio | compute ratio "
-        + (f"| compute ratio vs {vs} " if strong else "") + "| ink / correctness at hit |",
+        "| variant | settings (diff to the shipped config) | compute-eq. / iteration | iterations | NFE ratio "
+        "| compute ratio " + (f"| compute ratio vs {vs} " if strong else "") + "| ink / correctness at hit |",
         "|---|---|---|---|---|---|" + ("---|" if strong else "") + "---|",
     ]
     for f in files:
@@ -128,12 +157,16 @@ def table(out: Path, target: float, base: dict[str, float], names: list[str] | N
         per_it = f"{d['points'][1]['compute'] / d['points'][1]['iteration']:,.0f}" if len(d["points"]) > 1 else "–"
         if hit is None:
             lines.append(
-                f"| {f.stem} | {settings} | {per_it} | not reached in {last['iteration']} (best {max(p['eval/reward_mean'] for p in d['points']):.4f}) "
-                f"| > {last['nfe'] / base['nfe']:.2f} | > {last['compute'] / base['compute']:.2f} " + ("| – " if strong else "") + "| – |"
+                f"| {f.stem} | {settings} | {per_it} | not reached in {last['iteration']} "
+                f"(best {max(p['eval/reward_mean'] for p in d['points']):.4f}) "
+                f"| > {last['nfe'] / base['nfe']:.2f} | > {last['compute'] / base['compute']:.2f} "
+                + ("| – " if strong else "")
+                + "| – |"
             )
             continue
         lines.append(
-            f"| {f.stem} | {settings} | {per_it} | {hit['iteration']} | {hit['nfe'] / base['nfe']:.3f} | {hit['compute'] / base['compute']:.3f} "
+            f"| {f.stem} | {settings} | {per_it} | {hit['iteration']} | {hit['nfe'] / base['nfe']:.3f} "
+            f"| {hit['compute'] / base['compute']:.3f} "
             + (f"| {hit['compute'] / strong['compute']:.3f} " if strong else "")
             + f"| {hit['eval/ink']:.3f} / {hit['eval/digit_correctness']:.3f} |"
         )
@@ -141,8 +174,10 @@ def table(out: Path, target: float, base: dict[str, float], names: list[str] | N
 
 
 def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per training iteration of each variant, interleaved round by round in one process
-    so that every variant sees the same host load. Returns name -> list of per-round times."""
+    """Seconds per training iteration of each variant, interleaved round by round in one process.
+
+    Interleaving makes every variant see the same host load. Returns name -> list of per-round times.
+    """
     from flowrl.config import load_config
     from flowrl.policy import build_policy
     from flowrl.prompts.sets import load_prompts
@@ -156,7 +191,9 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
         configure_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
-        trainers[name] = Trainer(cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+        trainers[name] = Trainer(
+            cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval)
+        )
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for _ in range(rounds):
         for name, trainer in trainers.items():
@@ -167,8 +204,10 @@ def time_per_iteration(specs: list[tuple[str, tuple[str, Path, list[str]]]], rou
 
 
 def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
-    """Eval reward of the untrained base model sampled with true CFG at each scale (the same
-    held-out seeds and 10-step ODE as every eval here; CFG costs 2 evaluations per step)."""
+    """Eval reward of the untrained base model sampled with true CFG at each scale.
+
+    Uses the same held-out seeds and 10-step ODE as every eval here; CFG costs 2 evaluations per step.
+    """
     from flowrl.config import load_config
     from flowrl.policy import build_policy
     from flowrl.prompts.sets import load_prompts
@@ -181,7 +220,9 @@ def cfg_baseline_rewards(scales: list[float]) -> dict[float, dict[str, float]]:
         cfg = load_config(GRPO, [f"sampler.guidance_scale={scale}", "train.progress=false", "train.eval_steps=10"])
         configure_threads(cfg.train.threads)
         policy = build_policy(cfg, trainable=True, counter=ComputeCounter)
-        trainer = Trainer(cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+        trainer = Trainer(
+            cfg, policy, build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval)
+        )
         out[scale] = trainer.evaluate()
     return out
 
@@ -192,13 +233,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", default="", help="comma-separated names or name=base:key=value;key=value")
     parser.add_argument("--jobs", type=int, default=2, help="variants run in parallel (1 torch thread each)")
-    parser.add_argument("--cap", type=float, default=0.7, help="stop a variant at this fraction of the baseline's compute")
+    parser.add_argument(
+        "--cap", type=float, default=0.7, help="stop a variant at this fraction of the baseline's compute"
+    )
     parser.add_argument("--max-iterations", type=int, default=200)
-    parser.add_argument("--stop-at", type=float, help="stop reward (default: the target); set it higher to keep points past the target")
+    parser.add_argument(
+        "--stop-at", type=float, help="stop reward (default: the target); set it higher to keep points past the target"
+    )
     parser.add_argument("--table", action="store_true", help="only print the table of what is in --out")
-    parser.add_argument("--time-rounds", type=int, help="only time iterations: flow_grpo baseline and the variants, interleaved")
+    parser.add_argument(
+        "--time-rounds", type=int, help="only time iterations: flow_grpo baseline and the variants, interleaved"
+    )
     parser.add_argument("--vs", help="with --table: also the compute ratio to this variant (e.g. grpo_lr3e-3)")
-    parser.add_argument("--cfg-scales", help="only evaluate the base model with true CFG at these comma-separated scales")
+    parser.add_argument(
+        "--cfg-scales", help="only evaluate the base model with true CFG at these comma-separated scales"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,7 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.cfg_scales:
         print("| CFG scale | eval reward | ink | digit correctness |\n|---|---|---|---|")
         for scale, ev in cfg_baseline_rewards([float(x) for x in args.cfg_scales.split(",")]).items():
-            print(f"| {scale:g} | {ev['eval/reward_mean']:.4f} | {ev['eval/ink']:.4f} | {ev['eval/digit_correctness']:.4f} |")
+            print(
+                f"| {scale:g} | {ev['eval/reward_mean']:.4f} | {ev['eval/ink']:.4f} "
+                f"| {ev['eval/digit_correctness']:.4f} |"
+            )
         return
     if args.time_rounds:
         times = time_per_iteration([("flow_grpo", ("flow_grpo", GRPO, [])), *specs], args.time_rounds)
@@ -216,7 +268,10 @@ def main(argv: list[str] | None = None) -> None:
         ref = statistics.median(times["flow_grpo"])
         print("| variant | median s / iteration | min | max | ratio to Flow-GRPO's median |\n|---|---|---|---|---|")
         for name, ts in times.items():
-            print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} | {max(ts):.2f} | {statistics.median(ts) / ref:.3f} |")
+            print(
+                f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} | {max(ts):.2f} "
+                f"| {statistics.median(ts) / ref:.3f} |"
+            )
         return
     if not args.table and specs:
         cap = args.cap * base["compute"]

@@ -37,23 +37,36 @@ def _randn(*shape: int) -> torch.Tensor:
 
 
 def _models() -> dict[str, tuple[Callable, Callable[[int], dict], tuple[str, ...], int]]:
-    """name -> (builder, inputs for a batch, LoRA targets, LoRA rank): the geometry of docs/gpu-plan.md."""
+    """Name -> (builder, inputs for a batch, LoRA targets, LoRA rank): the geometry of docs/gpu-plan.md."""
     from flowrl.models.flux import flux_lora_targets
     from flowrl.models.sd3 import SD3_LORA_TARGETS
     from flowrl.models.wan import WAN_LORA_TARGETS
 
     def sd3_inputs(b: int) -> dict:  # 512^2: 1024 image tokens + 333 text tokens
-        return dict(hidden_states=_randn(b, 16, 64, 64), encoder_hidden_states=_randn(b, 333, 4096),
-                    pooled_projections=_randn(b, 2048), timestep=torch.full((b,), 500.0, device="cuda"))
+        return dict(
+            hidden_states=_randn(b, 16, 64, 64),
+            encoder_hidden_states=_randn(b, 333, 4096),
+            pooled_projections=_randn(b, 2048),
+            timestep=torch.full((b,), 500.0, device="cuda"),
+        )
 
     def flux_inputs(b: int) -> dict:  # 512^2 packed 2x2: 1024 tokens of 64 channels + 512 T5 tokens
-        return dict(hidden_states=_randn(b, 1024, 64), encoder_hidden_states=_randn(b, 512, 4096), pooled_projections=_randn(b, 768),
-                    timestep=torch.full((b,), 0.5, device="cuda"), guidance=torch.full((b,), 3.5, device="cuda"),
-                    img_ids=torch.zeros(1024, 3, device="cuda"), txt_ids=torch.zeros(512, 3, device="cuda"))
+        return dict(
+            hidden_states=_randn(b, 1024, 64),
+            encoder_hidden_states=_randn(b, 512, 4096),
+            pooled_projections=_randn(b, 768),
+            timestep=torch.full((b,), 0.5, device="cuda"),
+            guidance=torch.full((b,), 3.5, device="cuda"),
+            img_ids=torch.zeros(1024, 3, device="cuda"),
+            txt_ids=torch.zeros(512, 3, device="cuda"),
+        )
 
     def wan_inputs(b: int) -> dict:  # 33 frames at 320^2: 3600 video tokens + 512 UMT5 tokens
-        return dict(hidden_states=_randn(b, 16, 9, 40, 40), encoder_hidden_states=_randn(b, 512, 4096),
-                    timestep=torch.full((b,), 500.0, device="cuda"))
+        return dict(
+            hidden_states=_randn(b, 16, 9, 40, 40),
+            encoder_hidden_states=_randn(b, 512, 4096),
+            timestep=torch.full((b,), 500.0, device="cuda"),
+        )
 
     return {
         "SD3.5-M": (sd3_transformer, sd3_inputs, SD3_LORA_TARGETS, 32),
@@ -101,8 +114,15 @@ def _peak(fn: Callable[[], None]) -> float:
     return torch.cuda.max_memory_allocated() / GIB
 
 
-def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets: tuple[str, ...], rank: int,
-            batches: list[int], repeats: int) -> None:
+def measure(
+    name: str,
+    builder: Callable,
+    inputs: Callable[[int], dict],
+    targets: tuple[str, ...],
+    rank: int,
+    batches: list[int],
+    repeats: int,
+) -> None:
     model = _build(builder, targets, rank)
     weights = torch.cuda.memory_allocated() / GIB
     for b in batches:
@@ -114,7 +134,9 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
 
         def train() -> None:
             with trainable_attention(torch.device("cuda")):  # around forward and backward, as Trainer.update: a
-                with torch.autocast("cuda", dtype=torch.bfloat16):  # checkpointed block recomputes with the same kernels
+                with torch.autocast(
+                    "cuda", dtype=torch.bfloat16
+                ):  # checkpointed block recomputes with the same kernels
                     out = model(**x, return_dict=False)[0]
                 out.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
@@ -131,15 +153,28 @@ def measure(name: str, builder: Callable, inputs: Callable[[int], dict], targets
                     seconds = _time(fn, repeats)
                     flops = _flops(fn)
                     peak = _peak(fn)
-                except (torch.cuda.OutOfMemoryError, RuntimeError) as err:  # cuBLAS reports some OOMs as internal errors
+                except (
+                    torch.cuda.OutOfMemoryError,
+                    RuntimeError,
+                ) as err:  # cuBLAS reports some OOMs as internal errors
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-                    why = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else str(err).splitlines()[0][:60]
+                    why = (
+                        "out of memory"
+                        if isinstance(err, torch.cuda.OutOfMemoryError)
+                        else str(err).splitlines()[0][:60]
+                    )
                     print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | |", flush=True)
                     continue
-                print(f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | {flops / 1e12:,.2f} | "
-                      f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} |", flush=True)
-    del model
+                print(
+                    f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | "
+                    f"{flops / 1e12:,.2f} | "
+                    f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} |",
+                    flush=True,
+                )
+    # Free the weights before empty_cache. Rebinding (not ``del``) clears the cell that the closures above share,
+    # without leaving them pointing at an unbound name.
+    model = None
     torch.cuda.empty_cache()
 
 
@@ -153,8 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
-          f"median of {args.repeats}")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
+        f"median of {args.repeats}"
+    )
     print("| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for name, (builder, inputs, targets, rank) in _models().items():

@@ -29,7 +29,9 @@ import torch
 def _serve(name: str, *options: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowrl", "serve-reward", name, *options, "--port", "0", "--idle-exit", "300"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     line = proc.stdout.readline()
     if not line.startswith("serving reward"):
@@ -60,8 +62,11 @@ def main(argv: list[str] | None = None) -> None:
         ("digit_correctness", (), torch.rand(40, 3, 8, 8, generator=gen), "40 x 8x8, digit_correctness"),
         ("ink", ("target=bold",), torch.rand(8, 3, 512, 512, generator=gen), "8 x 512x512, ink"),
     ]
-    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, server in a subprocess on 127.0.0.1, "
-          f"{args.repeats} repeats, load average {os.getloadavg()[0]:.1f} at start")
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        "server in a subprocess on 127.0.0.1, "
+        f"{args.repeats} repeats, load average {os.getloadavg()[0]:.1f} at start"
+    )
     print("| batch | path | request KB | median ms | min ms | overhead ms (median) |")
     print("|---|---|---|---|---|---|")
     for name, options, images, label in cases:
@@ -73,10 +78,18 @@ def main(argv: list[str] | None = None) -> None:
         try:
             paths = {"in-process": (lambda: local(images, prompts), 0)}
             for where, address in (("thread server", thread_server.url), ("subprocess server", url)):
-                paths[f"{where}, safetensors"] = (lambda a=address: build_reward("remote", url=a)(images, prompts), st_size)
-                paths[f"{where}, safetensors uint8"] = (lambda a=address: build_reward("remote", url=a, wire_dtype="uint8")(images, prompts),
-                                                        len(encode_batch(images, prompts, dtype="uint8")))
-                paths[f"{where}, PNG (JSON)"] = (lambda a=address: build_reward("remote", url=a, format="png")(images, prompts), png_size)
+                paths[f"{where}, safetensors"] = (
+                    lambda a=address: build_reward("remote", url=a)(images, prompts),
+                    st_size,
+                )
+                paths[f"{where}, safetensors uint8"] = (
+                    lambda a=address: build_reward("remote", url=a, wire_dtype="uint8")(images, prompts),
+                    len(encode_batch(images, prompts, dtype="uint8")),
+                )
+                paths[f"{where}, PNG (JSON)"] = (
+                    lambda a=address: build_reward("remote", url=a, format="png")(images, prompts),
+                    png_size,
+                )
             times: dict[str, list[float]] = {p: [] for p in paths}
             for fn, _ in paths.values():
                 fn()

@@ -16,8 +16,8 @@ import torch
 
 
 def _setup():
-    from flowrl.policy.lora import add_lora
     from flowrl.models import load_adapter
+    from flowrl.policy.lora import add_lora
 
     model = load_adapter("flowrl-digits")
     params = add_lora(model.transformer, rank=8, alpha=16, targets=model.lora_target_modules)
@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[(name, n)].append(time.perf_counter() - t0)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; {args.repeats} alternating repeats")
-    print(f"| case | threads | median s | min s | max s | max/median |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{args.repeats} alternating repeats"
+    )
+    print("| case | threads | median s | min s | max s | max/median |")
     print("|---|---|---|---|---|---|")
     for (name, n), ts in times.items():
         med = statistics.median(ts)

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from flowrl.config import load_config
-from flowrl.policy import build_policy
 from flowrl.models import load_adapter
+from flowrl.policy import build_policy
 from flowrl.policy.counting import CountingAdapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
@@ -61,8 +61,15 @@ def part_nfe(steps: int = 10) -> str:
     sigmas, levels = linear_sigmas(steps), torch.full((steps,), 0.3, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     model.nfe = 0
-    chunked_rollout(model, model.encode_prompt(["a bold handwritten 3"] * 16), torch.randn(16, 4, 8, 8, generator=gen), sigmas,
-                    sde_noise_levels(steps, 0.7), chunk_size=40, generator=gen)
+    chunked_rollout(
+        model,
+        model.encode_prompt(["a bold handwritten 3"] * 16),
+        torch.randn(16, 4, 8, 8, generator=gen),
+        sigmas,
+        sde_noise_levels(steps, 0.7),
+        chunk_size=40,
+        generator=gen,
+    )
     flat = model.nfe
     rows = [
         f"Flat: 16 trajectories x {steps} steps = {flat} model evaluations counted ({flat / 16:.2f} per leaf).",
@@ -73,11 +80,24 @@ def part_nfe(steps: int = 10) -> str:
     for name, splits in SCHEDULES.items():
         factors = split_factors(steps, splits, [2])
         model.nfe = 0
-        tree = chunked_tree_rollout(model, cond, torch.randn(1, 4, 8, 8, generator=gen), sigmas, levels, factors, chunk_size=40,
-                                    split_noise_scale=4.0, sde="dance", generator=gen)
+        tree = chunked_tree_rollout(
+            model,
+            cond,
+            torch.randn(1, 4, 8, 8, generator=gen),
+            sigmas,
+            levels,
+            factors,
+            chunk_size=40,
+            split_noise_scale=4.0,
+            sde="dance",
+            generator=gen,
+        )
         leaves = tree.leaves.shape[0]
         formula = tree_nfe(factors)
-        rows.append(f"| {name} | {tree_widths(factors)} | {formula} | {model.nfe} | {model.nfe / leaves:.2f} | {model.nfe / flat:.1%} |")
+        rows.append(
+            f"| {name} | {tree_widths(factors)} | {formula} | {model.nfe} | {model.nfe / leaves:.2f} "
+            f"| {model.nfe / flat:.1%} |"
+        )
     return "\n".join(rows)
 
 
@@ -90,17 +110,44 @@ def part_diversity(prompts_n: int = 20) -> str:
     batch = sample_groups(load_prompts("digits-styles"), prompts_n, 16, torch.Generator().manual_seed(0))
     cond = model.encode_prompt(batch.texts)
     sigmas, factors = linear_sigmas(10), split_factors(10, [0, 3, 6, 9], [2])
-    rows = ["| rollout | SDE, level | split noise | mean leaf reward | within-group reward std |", "|---|---|---|---|---|"]
+    rows = [
+        "| rollout | SDE, level | split noise | mean leaf reward | within-group reward std |",
+        "|---|---|---|---|---|",
+    ]
     for sde, level, scale in [("dance", 0.3, 4.0), ("dance", 0.3, 1.0), ("flow", 0.7, 1.0), ("flow", 0.7, 4.0)]:
         gen = torch.Generator().manual_seed(1)
-        tree = chunked_tree_rollout(model, {k: v[::16] for k, v in cond.items()}, torch.randn(prompts_n, 4, 8, 8, generator=gen), sigmas,
-                                    torch.full((10,), level, dtype=torch.float64), factors, chunk_size=40, split_noise_scale=scale, sde=sde, generator=gen)
+        tree = chunked_tree_rollout(
+            model,
+            {k: v[::16] for k, v in cond.items()},
+            torch.randn(prompts_n, 4, 8, 8, generator=gen),
+            sigmas,
+            torch.full((10,), level, dtype=torch.float64),
+            factors,
+            chunk_size=40,
+            split_noise_scale=scale,
+            sde=sde,
+            generator=gen,
+        )
         r = reward(model.decode(tree.leaves), batch.texts, **batch.metadata).total
-        rows.append(f"| tree 0,3,6,9 x2 | {sde}, {level} | {scale:g}x | {float(r.mean()):.4f} | {float(r.view(prompts_n, 16).std(1).mean()):.4f} |")
+        rows.append(
+            f"| tree 0,3,6,9 x2 | {sde}, {level} | {scale:g}x | {float(r.mean()):.4f} "
+            f"| {float(r.view(prompts_n, 16).std(1).mean()):.4f} |"
+        )
     gen = torch.Generator().manual_seed(1)
-    traj = chunked_rollout(model, cond, torch.randn(prompts_n * 16, 4, 8, 8, generator=gen), sigmas, sde_noise_levels(10, 0.7), chunk_size=40, generator=gen)
+    traj = chunked_rollout(
+        model,
+        cond,
+        torch.randn(prompts_n * 16, 4, 8, 8, generator=gen),
+        sigmas,
+        sde_noise_levels(10, 0.7),
+        chunk_size=40,
+        generator=gen,
+    )
     r = reward(model.decode(traj.latents[:, -1]), batch.texts, **batch.metadata).total
-    rows.append(f"| flat, 16 independent samples | flow, 0.7 (last step ODE) | – | {float(r.mean()):.4f} | {float(r.view(prompts_n, 16).std(1).mean()):.4f} |")
+    rows.append(
+        f"| flat, 16 independent samples | flow, 0.7 (last step ODE) | – | {float(r.mean()):.4f} "
+        f"| {float(r.view(prompts_n, 16).std(1).mean()):.4f} |"
+    )
     return "\n".join(rows)
 
 
@@ -108,7 +155,13 @@ def _trainer(config: str, overrides: list[str]) -> Trainer:
     cfg = load_config(REPO / config, ["train.progress=false", *overrides])
     configure_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+    return Trainer(
+        cfg,
+        build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True),
+        build_reward(cfg),
+        load_prompts(cfg.prompts.train),
+        load_prompts(cfg.prompts.eval),
+    )
 
 
 def part_iteration(repeats: int) -> str:
@@ -119,7 +172,8 @@ def part_iteration(repeats: int) -> str:
         "no KL (both)": ["objective.kl_beta=0"],
     }
     rows = [
-        "| setting | algorithm | samples/iteration | NFE/iteration (rollout + training) | median s/iteration | min | max | ratio tree/flat |",
+        "| setting | algorithm | samples/iteration | NFE/iteration (rollout + training) | median s/iteration "
+        "| min | max | ratio tree/flat |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for label, extra in cases.items():
@@ -138,14 +192,23 @@ def part_iteration(repeats: int) -> str:
         med = {k: statistics.median(v) for k, v in times.items()}
         for key, name in (("flat", "Flow-GRPO, flat"), ("tree", "BranchGRPO, tree")):
             ratio = f"**{med['tree'] / med['flat']:.2f}**" if key == "tree" else "1"
-            rows.append(f"| {label} | {name} | 160 | {nfe[key]:,} | {med[key]:.2f} | {min(times[key]):.2f} | {max(times[key]):.2f} | {ratio} |")
+            rows.append(
+                f"| {label} | {name} | 160 | {nfe[key]:,} | {med[key]:.2f} | {min(times[key]):.2f} "
+                f"| {max(times[key]):.2f} | {ratio} |"
+            )
         print(rows[-2] + "\n" + rows[-1], flush=True)
     return "\n".join(rows)
 
 
 def part_leaves(iterations: int) -> str:
     """NFT / AWM on flat rollouts vs on tree leaves: eval reward after the same iterations."""
-    tree = ["sampler.solver=tree", "prompts.per_iteration=10", "prompts.group_size=16", "sampler.sde=dance", "sampler.noise_level=0.3"]
+    tree = [
+        "sampler.solver=tree",
+        "prompts.per_iteration=10",
+        "prompts.group_size=16",
+        "sampler.sde=dance",
+        "sampler.noise_level=0.3",
+    ]
     runs = {
         ("diffusion_nft", "flat (20 x 8, DPM-Solver++(2M))"): ("configs/nft/digits.yaml", []),
         ("diffusion_nft", "tree leaves (10 x 16)"): ("configs/nft/digits.yaml", tree),
@@ -153,7 +216,8 @@ def part_leaves(iterations: int) -> str:
         ("awm", "tree leaves (10 x 16)"): ("configs/awm/digits.yaml", tree),
     }
     rows = [
-        f"| objective | rollout | eval reward start | after {iterations} it. | NFE (all) | rollout NFE/it. | training s | s/iteration |",
+        f"| objective | rollout | eval reward start | after {iterations} it. | NFE (all) | rollout NFE/it. "
+        "| training s | s/iteration |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for (algo, label), (config, extra) in runs.items():
@@ -170,7 +234,10 @@ def part_leaves(iterations: int) -> str:
             trainer.objective.after_iteration(trainer.model, trainer.iteration)
             train_s += time.perf_counter() - t0
         end = trainer.evaluate()["eval/reward_mean"]
-        rows.append(f"| {algo} | {label} | {start:.4f} | {end:.4f} | {trainer.model.nfe:,} | {rollout_nfe:,} | {train_s:.0f} | {train_s / iterations:.2f} |")
+        rows.append(
+            f"| {algo} | {label} | {start:.4f} | {end:.4f} | {trainer.model.nfe:,} | {rollout_nfe:,} | {train_s:.0f} "
+            f"| {train_s / iterations:.2f} |"
+        )
         print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -182,8 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--leaf-iterations", type=int, default=12)
     args = parser.parse_args(argv)
     parts = args.part.split(",")
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"load average {os.getloadavg()[0]:.1f} at start",
+        flush=True,
+    )
     if "nfe" in parts:
         print("\n## NFE per leaf\n\n" + part_nfe(), flush=True)
     if "iteration" in parts:

@@ -73,7 +73,12 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path) -> Path:
     opt_tensors, opt_meta = _flatten_optimizer(state["optimizer"])
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({"generator": state["generator"], "torch_rng": state["torch_rng"]}, str(tmp / "rng.safetensors"))
-    meta = {"iteration": state["iteration"], "samples_seen": state["samples_seen"], "nfe": state.get("nfe", 0), "optimizer": opt_meta}
+    meta = {
+        "iteration": state["iteration"],
+        "samples_seen": state["samples_seen"],
+        "nfe": state.get("nfe", 0),
+        "optimizer": opt_meta,
+    }
     meta["objective"] = state.get("objective", {})  # JSON scalars of the objective (e.g. SAGE-GRPO's adaptive beta)
     meta["advantage"] = state.get("advantage", {})  # per-prompt reward history (advantage.method: per_prompt)
     _atomic_json(tmp / "trainer.json", meta)
@@ -92,13 +97,17 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
     missing = [name for name in FILES if not (directory / name).is_file()]
     if missing:
-        raise ValueError(f"checkpoint {directory} is incomplete (missing {', '.join(missing)}); resume from another checkpoint")
+        raise ValueError(
+            f"checkpoint {directory} is incomplete (missing {', '.join(missing)}); resume from another checkpoint"
+        )
     try:
         lora = load_file(str(directory / "lora.safetensors"))
         opt = load_file(str(directory / "optimizer.safetensors"))
         rng = load_file(str(directory / "rng.safetensors"))
         meta = json.loads((directory / "trainer.json").read_text())
-        adapters = {p.stem.removeprefix("adapter-"): load_file(str(p)) for p in sorted(directory.glob("adapter-*.safetensors"))}
+        adapters = {
+            p.stem.removeprefix("adapter-"): load_file(str(p)) for p in sorted(directory.glob("adapter-*.safetensors"))
+        }
     except (SafetensorError, OSError, json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"checkpoint {directory} is corrupt ({err}); resume from another checkpoint") from None
     return {

@@ -1,4 +1,6 @@
-"""Command-line interface: ``flowrl train | sample | export | rewards list | reward new | serve-reward | pretrain-digits``.
+"""Command-line interface of the ``flowrl`` console script.
+
+Subcommands: ``flowrl train | sample | export | rewards list | reward new | serve-reward | pretrain-digits``.
 
 User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
 line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
@@ -15,8 +17,11 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
 
 def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
-    """Positionals without ``=`` are config files, merged in order (model config, then presets);
-    ``key=value`` positionals are overrides applied last."""
+    """Split CLI positionals into config files and ``key=value`` overrides.
+
+    Positionals without ``=`` are config files, merged in order (model config, then presets);
+    ``key=value`` positionals are overrides applied last.
+    """
     configs, overrides = [], []
     for arg in args:
         (overrides if "=" in arg else configs).append(arg)
@@ -24,7 +29,7 @@ def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
 
 
 def _check_single_process() -> None:
-    """flowrl trains in one process; refuse a multi-process launch instead of training N copies."""
+    """Flowrl trains in one process; refuse a multi-process launch instead of training N copies."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
         raise ValueError(
@@ -34,6 +39,14 @@ def _check_single_process() -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
+    """``flowrl train``: load the config (files + overrides), run training and print a summary.
+
+    Args:
+        ns: parsed arguments (``args``, ``output``, ``overwrite``, ``resume``).
+
+    Returns:
+        The exit code, 0.
+    """
     from .config import load_config
     from .recipe import Run
 
@@ -47,13 +60,22 @@ def cmd_train(ns: argparse.Namespace) -> int:
     start, end = summary["start"], summary["end"]
     print(
         f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s; "
-        f"eval reward {start.get('eval/reward_mean', float('nan')):.4f} -> {end.get('eval/reward_mean', float('nan')):.4f}; "
+        f"eval reward {start.get('eval/reward_mean', float('nan')):.4f} -> "
+        f"{end.get('eval/reward_mean', float('nan')):.4f}; "
         f"outputs in {cfg.output.dir}"
     )
     return 0
 
 
 def cmd_sample(ns: argparse.Namespace) -> int:
+    """``flowrl sample``: sample ``ns.seeds`` images per prompt (optionally with a LoRA) and save a PNG grid.
+
+    Args:
+        ns: parsed arguments (``args``, ``lora``, ``prompt``, ``seeds``, ``seed``, ``steps``, ``out``).
+
+    Returns:
+        The exit code, 0.
+    """
     import torch
 
     from .config import load_config
@@ -83,6 +105,14 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 
 
 def cmd_rewards_list(ns: argparse.Namespace) -> int:
+    """``flowrl rewards list``: print a table of the registered rewards (source, offline use, description).
+
+    Args:
+        ns: parsed arguments (unused).
+
+    Returns:
+        The exit code, 0.
+    """
     from .rewards import list_rewards
 
     rows = list_rewards()
@@ -96,6 +126,14 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_reward_new(ns: argparse.Namespace) -> int:
+    """``flowrl reward new``: scaffold an installable reward plugin package.
+
+    Args:
+        ns: parsed arguments (``name``, ``dir``).
+
+    Returns:
+        The exit code, 0.
+    """
     from .scaffold import scaffold_reward
 
     root = scaffold_reward(ns.name, ns.dir)
@@ -104,6 +142,18 @@ def cmd_reward_new(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve_reward(ns: argparse.Namespace) -> int:
+    """``flowrl serve-reward``: serve one reward over HTTP until Ctrl-C or the idle timeout.
+
+    Args:
+        ns: parsed arguments (``name``, ``options``, ``host``, ``port``, ``token``, ``max_body_mb``, ``log``,
+            ``idle_exit``).
+
+    Returns:
+        The exit code, 0.
+
+    Raises:
+        ValueError: the server cannot bind to ``host:port``.
+    """
     from .config import parse_overrides
     from .rewards import build_reward
     from .rewards.server import TOKEN_ENV, RewardServer, check_bind
@@ -113,12 +163,25 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
     check_bind(ns.host, token)  # before loading a possibly large model
     reward = build_reward(ns.name, **options)
     try:
-        server = RewardServer(reward, ns.name, host=ns.host, port=ns.port, token=token, max_body_mb=ns.max_body_mb, log=ns.log,
-                              idle_exit_s=ns.idle_exit)
+        server = RewardServer(
+            reward,
+            ns.name,
+            host=ns.host,
+            port=ns.port,
+            token=token,
+            max_body_mb=ns.max_body_mb,
+            log=ns.log,
+            idle_exit_s=ns.idle_exit,
+        )
     except OSError as err:
-        raise ValueError(f"cannot serve on {ns.host}:{ns.port} ({err.strerror or err}); pick another --port or --host") from None
-    print(f"serving reward {ns.name!r} at {server.url} (POST /score, GET /health, GET /info; "
-          f"token {'required' if token else 'off'}); Ctrl-C stops", flush=True)
+        raise ValueError(
+            f"cannot serve on {ns.host}:{ns.port} ({err.strerror or err}); pick another --port or --host"
+        ) from None
+    print(
+        f"serving reward {ns.name!r} at {server.url} (POST /score, GET /health, GET /info; "
+        f"token {'required' if token else 'off'}); Ctrl-C stops",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -131,22 +194,47 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    """``flowrl export --merge``: write the base model with the trained LoRA fused in, as a diffusers folder.
+
+    Args:
+        ns: parsed arguments (``merge``, ``out``, ``base``, ``dtype``, ``overwrite``).
+
+    Returns:
+        The exit code, 0.
+
+    Raises:
+        ValueError: ``--merge`` is missing.
+    """
     from .export import export_merged
 
     if not ns.merge:
-        raise ValueError("flowrl export needs --merge RUN_OR_LORA (the only export kind: base + LoRA fused, diffusers format)")
+        raise ValueError(
+            "flowrl export needs --merge RUN_OR_LORA (the only export kind: base + LoRA fused, diffusers format)"
+        )
     out = export_merged(ns.merge, ns.out, base=ns.base, dtype=ns.dtype, overwrite=ns.overwrite)
-    print(f"wrote merged diffusers model to {out}; load it with <PipelineClass>.from_pretrained({str(out)!r}) or model.path={out}")
+    print(
+        f"wrote merged diffusers model to {out}; "
+        f"load it with <PipelineClass>.from_pretrained({str(out)!r}) or model.path={out}"
+    )
     return 0
 
 
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
+    """``flowrl pretrain-digits``: rebuild the embedded digits model (its own parser reads ``ns.args``).
+
+    Args:
+        ns: parsed arguments (``args``: the raw arguments after the subcommand).
+
+    Returns:
+        The exit code of the pretraining script.
+    """
     from .models.digits.pretrain import main as pretrain_main
 
     return pretrain_main(ns.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Build the ``flowrl`` argument parser; each subcommand sets ``func`` to its ``cmd_*`` handler."""
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -187,14 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $FLOWRL_REWARD_TOKEN)")
     serve.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request accepted")
     serve.add_argument("--log", action="store_true", help="print one line per request")
-    serve.add_argument("--idle-exit", type=float, metavar="SECONDS", help="stop after SECONDS without a request (default: never)")
+    serve.add_argument(
+        "--idle-exit", type=float, metavar="SECONDS", help="stop after SECONDS without a request (default: never)"
+    )
     serve.set_defaults(func=cmd_serve_reward)
 
     export = sub.add_parser("export", help="write base model + trained LoRA fused, as a diffusers folder")
-    export.add_argument("--merge", metavar="RUN_OR_LORA", help="a run folder, its lora/ folder or a pytorch_lora_weights.safetensors")
+    export.add_argument(
+        "--merge", metavar="RUN_OR_LORA", help="a run folder, its lora/ folder or a pytorch_lora_weights.safetensors"
+    )
     export.add_argument("--out", required=True, help="folder to write (diffusers save_pretrained layout)")
     export.add_argument("--base", help="base model folder (default: the run's model.path, else flowrl-digits)")
-    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weight dtype (default: the run's model.dtype)")
+    export.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="weight dtype (default: the run's model.dtype)"
+    )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     export.set_defaults(func=cmd_export)
 

@@ -28,21 +28,31 @@ def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = Fa
 
 @dataclass
 class ModelConfig:
+    """The model to align (``model``): which weights, their dtype and device, and the sampling geometry."""
+
     path: str = "flowrl-digits"  # "flowrl-digits" (embedded) or a local diffusers folder
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     resolution: int | list[int] | None = None  # an int (square) or [height, width]; None = the model's default
-    num_frames: int | None = field(default=None, metadata=_rng(1))  # video models (Wan: 4k + 1); None = the model's default
-    distilled_guidance: float | None = field(default=None, metadata=_rng(0))  # FLUX.1-dev guidance embedding; None = model default (3.5); null for schnell
+    num_frames: int | None = field(
+        default=None, metadata=_rng(1)
+    )  # video models (Wan: 4k + 1); None = the model's default
+    distilled_guidance: float | None = field(
+        default=None, metadata=_rng(0)
+    )  # FLUX.1-dev guidance embedding; None = model default (3.5); null for schnell
 
 
 @dataclass
 class PromptConfig:
+    """Prompt sets and batching (``prompts``): train/eval sources, prompts per iteration and group size."""
+
     train: str = "digits-styles"  # built-in set, a .txt/.jsonl/.csv/.json file, or a folder (its train.* file)
     eval: str = "digits-styles"  # same; a folder gives its test.* file
     per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
-    group_size: int = field(default=8, metadata=_rng(2))  # samples per prompt (GRPO group K)
-    test_fraction: float | None = field(default=None, metadata=_rng(0, 1, lo_open=True))  # hold out this share of prompts.train (by prompt hash) as the eval set
+    group_size: int = field(default=8, metadata=_rng(1))  # samples per prompt (GRPO group K; 1 with per_prompt)
+    test_fraction: float | None = field(
+        default=None, metadata=_rng(0, 1, lo_open=True)
+    )  # hold out this share of prompts.train (by prompt hash) as the eval set
     cache_dir: str | None = None  # persistent prompt-embedding cache (<dir>/<model fingerprint>/<sha256>.safetensors)
     negative: str = ""  # negative prompt of true CFG (used when sampler.guidance_scale != 1)
 
@@ -53,20 +63,30 @@ class TreeConfig:
 
     split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # steps where every node branches
     factors: list[int] = field(default_factory=lambda: [2])  # children per split: one value, or one per split
-    split_noise_scale: float = field(default=4.0, metadata=_rng(0, lo_open=True))  # std multiplier at splits (stored density matches)
+    split_noise_scale: float = field(
+        default=4.0, metadata=_rng(0, lo_open=True)
+    )  # std multiplier at splits (stored density matches)
     fusion: Literal["mean", "softmax"] = "mean"  # inner-node reward: mean of leaves | softmax over child log-probs
     depth_prune: list[int] = field(default_factory=list)  # child depths not trained (backward only)
-    depth_prune_slide_every: int = field(default=0, metadata=_rng(0))  # slide the window 1 depth rootward every N iterations
+    depth_prune_slide_every: int = field(
+        default=0, metadata=_rng(0)
+    )  # slide the window 1 depth rootward every N iterations
     depth_prune_stop: int | None = None  # the window stops sliding at this depth (None = last split step)
     width_keep: float = field(default=1.0, metadata=_rng(0, 1, lo_open=True))  # share of last-segment edges trained
-    width_mode: Literal["best_worst", "per_branch"] = "best_worst"  # per tree: best + worst halves | per last-split node: best children
+    width_mode: Literal["best_worst", "per_branch"] = (
+        "best_worst"  # per tree: best + worst halves | per last-split node: best children
+    )
     prune_until: int | None = None  # prune only in the first N iterations (None = always)
 
 
 @dataclass
 class SamplerConfig:
+    """Rollout sampling (``sampler``): sigma schedule, SDE/solver, guidance, SDE windows and tree rollouts."""
+
     num_steps: int = field(default=10, metadata=_rng(1))
-    schedule: Literal["linear", "shift", "dynamic_shift", "model"] = "linear"  # "model": the pipeline's own grid (FLUX, Qwen-Image)
+    schedule: Literal["linear", "shift", "dynamic_shift", "model"] = (
+        "linear"  # "model": the pipeline's own grid (FLUX, Qwen-Image)
+    )
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
     noise_level: float = field(default=0.7, metadata=_rng(0))
     guidance_scale: float = field(default=1.0, metadata=_rng(0))  # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass
@@ -98,12 +118,23 @@ class AdvantageConfig:
     min_count: int = field(default=16, metadata=_rng(1))  # per_prompt: rewards before a prompt's own history is used
 
 
-def validate_advantage(section: AdvantageConfig, where: str) -> None:
+def validate_advantage(section: AdvantageConfig, group_size: int, where: str) -> None:
     """Cross-key check of the ``advantage`` section (the per-key ranges are checked on load).
 
+    Args:
+        section: the ``advantage`` section.
+        group_size: ``prompts.group_size``.
+        where: the config source named in errors.
+
     Raises:
-        ConfigError: ``advantage.min_count > advantage.buffer_size``.
+        ConfigError: ``advantage.min_count > advantage.buffer_size``, or a single-sample group with a
+            group-relative method.
     """
+    if group_size < 2 and section.method != "per_prompt":
+        raise ConfigError(
+            f"{where}: 'prompts.group_size' must be >= 2 for advantage.method={section.method} (group-relative); "
+            "got 1. Raise it, or set advantage.method=per_prompt (DDPO's per-prompt history)"
+        )
     if section.min_count > section.buffer_size:
         raise ConfigError(
             f"{where}: 'advantage.min_count' must be <= 'advantage.buffer_size' ({section.buffer_size}); "
@@ -132,6 +163,8 @@ class MemoryConfig:
 
 @dataclass
 class LoraConfig:
+    """LoRA adapter of the trained denoiser (``lora``): rank, alpha and target modules."""
+
     rank: int = field(default=8, metadata=_rng(1))
     alpha: float = field(default=16.0, metadata=_rng(0, lo_open=True))
     targets: list[str] | None = None  # None = the model adapter's defaults
@@ -139,6 +172,8 @@ class LoraConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW optimizer of the LoRA weights (``optim``), with gradient-norm clipping."""
+
     lr: float = field(default=1e-3, metadata=_rng(0, lo_open=True))
     weight_decay: float = field(default=1e-4, metadata=_rng(0))
     beta1: float = field(default=0.9, metadata=_rng(0, 1))
@@ -149,17 +184,22 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    """Training loop (``train``): iterations and time budget, seed, threads, eval/save cadence, async scoring."""
+
     iterations: int = field(default=70, metadata=_rng(1))
     time_budget_s: float | None = None  # stop early after this many seconds of training
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2
     eval_every: int = field(default=10, metadata=_rng(1))
     eval_seeds: int = field(default=4, metadata=_rng(1))  # held-out seeds per eval prompt
-    eval_steps: int | None = field(default=None, metadata=_rng(1))  # Euler ODE steps of evaluation; None = sampler.num_steps
+    eval_steps: int | None = field(
+        default=None, metadata=_rng(1)
+    )  # Euler ODE steps of evaluation; None = sampler.num_steps
     save_every: int = field(default=50, metadata=_rng(1))
     progress: bool = True
-    # decode + score rollout chunk k while chunk k+1 samples (bit-identical results): false | true (= "thread") | "thread"
-    # | "process" (a spawned worker process: overlaps even when sampling and scoring are Python-bound, as on a CPU)
+    # decode + score rollout chunk k while chunk k+1 samples (bit-identical results): false | true (= "thread")
+    # | "thread" | "process" (a spawned worker process: overlaps even when sampling and scoring are Python-bound,
+    # as on a CPU)
     rewards_async: bool | Literal["thread", "process"] = False
     # rows per decode + score call; null = sampler.chunk_size. Smaller pieces let the trainer score the
     # last chunk together with the worker (async modes), which shortens the part of scoring that can't overlap
@@ -168,6 +208,8 @@ class TrainConfig:
 
 @dataclass
 class OutputConfig:
+    """Run outputs (``output``): the run folder and the columns of the before/after sample grid."""
+
     dir: str = "runs/digits-bold-thin"
     grid_seeds: int = field(default=4, metadata=_rng(1))  # columns per prompt in the before/after grid
 
@@ -266,7 +308,9 @@ def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
     for key in data:
         if key not in fields:
             allowed = ", ".join(fields)
-            raise ConfigError(f"{where}: unknown key '{prefix}{key}'; allowed keys{' in ' + prefix[:-1] if prefix else ''}: {allowed}")
+            raise ConfigError(
+                f"{where}: unknown key '{prefix}{key}'; allowed keys{' in ' + prefix[:-1] if prefix else ''}: {allowed}"
+            )
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
@@ -393,7 +437,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
         where = f"{where} + command line"
     cfg = _build(Config, data, "", where)
     validate_rewards(cfg.rewards, where)
-    validate_advantage(cfg.advantage, where)
+    validate_advantage(cfg.advantage, cfg.prompts.group_size, where)
     cfg.objective = validate_objective(cfg.objective, where)
     return cfg
 

@@ -38,7 +38,9 @@ def _base_folder(base: str) -> Path | None:
     return Path(base) if Path(base).is_dir() else None
 
 
-def export_merged(source: str | Path, out: str | Path, *, base: str | None = None, dtype: str | None = None, overwrite: bool = False) -> Path:
+def export_merged(
+    source: str | Path, out: str | Path, *, base: str | None = None, dtype: str | None = None, overwrite: bool = False
+) -> Path:
     """Write base model + LoRA fused into the transformer weights as a diffusers folder.
 
     Args:

@@ -26,7 +26,9 @@ def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
         raise FileExistsError(f"output path {path} is a file; set output.dir to a folder")
     if path.is_dir() and any(path.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>")
+            raise FileExistsError(
+                f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
+            )
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -40,6 +42,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON with sorted keys, atomically (see :func:`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -58,6 +61,12 @@ class MetricsLogger:
         self.rows: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one row (the numeric metrics) to ``metrics.jsonl`` and write the finite ones to TensorBoard.
+
+        Args:
+            step: the iteration the metrics belong to.
+            metrics: name -> value; non-numeric values are dropped.
+        """
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.rows.append(row)
         with self.path.open("a") as f:
@@ -68,6 +77,7 @@ class MetricsLogger:
         self.writer.flush()
 
     def close(self) -> None:
+        """Close the TensorBoard writer."""
         self.writer.close()
 
 
@@ -116,7 +126,9 @@ def image_grid(images: Tensor, rows: int, scale: int = 1, pad: int = 1) -> Tenso
     canvas = torch.full((c, rows * (h + pad) + pad, cols * (w + pad) + pad), 0.35)
     for i in range(n):
         r, k = divmod(i, cols)
-        canvas[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + k * (w + pad) : pad + k * (w + pad) + w] = images[i]
+        canvas[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + k * (w + pad) : pad + k * (w + pad) + w] = (
+            images[i]
+        )
     return canvas
 
 

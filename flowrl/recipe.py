@@ -23,8 +23,8 @@ import yaml
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
 from .models.digits import EVAL_REPORTS
-from .policy import build_policy
 from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
+from .policy import build_policy
 from .prompts.files import Prompt
 from .prompts.sets import holdout_split, load_prompts
 from .runtime import configure_threads
@@ -68,7 +68,9 @@ class Run:
         self.cfg = cfg
         self.out = Path(cfg.output.dir)
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
-            raise FileExistsError(f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>")
+            raise FileExistsError(
+                f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>"
+            )
         self.overwrite = overwrite
         self.threads = configure_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
@@ -114,11 +116,19 @@ class Run:
 
         cfg, trainer = self.cfg, self.trainer
         budget = cfg.train.time_budget_s
-        bar = tqdm(total=cfg.train.iterations, initial=trainer.iteration, disable=not cfg.train.progress, unit="it", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.train.iterations,
+            initial=trainer.iteration,
+            disable=not cfg.train.progress,
+            unit="it",
+            dynamic_ncols=True,
+        )
         end_eval: dict[str, float] = {}
         while trainer.iteration < cfg.train.iterations:
             metrics = trainer.train_step()
-            done = trainer.iteration >= cfg.train.iterations or (budget is not None and time.perf_counter() - t0 >= budget)
+            done = trainer.iteration >= cfg.train.iterations or (
+                budget is not None and time.perf_counter() - t0 >= budget
+            )
             if trainer.iteration % cfg.train.eval_every == 0 or done:
                 end_eval = self._evaluate()
                 metrics.update(end_eval)
@@ -132,7 +142,9 @@ class Run:
         bar.close()
         return end_eval
 
-    def _finish(self, out: Path, logger: MetricsLogger, before: torch.Tensor, start: dict, end: dict, wall: float) -> dict[str, Any]:
+    def _finish(
+        self, out: Path, logger: MetricsLogger, before: torch.Tensor, start: dict, end: dict, wall: float
+    ) -> dict[str, Any]:
         trainer = self.trainer
         from .policy.lora import lora_state_dict
 
@@ -143,7 +155,9 @@ class Run:
         rows = min(len(trainer.eval_prompts), GRID_MAX_PROMPTS)
         scale = max(1, 64 // trainer.resolution[0])
         save_before_after(before, after, rows, out / "grid_before_after.png", scale=scale)
-        save_reward_curve(logger.rows, out / "reward_curve.png", title=f"{self.cfg.objective['name']} on {self.cfg.model.path}")
+        save_reward_curve(
+            logger.rows, out / "reward_curve.png", title=f"{self.cfg.objective['name']} on {self.cfg.model.path}"
+        )
         summary = {
             "iterations": trainer.iteration,
             "samples_seen": trainer.samples_seen,

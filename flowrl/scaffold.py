@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PYPROJECT = '''[build-system]
+PYPROJECT = """[build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
 
@@ -26,7 +26,7 @@ dependencies = ["torch"]  # add the libraries your scorer needs; flowrl itself i
 
 [tool.setuptools]
 packages = ["{package}"]
-'''
+"""
 
 REWARD = '''"""The {name} reward for flowrl.
 
@@ -60,16 +60,16 @@ def {name}(target: float = 0.5) -> Any:
 {name}.offline = True  # this reward downloads nothing
 '''
 
-TEST = '''from flowrl.rewards.testing import check_reward
+TEST = """from flowrl.rewards.testing import check_reward
 
 from {package}.reward import {name}
 
 
 def test_conformance():
     check_reward({name})
-'''
+"""
 
-README = '''# flowrl-reward-{dash}
+README = """# flowrl-reward-{dash}
 
 A reward plugin for flowrl.
 
@@ -85,7 +85,7 @@ Use it in a config:
 Edit `{package}/reward.py`: the factory takes the config options and returns
 `score(images, prompts, **metadata) -> Tensor (B,) float32`. For scorers with heavy or clashing
 dependencies, run them behind a server process and call it from the factory.
-'''
+"""
 
 
 def scaffold_reward(name: str, directory: str | Path = ".") -> Path:

@@ -8,7 +8,6 @@ Its whole state (LoRA weights, optimizer, RNGs, counters) round-trips through
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any
 
@@ -55,9 +54,13 @@ class Trainer:
         ValueError: the policy has no trainable LoRA parameters.
     """
 
-    def __init__(self, cfg: Config, policy: Policy, reward: MultiReward, train_prompts: list[Prompt], eval_prompts: list[Prompt]):
+    def __init__(
+        self, cfg: Config, policy: Policy, reward: MultiReward, train_prompts: list[Prompt], eval_prompts: list[Prompt]
+    ):
         if not policy.params:
-            raise ValueError("the Trainer needs trainable LoRA parameters; build the policy with build_policy(cfg, trainable=True)")
+            raise ValueError(
+                "the Trainer needs trainable LoRA parameters; build the policy with build_policy(cfg, trainable=True)"
+            )
         self.cfg, self.reward, self.policy = cfg, reward, policy
         self.model = policy.model
         self.params = policy.params
@@ -68,7 +71,9 @@ class Trainer:
         self.sigmas = policy.sigmas(s.num_steps)
         self.eval_sigmas = self.sigmas if cfg.train.eval_steps is None else policy.sigmas(cfg.train.eval_steps)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
         self.advantage = AdvantageEstimator.from_config(cfg.advantage)
         self.objective = build_objective(cfg)
         self.objective.setup(self.model)
@@ -76,7 +81,9 @@ class Trainer:
         if cfg.memory.free_encoders_when_cached:
             self._free_encoders()
         self.rollout_kind = rollout_kind(self.objective.rollout, s.solver)
-        self.solver_levels = sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
+        self.solver_levels = (
+            sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
+        )
         self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
@@ -87,8 +94,16 @@ class Trainer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
         mode, pieces = self.cfg.train.rewards_async, self.cfg.train.score_chunk_size
         first = batch_index(self.iteration, 0, len(prompts.texts), self.cfg.sampler.chunk_size, pieces)
-        return RolloutScorer(self.reward, self.model.decode, prompts.texts, prompts.metadata, threaded=mode in (True, "thread"),
-                             first_index=first, worker=self.scoring_process() if mode == "process" else None, score_chunk_size=pieces)
+        return RolloutScorer(
+            self.reward,
+            self.model.decode,
+            prompts.texts,
+            prompts.metadata,
+            threaded=mode in (True, "thread"),
+            first_index=first,
+            worker=self.scoring_process() if mode == "process" else None,
+            score_chunk_size=pieces,
+        )
 
     def scoring_process(self) -> ScoringProcess:
         """The worker process of ``train.rewards_async: process``, started on first use and kept for the run."""
@@ -114,8 +129,10 @@ class Trainer:
     # -- one iteration -------------------------------------------------------------------------
 
     def collect(self) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        """Sample prompt groups, roll out, decode, score and compute advantages
-        (:func:`flowrl.rollouts.collect.collect_rollouts`, the same path for every rollout kind)."""
+        """Sample prompt groups, roll out, decode, score and compute advantages.
+
+        Uses :func:`flowrl.rollouts.collect.collect_rollouts`, the same path for every rollout kind.
+        """
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
@@ -124,22 +141,38 @@ class Trainer:
     def rollout_context(self) -> RolloutContext:
         """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""
         return RolloutContext(
-            model=self.model, sampling_adapter=self.objective.sampling_adapter, sampler=self.cfg.sampler, sigmas=self.sigmas,
-            latent_shape=self.latent_shape, device=self.device, generator=self.generator, iteration=self.iteration,
-            scorer=self.scorer, advantages=self.advantages, advantage_clip=self.cfg.advantage.clip, tree=self.tree,
+            model=self.model,
+            sampling_adapter=self.objective.sampling_adapter,
+            sampler=self.cfg.sampler,
+            sigmas=self.sigmas,
+            latent_shape=self.latent_shape,
+            device=self.device,
+            generator=self.generator,
+            iteration=self.iteration,
+            scorer=self.scorer,
+            advantages=self.advantages,
+            advantage_clip=self.cfg.advantage.clip,
+            tree=self.tree,
             solver_levels=self.solver_levels,
         )
 
-    def advantages(self, components: dict[str, Tensor], group_ids: Tensor, prompts: list[str]) -> tuple[Tensor, Tensor, AdvantageStats]:
-        """``advantage`` config applied to per-component rewards (B,) of the B ``prompts``: computed
-        on the CPU, returned (advantages, keep) on the model's device, plus the statistics."""
+    def advantages(
+        self, components: dict[str, Tensor], group_ids: Tensor, prompts: list[str]
+    ) -> tuple[Tensor, Tensor, AdvantageStats]:
+        """``advantage`` config applied to per-component rewards (B,) of the B ``prompts``.
+
+        Computed on the CPU; returns (advantages, keep) on the model's device, plus the statistics.
+        """
         components = {k: v.cpu() for k, v in components.items()}
         adv, keep, stats = self.advantage(components, self.reward.weights, group_ids.cpu(), prompts)
         return adv.to(self.device), keep.to(self.device), stats
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Run the objective's plan: one optimizer step per planned group of micro-batches
-        (attention kernels with a working backward pass: ``flowrl.policy.memory.trainable_attention``)."""
+        """Run the objective's plan: one optimizer step per planned group of micro-batches.
+
+        Runs with attention kernels that have a working backward pass
+        (``flowrl.policy.memory.trainable_attention``).
+        """
         with trainable_attention(self.device):
             return self._update(batch)
 
@@ -198,17 +231,23 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
 
     def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
-        """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W),
-        on ``train.eval_steps`` Euler steps (default: the rollout's ``sampler.num_steps``).
+        """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W).
 
+        Sampled on ``train.eval_steps`` Euler steps (default: the rollout's ``sampler.num_steps``).
         Evaluation is not counted in the training NFE.
         """
         batch, nfe = collate(prompts), self.model.nfe
         try:
             with use_adapter(self.model.transformer, self.objective.eval_adapter):
                 return sample_images(
-                    self.model, batch.texts, seeds, self.eval_sigmas, resolution=self.resolution, chunk_size=max(self.cfg.sampler.chunk_size, 64),
-                    frames=self.cfg.model.num_frames, encode=self.prompt_cache.encode,
+                    self.model,
+                    batch.texts,
+                    seeds,
+                    self.eval_sigmas,
+                    resolution=self.resolution,
+                    chunk_size=max(self.cfg.sampler.chunk_size, 64),
+                    frames=self.cfg.model.num_frames,
+                    encode=self.prompt_cache.encode,
                 )
         finally:
             self.model.nfe = nfe
@@ -233,7 +272,11 @@ class Trainer:
         """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters."""
         return {
             "lora": lora_state_dict(self.model.transformer),
-            "adapters": {n: lora_state_dict(self.model.transformer, n) for n in adapter_names(self.model.transformer) if n != "default"},
+            "adapters": {
+                n: lora_state_dict(self.model.transformer, n)
+                for n in adapter_names(self.model.transformer)
+                if n != "default"
+            },
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # detach from live tensors
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -256,4 +299,6 @@ class Trainer:
         self.samples_seen = int(state["samples_seen"])
         self.model.nfe = int(state.get("nfe", 0))
         self.objective.load_state_dict(state.get("objective", {}))
-        self.advantage.load_state_dict(state.get("advantage", {}))  # per-prompt reward history  # scalar state, e.g. SAGE-GRPO's beta
+        self.advantage.load_state_dict(
+            state.get("advantage", {})
+        )  # per-prompt reward history  # scalar state, e.g. SAGE-GRPO's beta

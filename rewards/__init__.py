@@ -13,8 +13,6 @@ from .combine import MultiReward, RewardOutput
 from .contract import RewardError, RewardFn, check_images, check_reward_output, score_reward
 from .digits import digit_correctness, ink, ink_amount
 from .jpeg import jpeg_compressibility, jpeg_incompressibility
-from .remote import RemoteReward, RemoteRewardError, remote
-from .video import FrameReward, frame_reward, reduce_frames, temporal_consistency
 from .registry import (
     ENTRY_POINT_GROUP,
     RewardInfo,
@@ -25,6 +23,8 @@ from .registry import (
     register_reward,
     resolve_factory,
 )
+from .remote import RemoteReward, RemoteRewardError, remote
+from .video import FrameReward, frame_reward, reduce_frames, temporal_consistency
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -51,7 +51,9 @@ def linear_chain_from_state(state: Mapping[str, Tensor], where: str, in_features
         for key, value in state.items():
             match = _LAYER_KEY.match(key)
             if match is None:
-                raise ValueError(f"{where}: unexpected key {key!r} in a linear head; expected layers.N.weight / layers.N.bias")
+                raise ValueError(
+                    f"{where}: unexpected key {key!r} in a linear head; expected layers.N.weight / layers.N.bias"
+                )
             pairs.setdefault(int(match.group(1)), {})[match.group(2)] = value
     layers: list[nn.Module] = []
     width = in_features
@@ -61,7 +63,9 @@ def linear_chain_from_state(state: Mapping[str, Tensor], where: str, in_features
             raise ValueError(f"{where}: layer {index} needs a 2-D weight and a bias; got {sorted(params)}")
         out_f, in_f = params["weight"].shape
         if width is not None and in_f != width:
-            raise ValueError(f"{where}: layer {index} takes {in_f} features but receives {width}; the head does not fit this CLIP")
+            raise ValueError(
+                f"{where}: layer {index} takes {in_f} features but receives {width}; the head does not fit this CLIP"
+            )
         linear = nn.Linear(in_f, out_f)
         linear.load_state_dict({k: v.float() for k, v in params.items()})
         layers.append(linear)

@@ -52,7 +52,12 @@ class ClipEmbedder:
     def pixels(self, images: Tensor) -> Tensor:
         """Model inputs (B, 3, h, w) in the model dtype from images (B, 3, H, W) in [0, 1]."""
         x = clip_pixels(
-            images.to(self.device), self.image_size, crop=self.crop, mean=self.mean, std=self.std, longest_pad=self.longest_pad
+            images.to(self.device),
+            self.image_size,
+            crop=self.crop,
+            mean=self.mean,
+            std=self.std,
+            longest_pad=self.longest_pad,
         )
         return x.to(self.dtype)
 
@@ -135,7 +140,10 @@ def load_clip_processor(spec: str, source: WeightSource) -> tuple[Any, dict[str,
 
     quiet_transformers()
     if not (folder / "preprocessor_config.json").is_file():
-        raise FileNotFoundError(f"{source.model}: {folder} has no preprocessor_config.json; set {source.config_key} to a CLIP processor folder")
+        raise FileNotFoundError(
+            f"{source.model}: {folder} has no preprocessor_config.json; "
+            f"set {source.config_key} to a CLIP processor folder"
+        )
     image_processor = AutoImageProcessor.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     size, crop = image_processor.size, image_processor.crop_size

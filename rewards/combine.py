@@ -42,8 +42,15 @@ class MultiReward:
     allows_nan = False
 
     def __init__(self, rewards: Mapping[str, tuple[RewardFn, float]]) -> None:
-        """Args:
-        rewards: name -> (reward callable, weight); at least one entry.
+        """Check and store the named rewards with their weights.
+
+        Args:
+            rewards: name -> (reward callable, weight); at least one entry.
+
+        Raises:
+            ValueError: no reward, an entry that is not a (reward_fn, weight) pair, or a weight that is not
+                a finite number.
+            TypeError: a reward that is not callable.
         """
         if not rewards:
             raise ValueError("MultiReward needs at least one reward; pass {name: (reward_fn, weight)}")
@@ -53,7 +60,9 @@ class MultiReward:
                 raise ValueError(f"reward {name!r} must be given as (reward_fn, weight); got {entry!r}")
             fn, weight = entry
             if not callable(fn):
-                raise TypeError(f"reward {name!r} is not callable ({type(fn).__name__}); pass a reward built by its factory")
+                raise TypeError(
+                    f"reward {name!r} is not callable ({type(fn).__name__}); pass a reward built by its factory"
+                )
             self.rewards[str(name)] = (fn, check_weight(name, weight))
 
     @property
@@ -75,7 +84,9 @@ class MultiReward:
         Returns:
             :class:`RewardOutput` with ``total`` (B,) float32 and each component (B,) float32.
         """
-        return self.combine(self.score_parts(images, prompts, metadata, batch_index=batch_index), batch_index=batch_index)
+        return self.combine(
+            self.score_parts(images, prompts, metadata, batch_index=batch_index), batch_index=batch_index
+        )
 
     def score_parts(
         self,
@@ -123,7 +134,9 @@ class MultiReward:
         first = components[next(iter(self.rewards))]
         total = torch.zeros(first.shape[0], dtype=torch.float32, device=first.device)
         for name, (_, weight) in self.rewards.items():
-            scores = check_reward_output(name, components[name], total.shape[0], allow_nan=True, batch_index=batch_index)
+            scores = check_reward_output(
+                name, components[name], total.shape[0], allow_nan=True, batch_index=batch_index
+            )
             total = total + weight * torch.nan_to_num(scores.to(total.device), nan=0.0)
         return RewardOutput(total, {name: components[name] for name in self.rewards})
 

@@ -25,7 +25,18 @@ class RewardError(ValueError):
 class RewardFn(Protocol):
     """Callable scoring a batch: ``(images (B, 3, H, W) in [0, 1], prompts (B,), **metadata) -> (B,) float32``."""
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor: ...
+    def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
+        """Score a batch.
+
+        Args:
+            images: (B, 3, H, W) float images in [0, 1] (video rewards: (B, F, 3, H, W) clips).
+            prompts: the B prompts.
+            **metadata: optional per-sample extras.
+
+        Returns:
+            (B,) float32 scores, one per image or clip.
+        """
+        ...
 
 
 def reward_allows_nan(fn: object) -> bool:
@@ -76,8 +87,7 @@ def check_reward_output(
         )
     if output.dtype != torch.float32:
         raise RewardError(
-            f"{where} returned dtype {output.dtype}, expected torch.float32; "
-            "convert inside the reward with .float()"
+            f"{where} returned dtype {output.dtype}, expected torch.float32; convert inside the reward with .float()"
         )
     if torch.isinf(output).any():
         bad = torch.isinf(output).nonzero().flatten().tolist()
@@ -115,12 +125,16 @@ def check_images(images: object, *, video: bool = False) -> Tensor:
     """
     expected = "(B, 3, H, W) or (B, F, 3, H, W)" if video else "(B, 3, H, W)"
     if not isinstance(images, Tensor):
-        raise TypeError(f"images must be a torch.Tensor {expected}, got {type(images).__name__}; convert with torch.as_tensor")
+        raise TypeError(
+            f"images must be a torch.Tensor {expected}, got {type(images).__name__}; convert with torch.as_tensor"
+        )
     if not images.is_floating_point():
         raise TypeError(f"images must be a float tensor in [0, 1], got dtype {images.dtype}; use images.float() / 255")
     if images.ndim not in ((4, 5) if video else (4,)):
         hint = "" if video or images.ndim != 5 else "; for video give the reward a frame reduction (option video: mean)"
-        raise ValueError(f"images must have shape {expected}, got {tuple(images.shape)}; add the batch/channel dims{hint}")
+        raise ValueError(
+            f"images must have shape {expected}, got {tuple(images.shape)}; add the batch/channel dims{hint}"
+        )
     if images.shape[-3] != 3:
         raise ValueError(
             f"images must have 3 channels {expected}, got {images.shape[-3]}; "
@@ -171,6 +185,10 @@ def score_reward(
         message = str(err).splitlines()[0] if str(err) else ""
         raise RewardError(f"{_where(name, batch_index)} raised {type(err).__name__}: {message}") from err
     return check_reward_output(
-        name, output, int(images.shape[0]), allow_nan=reward_allows_nan(fn), batch_index=batch_index,
+        name,
+        output,
+        int(images.shape[0]),
+        allow_nan=reward_allows_nan(fn),
+        batch_index=batch_index,
         allow_all_nan=allow_all_nan,
     )

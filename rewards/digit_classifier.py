@@ -59,7 +59,7 @@ class DigitClassifier(nn.Module):
 
 
 def digits_split(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """sklearn ``load_digits`` scaled to [0, 1] with a stratified 75/25 split.
+    """Sklearn ``load_digits`` scaled to [0, 1] with a stratified 75/25 split.
 
     Args:
         seed: split seed (the shipped weights use 0, so ``digits_split(0)`` test images are unseen).
@@ -223,7 +223,9 @@ def load_digit_classifier(path: str | Path | None = None, device: str | torch.de
 
     path = Path(path) if path is not None else default_weights_path()
     if not path.is_file():
-        raise FileNotFoundError(f"digit classifier weights not found at {path}; regenerate them with `{REGENERATE_COMMAND}`")
+        raise FileNotFoundError(
+            f"digit classifier weights not found at {path}; regenerate them with `{REGENERATE_COMMAND}`"
+        )
     try:
         state = load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises several error types for corrupt files

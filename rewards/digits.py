@@ -81,7 +81,9 @@ def _target_digits(prompts: Sequence[str], digits: Any, batch_size: int) -> Tens
         if value is None:
             out.append(digit_from_prompt(prompt))
         elif isinstance(value, bool) or int(value) != value or not 0 <= int(value) <= 9:
-            raise ValueError(f"metadata digit {value!r} for prompt {prompt!r} is not an integer 0-9; fix the prompt metadata")
+            raise ValueError(
+                f"metadata digit {value!r} for prompt {prompt!r} is not an integer 0-9; fix the prompt metadata"
+            )
         else:
             out.append(int(value))
     return torch.tensor(out, dtype=torch.long)

@@ -79,15 +79,28 @@ def openclip_installed() -> bool:
 
 def _geometry(cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     size = int(cfg["vision_cfg"]["image_size"])
-    return dict(image_size=size, crop=(size, size), mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, longest_pad=True, device=device, dtype=dtype)
+    return dict(
+        image_size=size,
+        crop=(size, size),
+        mean=OPENAI_CLIP_MEAN,
+        std=OPENAI_CLIP_STD,
+        longest_pad=True,
+        device=device,
+        dtype=dtype,
+    )
 
 
-def _openclip_embedder(state: dict[str, Tensor], architecture: str | Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> OpenClipEmbedder:
+def _openclip_embedder(
+    state: dict[str, Tensor], architecture: str | Mapping[str, Any], device: torch.device, dtype: torch.dtype
+) -> OpenClipEmbedder:
     import open_clip
 
     cfg = architecture_config(architecture)
     model = open_clip.model.CLIP(
-        embed_dim=cfg["embed_dim"], vision_cfg=cfg["vision_cfg"], text_cfg=cfg["text_cfg"], quick_gelu=cfg.get("quick_gelu", False)
+        embed_dim=cfg["embed_dim"],
+        vision_cfg=cfg["vision_cfg"],
+        text_cfg=cfg["text_cfg"],
+        quick_gelu=cfg.get("quick_gelu", False),
     )
     model.load_state_dict({k: v for k, v in state.items() if k not in ("attn_mask", "visual.attn_mask")}, strict=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -99,7 +112,12 @@ def _openclip_embedder(state: dict[str, Tensor], architecture: str | Mapping[str
 
 
 def _transformers_embedder(
-    state: dict[str, Tensor], architecture: str | Mapping[str, Any], folder: Path, where: str, device: torch.device, dtype: torch.dtype
+    state: dict[str, Tensor],
+    architecture: str | Mapping[str, Any],
+    folder: Path,
+    where: str,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> TransformersClipEmbedder:
     from transformers import AutoTokenizer
 
@@ -143,12 +161,21 @@ def hpsv2(
     if backend not in BACKENDS:
         raise ValueError(f"hpsv2 backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "open_clip" and not openclip_installed():
-        raise ImportError("hpsv2 backend 'open_clip' needs open_clip: pip install 'flowrl[openclip]', or set rewards.hpsv2.backend=transformers")
+        raise ImportError(
+            "hpsv2 backend 'open_clip' needs open_clip: pip install 'flowrl[openclip]', "
+            "or set rewards.hpsv2.backend=transformers"
+        )
     architecture_config(architecture)  # fail on a bad architecture before reading gigabytes
     use_open_clip = backend == "open_clip" or (backend == "auto" and openclip_installed())
     device_, dtype_ = torch.device(device), torch_dtype(dtype)
     path = resolve_file(checkpoint, WeightSource(f"HPS{version}", "rewards.hpsv2.checkpoint"), HPS_FILES[version])
-    tok_folder = None if use_open_clip else resolve_model_folder(tokenizer, WeightSource("HPSv2's CLIP-H tokenizer", "rewards.hpsv2.tokenizer"), weights=False)
+    tok_folder = (
+        None
+        if use_open_clip
+        else resolve_model_folder(
+            tokenizer, WeightSource("HPSv2's CLIP-H tokenizer", "rewards.hpsv2.tokenizer"), weights=False
+        )
+    )
     state = load_checkpoint(path, nested_key="state_dict")
     if tok_folder is None:
         embedder: ClipEmbedder = _openclip_embedder(state, architecture, device_, dtype_)

@@ -43,19 +43,28 @@ IMAGEREWARD_V1 = {"vision_heads": 16, "text_heads": 12}
 
 _VISION_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _VISION_PARTS = {
-    "norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv",
-    "attn.proj": "self_attn.projection", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
+    "norm1": "layer_norm1",
+    "norm2": "layer_norm2",
+    "attn.qkv": "self_attn.qkv",
+    "attn.proj": "self_attn.projection",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
 }
 _VISION_PLAIN = {
-    "cls_token": "embeddings.class_embedding", "pos_embed": "embeddings.position_embedding",
-    "patch_embed.proj.weight": "embeddings.patch_embedding.weight", "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
-    "norm.weight": "post_layernorm.weight", "norm.bias": "post_layernorm.bias",
+    "cls_token": "embeddings.class_embedding",
+    "pos_embed": "embeddings.position_embedding",
+    "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
+    "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
+    "norm.weight": "post_layernorm.weight",
+    "norm.bias": "post_layernorm.bias",
 }
 _UNUSED_PREFIXES = ("blip.vision_proj.", "blip.text_proj.")
 _UNUSED_KEYS = {"blip.text_encoder.embeddings.position_ids"}
 
 
-def split_checkpoint(state: Mapping[str, Tensor], where: str) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+def split_checkpoint(
+    state: Mapping[str, Tensor], where: str
+) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
     """Split ImageReward.pt into (vision, text, head) state dicts with their prefixes removed.
 
     Raises:
@@ -67,8 +76,11 @@ def split_checkpoint(state: Mapping[str, Tensor], where: str) -> tuple[dict[str,
             continue
         prefix = next((p for p in parts if key.startswith(p)), None)
         if prefix is None:
-            raise ValueError(f"{where}: key {key!r} is not part of the ImageReward layout (blip.visual_encoder, blip.text_encoder, mlp)")
-        parts[prefix][key[len(prefix):]] = value
+            raise ValueError(
+                f"{where}: key {key!r} is not part of the ImageReward layout "
+                "(blip.visual_encoder, blip.text_encoder, mlp)"
+            )
+        parts[prefix][key[len(prefix) :]] = value
     missing = [p for p, d in parts.items() if not d]
     if missing:
         raise ValueError(f"{where}: no {', '.join(missing)} weights; is this ImageReward.pt?")
@@ -95,8 +107,10 @@ def _count(state: Mapping[str, Tensor], pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def build_blip_towers(vision: Mapping[str, Tensor], text: Mapping[str, Tensor], architecture: Mapping[str, int], where: str) -> tuple[Any, Any]:
-    """transformers ``BlipVisionModel`` and ``BlipTextModel`` (with cross-attention) holding the checkpoint.
+def build_blip_towers(
+    vision: Mapping[str, Tensor], text: Mapping[str, Tensor], architecture: Mapping[str, int], where: str
+) -> tuple[Any, Any]:
+    """Transformers ``BlipVisionModel`` and ``BlipTextModel`` (with cross-attention) holding the checkpoint.
 
     Sizes come from tensor shapes; head counts from ``architecture`` (``vision_heads``, ``text_heads``).
     """
@@ -105,21 +119,37 @@ def build_blip_towers(vision: Mapping[str, Tensor], text: Mapping[str, Tensor], 
     width, patch = vision["patch_embed.proj.weight"].shape[0], vision["patch_embed.proj.weight"].shape[-1]
     grid = int(round((vision["pos_embed"].shape[1] - 1) ** 0.5))
     vision_config = BlipVisionConfig(
-        hidden_size=int(width), intermediate_size=int(vision["blocks.0.mlp.fc1.weight"].shape[0]),
-        num_hidden_layers=_count(vision, r"^blocks\.(\d+)\."), num_attention_heads=int(architecture["vision_heads"]),
-        image_size=int(grid * patch), patch_size=int(patch), layer_norm_eps=1e-6, hidden_act="gelu",
+        hidden_size=int(width),
+        intermediate_size=int(vision["blocks.0.mlp.fc1.weight"].shape[0]),
+        num_hidden_layers=_count(vision, r"^blocks\.(\d+)\."),
+        num_attention_heads=int(architecture["vision_heads"]),
+        image_size=int(grid * patch),
+        patch_size=int(patch),
+        layer_norm_eps=1e-6,
+        hidden_act="gelu",
     )
     vocab, hidden = text["embeddings.word_embeddings.weight"].shape
     text_config = BlipTextConfig(
-        vocab_size=int(vocab), hidden_size=int(hidden), encoder_hidden_size=int(text["encoder.layer.0.crossattention.self.key.weight"].shape[1]),
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        encoder_hidden_size=int(text["encoder.layer.0.crossattention.self.key.weight"].shape[1]),
         intermediate_size=int(text["encoder.layer.0.intermediate.dense.weight"].shape[0]),
-        num_hidden_layers=_count(text, r"^encoder\.layer\.(\d+)\."), num_attention_heads=int(architecture["text_heads"]),
-        max_position_embeddings=int(text["embeddings.position_embeddings.weight"].shape[0]), layer_norm_eps=1e-12,
-        hidden_act="gelu", is_decoder=True, pad_token_id=0,
+        num_hidden_layers=_count(text, r"^encoder\.layer\.(\d+)\."),
+        num_attention_heads=int(architecture["text_heads"]),
+        max_position_embeddings=int(text["embeddings.position_embeddings.weight"].shape[0]),
+        layer_norm_eps=1e-12,
+        hidden_act="gelu",
+        is_decoder=True,
+        pad_token_id=0,
     )
-    for name, size, heads in (("vision", width, vision_config.num_attention_heads), ("text", hidden, text_config.num_attention_heads)):
+    for name, size, heads in (
+        ("vision", width, vision_config.num_attention_heads),
+        ("text", hidden, text_config.num_attention_heads),
+    ):
         if size % heads:
-            raise ValueError(f"{where}: {name} width {int(size)} is not divisible by {heads} heads; check the architecture option")
+            raise ValueError(
+                f"{where}: {name} width {int(size)} is not divisible by {heads} heads; check the architecture option"
+            )
     vision_model, text_model = BlipVisionModel(vision_config), BlipTextModel(text_config, add_pooling_layer=False)
     vision_model.load_state_dict(convert_vision(vision, where), strict=True)
     text_model.load_state_dict({k: v.float() for k, v in text.items()}, strict=True)
@@ -142,7 +172,17 @@ class ImageReward(ModelReward):
 
     name = "imagereward"
 
-    def __init__(self, vision: Any, text: Any, head: nn.Sequential, tokenizer: Any, image_size: int, device: torch.device, dtype: torch.dtype, batch_size: int) -> None:
+    def __init__(
+        self,
+        vision: Any,
+        text: Any,
+        head: nn.Sequential,
+        tokenizer: Any,
+        image_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        batch_size: int,
+    ) -> None:
         super().__init__(device, dtype, batch_size)
         self.vision, self.text = vision.to(device=device, dtype=dtype), text.to(device=device, dtype=dtype)
         self.head, self.tokenizer, self.image_size = head.to(device), tokenizer, image_size
@@ -151,7 +191,9 @@ class ImageReward(ModelReward):
         """Differentiable scores (B,) float32 for images (B, 3, H, W) in [0, 1]."""
         pixels = clip_pixels(images.to(self.device), self.image_size, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
         image_tokens = self.vision(pixel_values=pixels.to(self.dtype)).last_hidden_state
-        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=TEXT_LENGTH, return_tensors="pt")
+        tokens = self.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=TEXT_LENGTH, return_tensors="pt"
+        )
         out = self.text(
             input_ids=tokens["input_ids"].to(self.device),
             attention_mask=tokens["attention_mask"].to(self.device),
@@ -164,7 +206,11 @@ class ImageReward(ModelReward):
 
 def load_blip_tokenizer(spec: str) -> Any:
     """bert-base-uncased plus BLIP's added specials ``[DEC]`` (bos) and ``[ENC]``."""
-    folder = resolve_model_folder(spec, WeightSource("ImageReward's BERT tokenizer (bert-base-uncased)", "rewards.imagereward.tokenizer"), weights=False)
+    folder = resolve_model_folder(
+        spec,
+        WeightSource("ImageReward's BERT tokenizer (bert-base-uncased)", "rewards.imagereward.tokenizer"),
+        weights=False,
+    )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -195,16 +241,23 @@ def imagereward(
         A reward ``(images (B, 3, H, W) in [0, 1], prompts) -> (B,) float32``.
     """
     arch = dict(IMAGEREWARD_V1, **(architecture or {}))
-    path = resolve_file(checkpoint, WeightSource("ImageReward-v1.0", "rewards.imagereward.checkpoint"), IMAGEREWARD_FILE)
+    path = resolve_file(
+        checkpoint, WeightSource("ImageReward-v1.0", "rewards.imagereward.checkpoint"), IMAGEREWARD_FILE
+    )
     quiet_transformers()
     where = str(path)
     vision_state, text_state, head_state = split_checkpoint(load_checkpoint(path, nested_key="state_dict"), where)
     tok = load_blip_tokenizer(tokenizer)
     vision, text = build_blip_towers(vision_state, text_state, arch, where)
     if len(tok) > text.config.vocab_size:
-        raise ValueError(f"{where}: the tokenizer has {len(tok)} tokens but the text encoder only {text.config.vocab_size}; use bert-base-uncased")
+        raise ValueError(
+            f"{where}: the tokenizer has {len(tok)} tokens but the text encoder only {text.config.vocab_size}; "
+            "use bert-base-uncased"
+        )
     head = linear_chain_from_state(head_state, where + " (mlp)", text.config.hidden_size)
-    return ImageReward(vision, text, head, tok, vision.config.image_size, torch.device(device), torch_dtype(dtype), batch_size)
+    return ImageReward(
+        vision, text, head, tok, vision.config.image_size, torch.device(device), torch_dtype(dtype), batch_size
+    )
 
 
 imagereward.offline = CachedDefaults(  # type: ignore[attr-defined]

@@ -50,7 +50,9 @@ class ModelReward:
         check_images(images)
         prompts = list(prompts)
         if len(prompts) != images.shape[0]:
-            raise ValueError(f"{self.name}: got {len(prompts)} prompts for {images.shape[0]} images; pass one prompt per image")
+            raise ValueError(
+                f"{self.name}: got {len(prompts)} prompts for {images.shape[0]} images; pass one prompt per image"
+            )
         if any(not isinstance(p, str) for p in prompts):
             raise TypeError(f"{self.name}: prompts must be strings; got {[type(p).__name__ for p in prompts]}")
         with torch.no_grad():

@@ -47,11 +47,16 @@ KNOWN_ARCHITECTURES = {"ViT-H-14": VIT_H_14}
 
 _BLOCK = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.+)$")
 _BLOCK_PARTS = {
-    "ln_1.weight": "layer_norm1.weight", "ln_1.bias": "layer_norm1.bias",
-    "ln_2.weight": "layer_norm2.weight", "ln_2.bias": "layer_norm2.bias",
-    "attn.out_proj.weight": "self_attn.out_proj.weight", "attn.out_proj.bias": "self_attn.out_proj.bias",
-    "mlp.c_fc.weight": "mlp.fc1.weight", "mlp.c_fc.bias": "mlp.fc1.bias",
-    "mlp.c_proj.weight": "mlp.fc2.weight", "mlp.c_proj.bias": "mlp.fc2.bias",
+    "ln_1.weight": "layer_norm1.weight",
+    "ln_1.bias": "layer_norm1.bias",
+    "ln_2.weight": "layer_norm2.weight",
+    "ln_2.bias": "layer_norm2.bias",
+    "attn.out_proj.weight": "self_attn.out_proj.weight",
+    "attn.out_proj.bias": "self_attn.out_proj.bias",
+    "mlp.c_fc.weight": "mlp.fc1.weight",
+    "mlp.c_fc.bias": "mlp.fc1.bias",
+    "mlp.c_proj.weight": "mlp.fc2.weight",
+    "mlp.c_proj.bias": "mlp.fc2.bias",
 }
 _PLAIN = {
     "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
@@ -75,10 +80,16 @@ def architecture_config(architecture: str | Mapping[str, Any]) -> dict[str, Any]
     """An open_clip model config by name ("ViT-H-14") or as a dict in open_clip's JSON format."""
     if isinstance(architecture, str):
         if architecture not in KNOWN_ARCHITECTURES:
-            raise ValueError(f"unknown open_clip architecture {architecture!r}; known: {sorted(KNOWN_ARCHITECTURES)} or pass its config dict")
+            raise ValueError(
+                f"unknown open_clip architecture {architecture!r}; known: {sorted(KNOWN_ARCHITECTURES)} "
+                "or pass its config dict"
+            )
         return KNOWN_ARCHITECTURES[architecture]
     if not isinstance(architecture, Mapping) or not {"embed_dim", "vision_cfg", "text_cfg"} <= set(architecture):
-        raise ValueError(f"open_clip architecture must be a name or a dict with embed_dim, vision_cfg, text_cfg; got {architecture!r}")
+        raise ValueError(
+            "open_clip architecture must be a name or a dict with embed_dim, vision_cfg, text_cfg; "
+            f"got {architecture!r}"
+        )
     return dict(architecture)
 
 
@@ -122,7 +133,10 @@ def convert_openclip_state_dict(state: Mapping[str, Tensor], where: str = "check
         tower = "vision_model" if block and block.group(1) else "text_model"
         if block and _convert_block(tower, block.group(2), block.group(3), value, out):
             continue
-        raise ValueError(f"{where}: open_clip key {key!r} has no transformers CLIPModel counterpart; this converter supports plain ViT CLIP towers")
+        raise ValueError(
+            f"{where}: open_clip key {key!r} has no transformers CLIPModel counterpart; "
+            "this converter supports plain ViT CLIP towers"
+        )
     return out
 
 
@@ -153,27 +167,46 @@ def clip_config_from_openclip(
     vocab, t_width = state["token_embedding.weight"].shape
     embed_dim = state["visual.proj"].shape[1]
     found = {
-        "vision width": (v_width, vcfg.get("width")), "patch size": (patch, vcfg.get("patch_size")),
-        "image size": (grid * patch, vcfg.get("image_size")), "vision layers": (_count_blocks(state, "visual."), vcfg.get("layers")),
-        "text width": (t_width, tcfg.get("width")), "text layers": (_count_blocks(state, ""), tcfg.get("layers")),
-        "vocab size": (vocab, tcfg.get("vocab_size")), "embed dim": (embed_dim, architecture.get("embed_dim")),
+        "vision width": (v_width, vcfg.get("width")),
+        "patch size": (patch, vcfg.get("patch_size")),
+        "image size": (grid * patch, vcfg.get("image_size")),
+        "vision layers": (_count_blocks(state, "visual."), vcfg.get("layers")),
+        "text width": (t_width, tcfg.get("width")),
+        "text layers": (_count_blocks(state, ""), tcfg.get("layers")),
+        "vocab size": (vocab, tcfg.get("vocab_size")),
+        "embed dim": (embed_dim, architecture.get("embed_dim")),
         "context length": (state["positional_embedding"].shape[0], tcfg.get("context_length")),
     }
     for name, (got, want) in found.items():
         if want is not None and int(got) != int(want):
-            raise ValueError(f"{where}: {name} is {int(got)} in the checkpoint but {int(want)} in the architecture; pass the matching architecture")
+            raise ValueError(
+                f"{where}: {name} is {int(got)} in the checkpoint but {int(want)} in the architecture; "
+                "pass the matching architecture"
+            )
     act = "quick_gelu" if architecture.get("quick_gelu", False) else "gelu"
     v_heads = int(v_width) // int(vcfg.get("head_width", 64))
     text = dict(
-        vocab_size=int(vocab), hidden_size=int(t_width), num_attention_heads=int(tcfg.get("heads", 8)),
-        num_hidden_layers=found["text layers"][0], intermediate_size=int(state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0]),
-        max_position_embeddings=int(found["context length"][0]), hidden_act=act, layer_norm_eps=1e-5,
-        eos_token_id=int(eos_token_id), bos_token_id=int(eos_token_id) - 1, pad_token_id=0,
+        vocab_size=int(vocab),
+        hidden_size=int(t_width),
+        num_attention_heads=int(tcfg.get("heads", 8)),
+        num_hidden_layers=found["text layers"][0],
+        intermediate_size=int(state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0]),
+        max_position_embeddings=int(found["context length"][0]),
+        hidden_act=act,
+        layer_norm_eps=1e-5,
+        eos_token_id=int(eos_token_id),
+        bos_token_id=int(eos_token_id) - 1,
+        pad_token_id=0,
     )
     vision = dict(
-        hidden_size=int(v_width), num_attention_heads=v_heads, num_hidden_layers=found["vision layers"][0],
+        hidden_size=int(v_width),
+        num_attention_heads=v_heads,
+        num_hidden_layers=found["vision layers"][0],
         intermediate_size=int(state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0]),
-        image_size=int(grid * patch), patch_size=int(patch), hidden_act=act, layer_norm_eps=1e-5,
+        image_size=int(grid * patch),
+        patch_size=int(patch),
+        hidden_act=act,
+        layer_norm_eps=1e-5,
     )
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=int(embed_dim))
 

@@ -85,5 +85,6 @@ def pickscore(
 
 
 pickscore.offline = CachedDefaults(  # type: ignore[attr-defined]
-    (PICKSCORE_MODEL, [CONFIG_FILES, SAFETENSORS_WEIGHTS + PICKLE_WEIGHTS]), (CLIP_H_PROCESSOR, [("preprocessor_config.json",)])
+    (PICKSCORE_MODEL, [CONFIG_FILES, SAFETENSORS_WEIGHTS + PICKLE_WEIGHTS]),
+    (CLIP_H_PROCESSOR, [("preprocessor_config.json",)]),
 )

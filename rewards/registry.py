@@ -110,13 +110,19 @@ def _load_path(name: str, path: str) -> RewardFactory:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - a broken plugin must be reported by name
-        raise RewardError(f"reward {name!r} failed to import {module_name!r} ({_one_line(err)}); install or fix that module") from err
+        raise RewardError(
+            f"reward {name!r} failed to import {module_name!r} ({_one_line(err)}); install or fix that module"
+        ) from err
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}; check the path {path!r}")
+            raise RewardError(
+                f"reward {name!r}: module {module_name!r} has no attribute {attr!r}; check the path {path!r}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardError(f"reward {name!r}: {path!r} is {type(obj).__name__}, not a callable factory; point to a factory function")
+        raise RewardError(
+            f"reward {name!r}: {path!r} is {type(obj).__name__}, not a callable factory; point to a factory function"
+        )
     return obj
 
 
@@ -169,15 +175,14 @@ def resolve_factory(name: str) -> RewardFactory:
     if name in _BUILTINS:
         return _load_path(name, _BUILTINS[name])
     if name.startswith(REMOTE_PREFIX):
-        return functools.partial(_load_path("remote", _BUILTINS["remote"]), name[len(REMOTE_PREFIX):])
+        return functools.partial(_load_path("remote", _BUILTINS["remote"]), name[len(REMOTE_PREFIX) :])
     if ":" in name:
         return _load_path(name, name)
     ep = _entry_points().get(name)
     if ep is not None:
         return _load_entry_point(ep)
     raise ValueError(
-        f"unknown reward {name!r}; known: {', '.join(known_reward_names())} "
-        "(or give a 'package.module:factory' path)"
+        f"unknown reward {name!r}; known: {', '.join(known_reward_names())} (or give a 'package.module:factory' path)"
     )
 
 
@@ -205,7 +210,9 @@ def build_reward(name: str, **options: Any) -> RewardFn:
     except Exception as err:  # noqa: BLE001 - any factory failure is re-raised with the reward's name
         raise RewardError(f"reward {name!r} could not be built with options {options!r}: {_one_line(err)}") from err
     if not callable(reward):
-        raise RewardError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward; fix the factory")
+        raise RewardError(
+            f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward; fix the factory"
+        )
     if video is not None:
         from .video import frame_reward
 

@@ -106,7 +106,9 @@ class RemoteReward:
         headers = {"Content-Type": content_type} if content_type else {}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST" if body is not None else "GET")
+        request = urllib.request.Request(
+            self.url + path, data=body, headers=headers, method="POST" if body is not None else "GET"
+        )
         try:
             with self._opener.open(request, timeout=self.timeout_s) as reply:
                 return reply.read(), reply.headers.get("Content-Type", "")
@@ -154,7 +156,9 @@ class RemoteReward:
                 raise WireError(f"reply is JSON, not safetensors: {reply[:120]!r}")
             scores, allows_nan = (decode_scores_json if content_type == JSON else decode_scores)(reply)
             if tuple(scores.shape) != (len(prompts),) or scores.dtype != torch.float32:
-                raise WireError(f"reply holds scores of shape {tuple(scores.shape)} {scores.dtype} for {len(prompts)} images")
+                raise WireError(
+                    f"reply holds scores of shape {tuple(scores.shape)} {scores.dtype} for {len(prompts)} images"
+                )
             self.allows_nan = allows_nan
             return scores
 
@@ -175,7 +179,10 @@ class RemoteReward:
         return torch.cat(parts).to(images.device) if parts else torch.zeros(0, dtype=torch.float32)
 
     def __repr__(self) -> str:
-        return f"RemoteReward({self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries}, batch_size={self.batch_size})"
+        return (
+            f"RemoteReward({self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries}, "
+            f"batch_size={self.batch_size})"
+        )
 
 
 def _slice(value: Any, part: slice, total: int) -> Any:
@@ -249,6 +256,12 @@ def remote(
         A reward ``(images (B, 3, H, W) or clips (B, F, 3, H, W), prompts, **metadata) -> (B,) float32``.
     """
     return RemoteReward(
-        url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, batch_size=batch_size, format=format, token=token,
+        url,
+        timeout_s=timeout_s,
+        retries=retries,
+        backoff_s=backoff_s,
+        batch_size=batch_size,
+        format=format,
+        token=token,
         wire_dtype=wire_dtype,
     )

@@ -27,7 +27,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .contract import RewardError, RewardFn, check_images, reward_allows_nan, score_reward
-from .wire import JSON, SAFETENSORS, WIRE_VERSION, WireError, decode_batch, decode_batch_png, encode_scores, encode_scores_json
+from .wire import (
+    JSON,
+    SAFETENSORS,
+    WIRE_VERSION,
+    WireError,
+    decode_batch,
+    decode_batch_png,
+    encode_scores,
+    encode_scores_json,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -251,7 +260,11 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             except RewardError as err:
                 self._error(500, str(err).splitlines()[0])
             except Exception as err:  # noqa: BLE001 - the server must answer, whatever the reward does
-                self._error(500, f"reward {server.name!r} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                self._error(
+                    500,
+                    f"reward {server.name!r} failed: {type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''}",
+                )
             else:
                 self._send(200, reply, reply_type)
 
@@ -261,7 +274,9 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
                 self._error(411, "send the request body with a Content-Length header")
                 return None
             if int(length) > server.max_body:
-                self._error(413, f"body of {int(length)} bytes exceeds the server's limit of {server.max_body}; split the batch")
+                self._error(
+                    413, f"body of {int(length)} bytes exceeds the server's limit of {server.max_body}; split the batch"
+                )
                 return None
             return self.rfile.read(int(length))
 

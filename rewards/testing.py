@@ -42,7 +42,10 @@ def _slice(metadata: dict[str, Sequence[Any]], n: int) -> dict[str, Any]:
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
-    return bool(torch.equal(torch.isnan(a), torch.isnan(b)) and torch.allclose(a.nan_to_num(), b.nan_to_num(), rtol=1e-5, atol=1e-6))
+    return bool(
+        torch.equal(torch.isnan(a), torch.isnan(b))
+        and torch.allclose(a.nan_to_num(), b.nan_to_num(), rtol=1e-5, atol=1e-6)
+    )
 
 
 def default_batch(size: int = 4, resolution: int = 8, seed: int = 0) -> tuple[Tensor, list[str], dict[str, list[Any]]]:
@@ -93,10 +96,15 @@ def check_reward(
             raise ConformanceError(f"reward '{name}' is not deterministic: two calls on the same batch differ")
         single = score_reward(name, fn, images[:1], prompts[:1], _slice(metadata, 1))
         if single.shape != (1,):
-            raise ConformanceError(f"reward '{name}' returned shape {tuple(single.shape)} for a batch of 1; expected (1,)")
+            raise ConformanceError(
+                f"reward '{name}' returned shape {tuple(single.shape)} for a batch of 1; expected (1,)"
+            )
         _check_no_grad(name, fn, images, prompts, metadata)
         if reward_allows_nan(fn) and torch.isnan(first).all():
-            raise ConformanceError(f"reward '{name}' returned only NaN on the sample batch; NaN must mean 'not applicable' for some samples only")
+            raise ConformanceError(
+                f"reward '{name}' returned only NaN on the sample batch; "
+                "NaN must mean 'not applicable' for some samples only"
+            )
         if video:
             _check_video(name, fn, images, prompts, metadata)
     return first
@@ -106,7 +114,9 @@ def _check_no_grad(name: str, fn: Any, images: Tensor, prompts: list[str], metad
     leaf = images.detach().clone().requires_grad_(True)
     out = fn(leaf, prompts, **metadata)
     if isinstance(out, Tensor) and out.requires_grad:
-        raise ConformanceError(f"reward '{name}' returns a tensor that requires grad; score under torch.no_grad() and detach")
+        raise ConformanceError(
+            f"reward '{name}' returns a tensor that requires grad; score under torch.no_grad() and detach"
+        )
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     if any(p.grad is not None for p in params):
         raise ConformanceError(f"reward '{name}' left gradients on its own parameters; score under torch.no_grad()")
@@ -116,4 +126,7 @@ def _check_video(name: str, fn: Any, images: Tensor, prompts: list[str], metadat
     clip = images if images.ndim == 5 else images.unsqueeze(1).repeat(1, 3, 1, 1, 1)  # (B, F=3, 3, H, W)
     out = fn(clip, prompts, **metadata)
     if not isinstance(out, Tensor) or out.shape != (len(images),):
-        raise ConformanceError(f"reward '{name}' declares video support but returned {getattr(out, 'shape', type(out))} for (B, F, 3, H, W) input; expected ({len(images)},)")
+        raise ConformanceError(
+            f"reward '{name}' declares video support but returned {getattr(out, 'shape', type(out))} "
+            f"for (B, F, 3, H, W) input; expected ({len(images)},)"
+        )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -99,6 +99,7 @@ class CachedDefaults:
         self.needs = needs
 
     def __call__(self) -> bool:
+        """Whether every (hub id, pattern groups) pair has a cached snapshot (no network)."""
         for repo_id, groups in self.needs:
             folder = _cached(repo_id, [p for group in groups for p in group])
             if folder is None or not all(_has_any(folder, group) for group in groups):
@@ -164,13 +165,17 @@ def resolve_model_folder(spec: str | os.PathLike, source: WeightSource, *, weigh
     elif _is_hub_ref(str(spec)):
         folder = _hub_model_folder(str(spec), source, weights)
     else:
-        raise FileNotFoundError(f"{source.model}: local path {path} does not exist; set {source.config_key} to a folder or hub id")
+        raise FileNotFoundError(
+            f"{source.model}: local path {path} does not exist; set {source.config_key} to a folder or hub id"
+        )
     if not (folder / "config.json").is_file() and weights:
         raise FileNotFoundError(
             f"{source.model}: {folder} has no config.json; set {source.config_key} to a transformers model folder"
         )
     if weights and not _has_any(folder, SAFETENSORS_WEIGHTS + PICKLE_WEIGHTS):
-        raise FileNotFoundError(f"{source.model}: {folder} holds no model weights; " + _download_hint(str(spec), None, source))
+        raise FileNotFoundError(
+            f"{source.model}: {folder} holds no model weights; " + _download_hint(str(spec), None, source)
+        )
     return folder
 
 
@@ -202,7 +207,9 @@ def resolve_file(spec: str | os.PathLike, source: WeightSource, default_filename
         return cached / filename
     local = _download(repo_id, [filename], source, filename) / filename
     if not local.is_file():
-        raise FileNotFoundError(f"{source.model}: {repo_id} has no file {filename!r}; " + _download_hint(repo_id, filename, source))
+        raise FileNotFoundError(
+            f"{source.model}: {repo_id} has no file {filename!r}; " + _download_hint(repo_id, filename, source)
+        )
     return local
 
 
@@ -235,7 +242,9 @@ def load_checkpoint(path: Path, *, nested_key: str | None = None) -> dict[str, T
     if nested_key is not None and isinstance(state, dict) and isinstance(state.get(nested_key), dict):
         state = state[nested_key]
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{path} does not hold a flat dict of tensors; expected a state dict (optionally under {nested_key!r})")
+        raise ValueError(
+            f"{path} does not hold a flat dict of tensors; expected a state dict (optionally under {nested_key!r})"
+        )
     if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     return state

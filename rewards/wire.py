@@ -72,7 +72,9 @@ def _load(body: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
         tensors = load(body)
     except Exception as err:  # noqa: BLE001 - any parse failure is a malformed body
-        raise WireError(f"body is not a valid safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        raise WireError(
+            f"body is not a valid safetensors file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        ) from None
     return tensors, meta
 
 
@@ -183,7 +185,9 @@ def _unpng(text: Any) -> Tensor:
     except WireError:
         raise
     except Exception as err:  # noqa: BLE001 - PIL/base64 raise many types for bad input
-        raise WireError(f"an image is not a base64 PNG ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        raise WireError(
+            f"an image is not a base64 PNG ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
     return pixels.permute(2, 0, 1).float() / 255.0
 
 
@@ -216,7 +220,10 @@ def decode_batch_png(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]]:
     if not isinstance(data, dict) or not isinstance(data.get("images"), list) or not data["images"]:
         raise WireError("JSON request must be an object with a non-empty 'images' list of base64 PNGs")
     try:
-        items = [torch.stack([_unpng(f) for f in item]) if isinstance(item, list) else _unpng(item) for item in data["images"]]
+        items = [
+            torch.stack([_unpng(f) for f in item]) if isinstance(item, list) else _unpng(item)
+            for item in data["images"]
+        ]
         images = torch.stack(items)
     except RuntimeError as err:
         raise WireError(f"images differ in size or frame count ({str(err).splitlines()[0]})") from None

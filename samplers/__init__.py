@@ -14,8 +14,8 @@ from .gaussian import gaussian_log_prob
 from .ode_solve import DPMState, dpmpp_2m_step, heun_step, log_snr, ode_solve
 from .rollout import rollout, sde_noise_levels
 from .sage_sde import sage_sde_step, sage_sde_variance
-from .sde_steps import SDE_STEPS, SDEStepFn, get_sde_step
 from .schedules import dynamic_shift_mu, dynamic_shift_sigmas, linear_sigmas, make_sigmas, shift_sigmas
+from .sde_steps import SDE_STEPS, SDEStepFn, get_sde_step
 from .types import SDEStep, Trajectory, VelocityFn
 from .window_solve import sde_window_solve
 from .windows import progressive_window_start, random_window_start, window_noise_levels

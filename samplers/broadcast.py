@@ -24,14 +24,14 @@ def expand_like(value: Tensor | float, x: Tensor) -> Tensor:
         return value
     if value.ndim != 1 or value.shape[0] != x.shape[0]:
         raise ValueError(
-            f"per-sample sigma/noise must have shape ({x.shape[0]},) to match the latent batch; got {tuple(value.shape)}"
+            f"per-sample sigma/noise must have shape ({x.shape[0]},) to match the latent batch; "
+            f"got {tuple(value.shape)}"
         )
     return batch_view(value, x.ndim)
 
 
 def batch_view(value: Tensor, ndim: int) -> Tensor:
-    """View a per-sample (B,) tensor as (B, 1, ..., 1) of rank ``ndim``, keeping its dtype and device.
-    """
+    """View a per-sample (B,) tensor as (B, 1, ..., 1) of rank ``ndim``, keeping its dtype and device."""
     return value.reshape(-1, *([1] * (ndim - 1)))
 
 

@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from .broadcast import compute_dtype, expand_like
+from .gaussian import Reduction
 from .sde_finish import finish_step
 from .types import SDEStep
-from .gaussian import Reduction
 
 
 def cps_std(sigma_next: Tensor, noise_level: Tensor) -> Tensor:
@@ -50,8 +50,11 @@ def cps_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Tensor)
     """CPS mean ``(1 - sigma_next) x0_hat + sqrt(sigma_next^2 - s^2) x1_hat``.
 
     Args:
-        x, v: (B, ...) latent and velocity in the compute dtype.
-        sigma, sigma_next, s: broadcastable to x.
+        x: (B, ...) latent in the compute dtype.
+        v: (B, ...) velocity in the compute dtype.
+        sigma: current noise level, broadcastable to x.
+        sigma_next: next noise level, broadcastable to x.
+        s: the CPS noise std (:func:`cps_std`), broadcastable to x.
 
     Returns:
         Tensor (B, ...).

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from .broadcast import compute_dtype, expand_like
-from .sde_finish import finish_step
 from .flow_sde import flow_sde_mean
-from .types import SDEStep
 from .gaussian import Reduction
+from .sde_finish import finish_step
+from .types import SDEStep
 
 
 def dance_sde_step(

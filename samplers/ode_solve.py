@@ -48,7 +48,8 @@ def heun_step(x: Tensor, velocity_fn: VelocityFn, sigma: float, sigma_next: floa
     Args:
         x: (B, ...) latent at sigma.
         velocity_fn: ``(x, sigma (B,)) -> v``.
-        sigma, sigma_next: step endpoints.
+        sigma: the step's start.
+        sigma_next: the step's end.
         v: the velocity at (x, sigma) if already computed.
 
     Returns:
@@ -63,7 +64,9 @@ def heun_step(x: Tensor, velocity_fn: VelocityFn, sigma: float, sigma_next: floa
     return x + (sigma_next - sigma) * 0.5 * (v.to(x.dtype) + v_next.to(x.dtype))
 
 
-def dpmpp_2m_step(x: Tensor, x0_pred: Tensor, sigma: float, sigma_next: float, state: DPMState | None) -> tuple[Tensor, DPMState]:
+def dpmpp_2m_step(
+    x: Tensor, x0_pred: Tensor, sigma: float, sigma_next: float, state: DPMState | None
+) -> tuple[Tensor, DPMState]:
     """One DPM-Solver++(2M) step in the flow parameterisation (pure: state in, state out).
 
     First order (the Euler step) when there is no usable previous prediction, at the first step
@@ -72,7 +75,8 @@ def dpmpp_2m_step(x: Tensor, x0_pred: Tensor, sigma: float, sigma_next: float, s
     Args:
         x: (B, ...) latent at sigma.
         x0_pred: (B, ...) data prediction ``x - sigma v`` at (x, sigma).
-        sigma, sigma_next: step endpoints (sigma in (0, 1], sigma_next in [0, sigma)).
+        sigma: the step's start, in (0, 1].
+        sigma_next: the step's end, in [0, sigma).
         state: the previous step's DPMState or None.
 
     Returns:

@@ -10,6 +10,7 @@ from torch import Tensor
 from .sde_steps import get_sde_step
 from .types import Trajectory, VelocityFn
 
+
 def sde_noise_levels(num_steps: int, noise_level: float, sde_steps: Sequence[int] | None = None) -> Tensor:
     """Per-step noise levels: ``noise_level`` on SDE steps, 0 (ODE) elsewhere.
 

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor
 
 from .broadcast import compute_dtype, expand_like
+from .gaussian import Reduction
 from .sde_finish import finish_step
 from .types import SDEStep
-from .gaussian import Reduction
 
 DEFAULT_SIGMA_MAX = 1.0 - 3e-3
 
@@ -111,4 +111,6 @@ def sage_sde_step(
     mean = x32 + (sig_next - sig) * v32
     if score_correction:
         mean = mean - var / (2 * sig) * (x32 + (1 - sig) * v32)
-    return finish_step(x, mean, torch.sqrt(var), noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+    return finish_step(
+        x, mean, torch.sqrt(var), noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
+    )

@@ -17,8 +17,8 @@ from typing import Callable
 from .cps import cps_step
 from .dance_sde import dance_sde_step
 from .flow_sde import flow_sde_step
-from .types import SDEStep
 from .sage_sde import sage_sde_step
+from .types import SDEStep
 
 SDEStepFn = Callable[..., SDEStep]
 

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from .broadcast import standard_normal
-from .types import SDEStep
 from .gaussian import Reduction, gaussian_log_prob
 from .sde_steps import SDEStepFn, get_sde_step
+from .types import SDEStep
 
 TreeVelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``velocity_fn(x (M, ...), sigma (M,), tree (M,) long) -> v (M, ...)``; ``tree`` says which
@@ -146,8 +146,10 @@ def branch_step(
 
     Args:
         step_fn: an SDE step of :data:`flowrl.samplers.SDE_STEPS`.
-        x, v: (B, ...) latents and velocities.
-        sigma, sigma_next: (B,) noise levels of the step.
+        x: (B, ...) latents.
+        v: (B, ...) velocities.
+        sigma: (B,) noise level at the step's start.
+        sigma_next: (B,) noise level at the step's end.
         level: the step's noise knob (0 = ODE).
         noise_scale: std multiplier (> 0).
         noise: optional standard normal (B, ...) z.
@@ -159,7 +161,9 @@ def branch_step(
         SDEStep(sample, mean, std = scale * base std, log_prob (B,)).
     """
     if noise_scale == 1.0:
-        return step_fn(x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+        return step_fn(
+            x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
+        )
     if prev_sample is None and noise is None:
         noise = standard_normal(x, generator)
     scaled = None if noise is None else noise * noise_scale
@@ -200,9 +204,14 @@ def tree_rollout(
     """
     num_steps = sigmas.shape[0] - 1
     if noise_levels.shape != (num_steps,) or factors.shape != (num_steps,):
-        raise ValueError(f"noise_levels and factors must have shape ({num_steps},); got {tuple(noise_levels.shape)}, {tuple(factors.shape)}")
+        raise ValueError(
+            f"noise_levels and factors must have shape ({num_steps},); "
+            f"got {tuple(noise_levels.shape)}, {tuple(factors.shape)}"
+        )
     if bool(((factors > 1) & (noise_levels <= 0)).any()):
-        raise ValueError("a split step has noise level 0, so its children would be identical; give split steps SDE noise")
+        raise ValueError(
+            "a split step has noise level 0, so its children would be identical; give split steps SDE noise"
+        )
     if split_noise_scale <= 0:
         raise ValueError(f"sampler.tree.split_noise_scale must be > 0; got {split_noise_scale}")
     step_fn = get_sde_step(sde)
@@ -217,8 +226,22 @@ def tree_rollout(
         xc, vc = (x, v) if f == 1 else (x.repeat_interleave(f, 0), v.repeat_interleave(f, 0))
         sigma, sigma_next = sigmas[t].float().expand(xc.shape[0]), sigmas[t + 1].float().expand(xc.shape[0])
         noise = None if noises is None else noises[t]
-        step = branch_step(step_fn, xc, vc, sigma, sigma_next, float(noise_levels[t]), float(scales[t]), noise=noise, generator=generator)
+        step = branch_step(
+            step_fn,
+            xc,
+            vc,
+            sigma,
+            sigma_next,
+            float(noise_levels[t]),
+            float(scales[t]),
+            noise=noise,
+            generator=generator,
+        )
         x = step.sample.float()
         nodes.append(x)
-        log_probs.append(step.log_prob.float() if float(noise_levels[t]) > 0 else torch.zeros_like(step.log_prob, dtype=torch.float32))
+        log_probs.append(
+            step.log_prob.float()
+            if float(noise_levels[t]) > 0
+            else torch.zeros_like(step.log_prob, dtype=torch.float32)
+        )
     return TreeRollout(nodes, log_probs, factors, scales, sigmas, noise_levels, sde, num_trees)

@@ -43,7 +43,9 @@ def sde_window_solve(
     """
     num_steps = sigmas.shape[0] - 1
     if noise_levels.shape != (num_steps,):
-        raise ValueError(f"noise_levels must have shape ({num_steps},) for {num_steps} steps; got {tuple(noise_levels.shape)}")
+        raise ValueError(
+            f"noise_levels must have shape ({num_steps},) for {num_steps} steps; got {tuple(noise_levels.shape)}"
+        )
     x = x_init if x_init.dtype == torch.float64 else x_init.float()
     batch = x.shape[0]
     for i in range(num_steps):
@@ -51,5 +53,7 @@ def sde_window_solve(
         sigma_next = sigmas[i + 1].to(x.dtype).expand(batch)
         noise = None if noises is None else noises[:, i]
         v = velocity_fn(x, sigma)
-        x = flow_sde_step(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator).sample.to(x.dtype)
+        x = flow_sde_step(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator).sample.to(
+            x.dtype
+        )
     return x

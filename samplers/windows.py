@@ -50,9 +50,7 @@ def window_noise_levels(num_steps: int, noise_level: float, start: int, size: in
     return levels
 
 
-def random_window_start(
-    num_steps: int, size: int, lo: int, hi: int, generator: torch.Generator | None = None
-) -> int:
+def random_window_start(num_steps: int, size: int, lo: int, hi: int, generator: torch.Generator | None = None) -> int:
     """Flow-GRPO-Fast's window start: uniform over ``lo .. hi - size`` (window inside ``[lo, hi)``).
 
     Args:
@@ -70,7 +68,9 @@ def random_window_start(
     """
     _check_window(num_steps, size)
     if not 0 <= lo <= hi <= num_steps or hi - lo < size:
-        raise ValueError(f"window range [lo, hi) = [{lo}, {hi}) must lie in [0, {num_steps}] and hold size={size} steps")
+        raise ValueError(
+            f"window range [lo, hi) = [{lo}, {hi}) must lie in [0, {num_steps}] and hold size={size} steps"
+        )
     return int(torch.randint(lo, hi - size + 1, (1,), generator=generator).item())
 
 

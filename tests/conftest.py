@@ -33,7 +33,12 @@ def no_network(monkeypatch):
 
 def tiny_sd3_pipeline(seed: int = 0):
     """A random-init StableDiffusion3Pipeline: 8x8 images, 4 latent channels, 1 transformer layer."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     from flowrl.models.digits.model import build_digits_tokenizer
@@ -41,23 +46,55 @@ def tiny_sd3_pipeline(seed: int = 0):
     torch.manual_seed(seed)
     tok = build_digits_tokenizer()
     text_cfg = CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=8, projection_dim=16, bos_token_id=len(tok) - 2, eos_token_id=len(tok) - 1, pad_token_id=len(tok) - 1,
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        projection_dim=16,
+        bos_token_id=len(tok) - 2,
+        eos_token_id=len(tok) - 1,
+        pad_token_id=len(tok) - 1,
     )
     transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=4,
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        caption_projection_dim=16,
+        pooled_projection_dim=32,
+        pos_embed_max_size=4,
     )
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=8,
-        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0,
+        scaling_factor=1.0,
     )
     return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
-        text_encoder=CLIPTextModelWithProjection(text_cfg), tokenizer=tok,
-        text_encoder_2=CLIPTextModelWithProjection(text_cfg), tokenizer_2=build_digits_tokenizer(),
-        text_encoder_3=None, tokenizer_3=None,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        vae=vae,
+        text_encoder=CLIPTextModelWithProjection(text_cfg),
+        tokenizer=tok,
+        text_encoder_2=CLIPTextModelWithProjection(text_cfg),
+        tokenizer_2=build_digits_tokenizer(),
+        text_encoder_3=None,
+        tokenizer_3=None,
     )
 
 

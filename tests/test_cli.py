@@ -9,12 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_sd3_pipeline
 
 FAST = [
-    "prompts.per_iteration=2", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=3",
-    "train.iterations=2", "train.eval_every=1", "train.eval_seeds=1", "output.grid_seeds=2",
+    "prompts.per_iteration=2",
+    "prompts.group_size=3",
+    "sampler.num_steps=3",
+    "sampler.chunk_size=3",
+    "train.iterations=2",
+    "train.eval_every=1",
+    "train.eval_seeds=1",
+    "output.grid_seeds=2",
 ]
 
 
@@ -22,7 +27,9 @@ def flowrl(*args: str, cwd: Path, extra_path: Path | None = None) -> subprocess.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if extra_path:
         env["PYTHONPATH"] = str(extra_path)
-    return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flowrl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.startswith("flowrl: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
     assert len(lines) == 1, result.stderr[-2000:]
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
@@ -45,23 +52,49 @@ def test_train_writes_every_output(tiny_folder, tmp_path):
     out = tmp_path / "run"
     result = flowrl("train", f"model.path={tiny_folder}", *FAST, f"output.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "grid_before_after.png", "summary.json",
-                 "lora/pytorch_lora_weights.safetensors", "checkpoints/iter-000002/trainer.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "reward_curve.png",
+        "grid_before_after.png",
+        "summary.json",
+        "lora/pytorch_lora_weights.safetensors",
+        "checkpoints/iter-000002/trainer.json",
+    ):
         assert (out / name).is_file(), name
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval/reward_mean" in rows[0] and "reward_mean" in rows[1]
     assert json.loads((out / "summary.json").read_text())["iterations"] == 2
     # a second run into the same folder is refused, and --overwrite replaces it
     again = flowrl("train", f"model.path={tiny_folder}", *FAST, f"output.dir={out}", cwd=tmp_path)
     assert_one_line_error(again, "already holds files", "--overwrite")
-    resumed = flowrl("train", f"model.path={tiny_folder}", *FAST, "train.iterations=3", f"output.dir={out}",
-                     "--resume", str(out / "checkpoints/iter-000002"), cwd=tmp_path)
+    resumed = flowrl(
+        "train",
+        f"model.path={tiny_folder}",
+        *FAST,
+        "train.iterations=3",
+        f"output.dir={out}",
+        "--resume",
+        str(out / "checkpoints/iter-000002"),
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (out / "checkpoints/iter-000003/trainer.json").is_file()
-    sample = flowrl("sample", f"model.path={tiny_folder}", "--lora", str(out), "--prompt", "a bold handwritten 3",
-                    "--seeds", "2", "--out", str(tmp_path / "s.png"), cwd=tmp_path)
+    sample = flowrl(
+        "sample",
+        f"model.path={tiny_folder}",
+        "--lora",
+        str(out),
+        "--prompt",
+        "a bold handwritten 3",
+        "--seeds",
+        "2",
+        "--out",
+        str(tmp_path / "s.png"),
+        cwd=tmp_path,
+    )
     assert sample.returncode == 0 and (tmp_path / "s.png").is_file(), sample.stderr[-2000:]
 
 
@@ -78,7 +111,9 @@ def test_bad_override_value(tmp_path):
 def test_malformed_prompt_file(tiny_folder, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a bold handwritten 1"}\nnot json\n')
-    result = flowrl("train", f"model.path={tiny_folder}", f"prompts.train={prompts}", f"output.dir={tmp_path / 'r'}", cwd=tmp_path)
+    result = flowrl(
+        "train", f"model.path={tiny_folder}", f"prompts.train={prompts}", f"output.dir={tmp_path / 'r'}", cwd=tmp_path
+    )
     assert_one_line_error(result, "p.jsonl line 2")
     assert not (tmp_path / "r").exists()
 
@@ -93,10 +128,15 @@ def test_malformed_prompt_file(tiny_folder, tmp_path):
 )
 def test_bad_reward_is_named_and_nothing_is_written(tiny_folder, tmp_path, body, fragment):
     (tmp_path / "myrewards.py").write_text(
-        "import torch\n\ndef factory():\n    def bad_reward(images, prompts, **metadata):\n        " + body + "\n    return bad_reward\n"
+        "import torch\n\ndef factory():\n    def bad_reward(images, prompts, **metadata):\n        "
+        + body
+        + "\n    return bad_reward\n"
     )
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{path: {tiny_folder}}}\nrewards:\n  'myrewards:factory': {{weight: 1.0}}\noutput: {{dir: {tmp_path / 'r'}}}\n")
+    cfg.write_text(
+        f"model: {{path: {tiny_folder}}}\nrewards:\n  'myrewards:factory': {{weight: 1.0}}\n"
+        f"output: {{dir: {tmp_path / 'r'}}}\n"
+    )
     result = flowrl("train", str(cfg), *FAST[:-1], cwd=tmp_path, extra_path=tmp_path)
     assert_one_line_error(result, "myrewards:factory", fragment)
     assert not (tmp_path / "r").exists()
@@ -116,13 +156,28 @@ def test_rewards_list(tmp_path):
 
 def test_two_iterations_on_the_embedded_model(tmp_path):
     out = tmp_path / "run"
-    small = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=16", "train.iterations=2",
-             "train.eval_every=1", "train.eval_seeds=1", "output.grid_seeds=1"]
+    small = [
+        "prompts.per_iteration=4",
+        "prompts.group_size=4",
+        "sampler.chunk_size=16",
+        "train.iterations=2",
+        "train.eval_every=1",
+        "train.eval_seeds=1",
+        "output.grid_seeds=1",
+    ]
     result = flowrl("train", *small, f"output.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("config.yaml", "metrics.jsonl", "reward_curve.png", "grid_before_after.png", "summary.json",
-                 "lora/pytorch_lora_weights.safetensors", "checkpoints/iter-000002/lora.safetensors",
-                 "checkpoints/iter-000002/optimizer.safetensors", "checkpoints/iter-000002/rng.safetensors"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "reward_curve.png",
+        "grid_before_after.png",
+        "summary.json",
+        "lora/pytorch_lora_weights.safetensors",
+        "checkpoints/iter-000002/lora.safetensors",
+        "checkpoints/iter-000002/optimizer.safetensors",
+        "checkpoints/iter-000002/rng.safetensors",
+    ):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval/reward_mean", "eval/accuracy", "eval/ink_bold", "eval/ink_thin", "eval/ink_gap"):

@@ -110,11 +110,25 @@ def test_the_header_accelerate_command_trains_and_the_run_exports(tmp_path):
     assert " ".join(prefix) in header
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     run = tmp_path / "run"
-    overrides = ["train.iterations=1", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.chunk_size=4",
-                 "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false", f"output.dir={run}"]
+    overrides = [
+        "train.iterations=1",
+        "prompts.per_iteration=2",
+        "prompts.group_size=2",
+        "sampler.chunk_size=4",
+        "train.eval_seeds=1",
+        "output.grid_seeds=1",
+        "train.progress=false",
+        f"output.dir={run}",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([accelerate, *prefix[1:], "configs/grpo/digits.yaml", *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [accelerate, *prefix[1:], "configs/grpo/digits.yaml", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -127,4 +141,6 @@ def test_the_header_accelerate_command_trains_and_the_run_exports(tmp_path):
     x = torch.randn((2, *trained.latent_shape(*trained.default_resolution)), generator=torch.Generator().manual_seed(0))
     sigma, cond = torch.tensor([0.8, 0.3]), trained.encode_prompt(["a bold handwritten 4", "a thin handwritten 8"])
     with torch.no_grad():
-        torch.testing.assert_close(merged.velocity(x, sigma, cond), trained.velocity(x, sigma, cond), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            merged.velocity(x, sigma, cond), trained.velocity(x, sigma, cond), rtol=1e-4, atol=1e-4
+        )

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_sd3_pipeline
+
 from flowrl.config import load_config
-from flowrl.policy import build_policy
 from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.trainer import Trainer
@@ -22,17 +22,38 @@ from flowrl.trainer import Trainer
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=8", "train.eval_seeds=1", "train.progress=false"]
+SMALL = [
+    "prompts.per_iteration=4",
+    "prompts.group_size=4",
+    "sampler.chunk_size=8",
+    "train.eval_seeds=1",
+    "train.progress=false",
+]
 
 
 def digits_trainer(device: str, *overrides: str, config: str | None = None) -> Trainer:
     cfg = load_config(config and str(ROOT / config), [*SMALL, f"model.device={device}", *overrides])
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path, device=device), trainable=True), build_reward(cfg), prompts, prompts[:2])
+    return Trainer(
+        cfg,
+        build_policy(cfg, model=load_adapter(cfg.model.path, device=device), trainable=True),
+        build_reward(cfg),
+        prompts,
+        prompts[:2],
+    )
 
 
-@pytest.mark.parametrize("config", [None, "configs/nft/digits_fast.yaml", "configs/awm/digits_fast.yaml",
-                                    "configs/branch/digits.yaml", "configs/sage/digits.yaml", "configs/grpo/digits_window.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        "configs/nft/digits_fast.yaml",
+        "configs/awm/digits_fast.yaml",
+        "configs/branch/digits.yaml",
+        "configs/sage/digits.yaml",
+        "configs/grpo/digits_window.yaml",
+    ],
+)
 def test_every_objective_trains_on_cuda(config):
     tree = config is not None and "branch" in config  # 2 trees of 16 leaves
     extra = ["prompts.per_iteration=2", "prompts.group_size=16"] if tree else []
@@ -52,18 +73,27 @@ def test_cuda_rollout_matches_cpu_and_ratio_is_one():
     a, _ = cpu.collect()
     b, _ = gpu.collect()
     assert b.samples.device.type == "cuda" and b.advantages.device.type == "cuda"
-    torch.testing.assert_close(b.samples.cpu(), a.samples, atol=2e-3, rtol=0)  # same CPU-drawn noise, float32 kernels differ
+    torch.testing.assert_close(
+        b.samples.cpu(), a.samples, atol=2e-3, rtol=0
+    )  # same CPU-drawn noise, float32 kernels differ
     stats = gpu.update(b)
     assert stats["first_ratio"] == 1.0  # first micro-batch, before any update: recomputed == stored log-prob
 
 
 def test_process_scoring_on_cuda_is_identical_to_inline():
-    inline, proc = digits_trainer("cuda"), digits_trainer("cuda", "train.rewards_async=process", "train.score_chunk_size=4")
+    inline, proc = (
+        digits_trainer("cuda"),
+        digits_trainer("cuda", "train.rewards_async=process", "train.score_chunk_size=4"),
+    )
     inline.cfg.train.score_chunk_size = 4
     try:
         a, _ = inline.collect()
         b, _ = proc.collect()
-        assert torch.equal(a.rewards, b.rewards) and torch.equal(a.images, b.images) and torch.equal(a.advantages, b.advantages)
+        assert (
+            torch.equal(a.rewards, b.rewards)
+            and torch.equal(a.images, b.images)
+            and torch.equal(a.advantages, b.advantages)
+        )
     finally:
         proc.close()
 
@@ -88,11 +118,31 @@ def _adapter_trainer(model, *overrides):
     from flowrl.rewards import build_multi_reward
 
     model.pipe.to("cuda")
-    cfg = load_config(None, ["model.resolution=16", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=3",
-                             "sampler.chunk_size=2", "objective.kl_beta=0.01", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
-                             "train.progress=false", "model.device=cuda", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "model.resolution=16",
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=3",
+            "sampler.chunk_size=2",
+            "objective.kl_beta=0.01",
+            "lora.rank=4",
+            "lora.alpha=4",
+            "train.eval_seeds=1",
+            "train.progress=false",
+            "model.device=cuda",
+            *overrides,
+        ],
+    )
     prompts = load_prompts("digits-styles")
-    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:4], prompts[:1])
+    return Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}),
+        prompts[:4],
+        prompts[:1],
+    )
 
 
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "wan2.2"])
@@ -108,8 +158,11 @@ def test_real_adapter_families_train_on_cuda(family):
     elif family == "qwen_image":
         trainer = _adapter_trainer(tiny_qwen_image(), "sampler.guidance_scale=4.0")
     else:
-        trainer = _adapter_trainer(tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both"),
-                                   "model.num_frames=5", "sampler.guidance_scale=5.0")
+        trainer = _adapter_trainer(
+            tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both"),
+            "model.num_frames=5",
+            "sampler.guidance_scale=5.0",
+        )
     batch, _ = trainer.collect()
     assert batch.samples.device.type == "cuda"
     stats = trainer.update(batch)

@@ -12,10 +12,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowrl.models.digits.model import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, build_digits_t5_tokenizer, build_digits_tokenizer, digits_prompt, encode_prompts, load_digit_images
-from flowrl.models.digits.evaluation import digit_accuracy, sample_digits_with_pipeline
 from flowrl.models import EMBEDDED
 from flowrl.models.digits import EVAL_REPORTS, style_report
+from flowrl.models.digits.evaluation import digit_accuracy, sample_digits_with_pipeline
+from flowrl.models.digits.model import (
+    DIGITS_DIR,
+    MAX_SEQUENCE_LENGTH,
+    RESOLUTION,
+    build_digits_pipeline,
+    build_digits_t5_tokenizer,
+    build_digits_tokenizer,
+    digits_prompt,
+    encode_prompts,
+    load_digit_images,
+)
 from flowrl.models.digits.pretrain import pretrain_digits
 from flowrl.models.digits.prompts import DIGITS_SETS, digits_set
 
@@ -80,7 +90,7 @@ def test_style_report_inputs_and_metric_names() -> None:
     out = style_report(sample_fn, 2)
     # the keys, in order, are what the recipe logs as eval/<key>
     assert list(out) == ["accuracy", "accuracy_bold", "accuracy_thin", "ink_bold", "ink_thin", "ink_gap"]
-    (prompts, seeds), = seen
+    ((prompts, seeds),) = seen
     assert prompts == [p for p in DIGITS_SETS["digits-styles"]() for _ in range(2)]
     assert seeds == [3_000_000 + i % 2 for i in range(40)]
 
@@ -104,7 +114,12 @@ def test_t5_tokenizer_whole_words() -> None:
 
 
 def test_build_pipeline_real_classes_and_one_step() -> None:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     pipe = build_digits_pipeline(seed=0)
@@ -119,8 +134,15 @@ def test_build_pipeline_real_classes_and_one_step() -> None:
     embeds, pooled = encode_prompts(pipe, ["a handwritten 1", "a bold handwritten 2"])
     assert embeds.shape == (2, 8 + MAX_SEQUENCE_LENGTH, 64) and pooled.shape == (2, 64)
     assert embeds.requires_grad
-    out = pipe(prompt=["a handwritten 1"] * 3, height=8, width=8, num_inference_steps=1, guidance_scale=1.0,
-               output_type="pt", max_sequence_length=MAX_SEQUENCE_LENGTH).images
+    out = pipe(
+        prompt=["a handwritten 1"] * 3,
+        height=8,
+        width=8,
+        num_inference_steps=1,
+        guidance_scale=1.0,
+        output_type="pt",
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+    ).images
     assert out.shape == (3, 3, RESOLUTION, RESOLUTION) and torch.isfinite(out).all()
 
 
@@ -172,8 +194,12 @@ def test_tiny_pretrain_is_loadable_and_deterministic(tmp_path) -> None:
     report = pretrain_digits(tmp_path / "a", **kwargs)
     pretrain_digits(tmp_path / "b", **kwargs)
     assert report["flow"]["final_loss"] > 0 and report["size_bytes"] > 0
-    for sub in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
-                "text_encoder/model.safetensors", "text_encoder_3/model.safetensors"):
+    for sub in (
+        "transformer/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+        "text_encoder_3/model.safetensors",
+    ):
         a, b = load_file(tmp_path / "a" / sub), load_file(tmp_path / "b" / sub)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)

@@ -4,9 +4,9 @@ import torch
 
 from flowrl.cli import main
 from flowrl.export import export_merged
-from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.policy.lora import add_lora, lora_state_dict
 
 
 def _save_random_lora(model, lora_dir):

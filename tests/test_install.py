@@ -21,7 +21,9 @@ PROBE = (
 def test_wheel_maps_top_level_folders_under_flowrl(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(REPO)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (wheel,) = (tmp_path / "dist").glob("flowrl-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -32,11 +34,17 @@ def test_wheel_maps_top_level_folders_under_flowrl(tmp_path):
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": ""},
-        check=True, capture_output=True, text=True,
+        [sys.executable, "-c", PROBE],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": ""},
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     assert out[0].startswith(str(site / "flowrl" / "samplers"))
     assert out[1] == "[True, True, True]"

@@ -20,13 +20,13 @@ The layers, bottom up::
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> the import name it installs as (pyproject [tool.setuptools] package-dir)

@@ -27,14 +27,28 @@ def tiny_wan_transformer():
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     )
 
 
 def tiny_wan_pipeline(
-    seed: int = 0, *, two_experts: bool = False, boundary_ratio: float = 0.875, shift: float = 3.0, expand_timesteps: bool = False
+    seed: int = 0,
+    *,
+    two_experts: bool = False,
+    boundary_ratio: float = 0.875,
+    shift: float = 3.0,
+    expand_timesteps: bool = False,
 ):
     """A random-init WanPipeline (Wan2.1 layout; ``two_experts`` adds transformer_2 + boundary_ratio as
     Wan2.2-A14B; ``expand_timesteps`` gives per-token timesteps as Wan2.2-TI2V-5B)."""
@@ -43,13 +57,22 @@ def tiny_wan_pipeline(
 
     torch.manual_seed(seed)
     tok = tiny_t5_tokenizer()
-    text_encoder = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16))
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    text_encoder = T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16)
+    )
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     transformer = tiny_wan_transformer()
     extra = {"transformer_2": tiny_wan_transformer(), "boundary_ratio": boundary_ratio} if two_experts else {}
     return WanPipeline(
-        tokenizer=tok, text_encoder=text_encoder, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
-        transformer=transformer, expand_timesteps=expand_timesteps, **extra,
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        transformer=transformer,
+        expand_timesteps=expand_timesteps,
+        **extra,
     )
 
 
@@ -58,4 +81,6 @@ def tiny_wan_adapter(seed: int = 0, **kwargs):
     from flowrl.models.wan import WanAdapter
 
     pipe_kwargs = {k: kwargs.pop(k) for k in ("two_experts", "boundary_ratio", "expand_timesteps") if k in kwargs}
-    return WanAdapter(tiny_wan_pipeline(seed, **pipe_kwargs), max_sequence_length=8, resolution=(16, 16), num_frames=5, **kwargs)
+    return WanAdapter(
+        tiny_wan_pipeline(seed, **pipe_kwargs), max_sequence_length=8, resolution=(16, 16), num_frames=5, **kwargs
+    )

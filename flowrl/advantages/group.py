@@ -291,7 +291,9 @@ def weighted_sum_advantages(
         rewards: reward name -> (B,) values (NaN = not applicable, counts 0 in the sum).
         weights: reward name -> weight.
         group_ids: (B,) integer prompt-group index per sample.
-        std, eps, clip: as :func:`group_advantages`.
+        std: "global", "group" or "none", as :func:`group_advantages`.
+        eps: added to the std, as :func:`group_advantages`.
+        clip: if given, advantages are clipped to [-clip, clip], as :func:`group_advantages`.
 
     Returns:
         (advantages (B,) float32, keep (B,) bool, AdvantageStats).

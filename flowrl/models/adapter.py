@@ -81,41 +81,59 @@ class ModelAdapter(Protocol):
         """
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """Predict ``v = eps - x0`` for latents x (B, C, H, W) or video latents (B, C, F, H, W)
-        at sigma (B,) in [0, 1] (the adapter converts to its model's timestep convention)."""
+        """Predict ``v = eps - x0`` for latents x (B, C, H, W) or video latents (B, C, F, H, W).
+
+        ``sigma`` is (B,) in [0, 1]; the adapter converts it to its model's timestep convention.
+        """
 
     def decode(self, latents: Tensor) -> Tensor:
         """Decode latents to float32 in [0, 1]: images (B, 3, H, W) or videos (B, F, 3, H, W)."""
 
     def decoder(self) -> Callable[[Tensor], Tensor]:
-        """``decode`` as a picklable callable holding only the VAE (e.g.
-        ``functools.partial(decode_scaled, vae)``); ``train.rewards_async: process`` sends it to
-        the scoring process."""
+        """``decode`` as a picklable callable holding only the VAE.
+
+        E.g. ``functools.partial(decode_scaled, vae)``; ``train.rewards_async: process`` sends it to
+        the scoring process.
+        """
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """Latent shape (without batch) for an output resolution: (C, H_lat, W_lat) for images,
-        (C, F_lat, H_lat, W_lat) for videos (``frames`` None = ``default_num_frames``; image
-        adapters reject a frame count)."""
+        """Latent shape (without batch) for an output resolution.
+
+        (C, H_lat, W_lat) for images, (C, F_lat, H_lat, W_lat) for videos (``frames`` None =
+        ``default_num_frames``; image adapters reject a frame count).
+        """
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
-        """The (num_steps + 1,) float64 sigma grid the model's own pipeline uses at this
-        resolution (``sampler.schedule: model``), or None when it has no schedule of its own."""
+        """The (num_steps + 1,) float64 sigma grid the model's own pipeline uses at this resolution.
+
+        Used by ``sampler.schedule: model``; None when the model has no schedule of its own.
+        """
 
     def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
-        """Combine the unconditional and conditional velocities (B, ...) of true CFG (plain
-        :func:`flowrl.samplers.cfg`; Qwen-Image rescales norms)."""
+        """Combine the unconditional and conditional velocities (B, ...) of true CFG.
+
+        Plain :func:`flowrl.samplers.cfg` by default; Qwen-Image rescales norms.
+        """
 
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
-        """Write a LoRA state dict (``flowrl.policy.lora.lora_state_dict(transformer)``) in the layout the
-        family's diffusers pipeline reads with ``pipe.load_lora_weights``; returns the main file."""
+        """Write a LoRA state dict in the layout the family's diffusers pipeline reads; returns the main file.
+
+        The state dict is ``flowrl.policy.lora.lora_state_dict(transformer)``; the pipeline reads the
+        written files with ``pipe.load_lora_weights``.
+        """
 
     def load_lora(self, path: str | Path) -> None:
-        """Load a LoRA written by :meth:`save_lora` (its folder, or a ``.safetensors`` file) into
-        the pipeline's denoiser(s)."""
+        """Load a LoRA written by :meth:`save_lora` into the pipeline's denoiser(s).
+
+        ``path`` is the folder :meth:`save_lora` wrote, or a ``.safetensors`` file.
+        """
 
     def free_text_encoders(self) -> int:
-        """Drop the text encoders from the pipeline (once every prompt is cached); returns the
-        number of parameters released."""
+        """Drop the text encoders from the pipeline (once every prompt is cached).
+
+        Returns:
+            The number of parameters released.
+        """
 
 
 def text_encoders(pipe: Any) -> dict[str, nn.Module]:
@@ -189,7 +207,11 @@ def output_resolution(resolution: int | Sequence[int] | None, model: ModelAdapte
         return tuple(model.default_resolution)
     if isinstance(resolution, int) and not isinstance(resolution, bool) and resolution > 0:
         return (resolution, resolution)
-    if isinstance(resolution, (list, tuple)) and len(resolution) == 2 and all(isinstance(r, int) and r > 0 for r in resolution):
+    if (
+        isinstance(resolution, (list, tuple))
+        and len(resolution) == 2
+        and all(isinstance(r, int) and r > 0 for r in resolution)
+    ):
         return (int(resolution[0]), int(resolution[1]))
     raise ValueError(f"model.resolution must be a positive int (square) or [height, width]; got {resolution!r}")
 
@@ -215,9 +237,10 @@ def model_latent_shape(model: ModelAdapter, resolution: tuple[int, int], frames:
 
 
 def freeze_modules(*modules: nn.Module | None) -> None:
-    """Put the frozen parts of a pipeline (denoiser, VAE, text encoders) in eval mode without
-    gradients; ``None`` entries (absent optional encoders) are skipped. LoRA adds trainable
-    parameters afterwards."""
+    """Put the frozen parts of a pipeline (denoiser, VAE, text encoders) in eval mode without gradients.
+
+    ``None`` entries (absent optional encoders) are skipped. LoRA adds trainable parameters afterwards.
+    """
     for module in modules:
         if module is not None:
             module.requires_grad_(False)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .adapter import AdapterBase, Cond, freeze_modules
-from .packing import packed_latent_shape, latent_image_ids, pack_latents, unpack_latents
+from .packing import latent_image_ids, pack_latents, packed_latent_shape, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import decode_scaled, read_model_card
 
@@ -115,7 +115,9 @@ class FluxAdapter(AdapterBase):
         return cls(
             pipe,
             guidance_scale=guidance_scale,
-            max_sequence_length=int(card.get("max_sequence_length", 512 if pipe.transformer.config.guidance_embeds else 256)),
+            max_sequence_length=int(
+                card.get("max_sequence_length", 512 if pipe.transformer.config.guidance_embeds else 256)
+            ),
             resolution=(res, res) if isinstance(res, int) else res,
             model_id=model_id or Path(path).name,
         )
@@ -155,7 +157,10 @@ class FluxAdapter(AdapterBase):
             in the transformer's dtype.
         """
         embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=list(prompts), prompt_2=None, device=self.device, num_images_per_prompt=1,
+            prompt=list(prompts),
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length,
         )
         return {"encoder_hidden_states": embeds.to(self.dtype), "pooled_projections": pooled.to(self.dtype)}
@@ -194,7 +199,9 @@ class FluxAdapter(AdapterBase):
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
         self._image_only(frames)
-        return packed_latent_shape("FLUX", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
+        return packed_latent_shape(
+            "FLUX", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width
+        )
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The (num_steps + 1,) float64 sigma grid ``FluxPipeline`` uses at this resolution.
@@ -215,5 +222,7 @@ class FluxAdapter(AdapterBase):
 
         config = self.transformer.peft_config["default"].to_dict()
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        FluxPipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config)
+        FluxPipeline.save_lora_weights(
+            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
+        )
         return Path(directory) / "pytorch_lora_weights.safetensors"

@@ -101,7 +101,9 @@ def _download(repo_id: str, cache_dir: str | None) -> Path:
 
     endpoint = _endpoint()
     index = Path(hf_hub_download(repo_id, "model_index.json", cache_dir=cache_dir, endpoint=endpoint))
-    parts = [k for k, v in json.loads(index.read_text()).items() if not k.startswith("_") and isinstance(v, list) and v[0]]
+    parts = [
+        k for k, v in json.loads(index.read_text()).items() if not k.startswith("_") and isinstance(v, list) and v[0]
+    ]
     patterns = ["model_index.json", *(f"{p}/*" for p in parts)]
     return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=patterns, endpoint=endpoint))
 
@@ -136,7 +138,9 @@ def resolve_model_path(path: str, *, cache_dir: str | None = None) -> Path:
             raise FileNotFoundError(missing_weights_message(path, f"{where}; HF_HUB_OFFLINE is set")) from None
         if not _hub_reachable():
             raise FileNotFoundError(missing_weights_message(path, f"{where}; the hub is unreachable")) from None
-        logger.warning("downloading %s from the Hugging Face hub into its cache (set model.path to a local folder to skip)", path)
+        logger.warning(
+            "downloading %s from the Hugging Face hub into its cache (set model.path to a local folder to skip)", path
+        )
         try:
             folder = _download(path, cache_dir)
         except (HfHubHTTPError, OSError) as err:

@@ -37,11 +37,16 @@ def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
     return x.reshape(b, d // 4, height, width)
 
 
-def latent_image_ids(height: int, width: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Tensor:
+def latent_image_ids(
+    height: int, width: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """FLUX RoPE ids of the packed image tokens: (h/2 * w/2, 3) rows ``(0, row, col)``.
 
     Args:
-        height, width: the unpacked latent size h, w (even).
+        height: the unpacked latent height h (even).
+        width: the unpacked latent width w (even).
+        device: device of the returned ids.
+        dtype: dtype of the returned ids.
     """
     rows, cols = height // 2, width // 2
     ids = torch.zeros(rows, cols, 3)
@@ -50,14 +55,17 @@ def latent_image_ids(height: int, width: int, *, device: torch.device | str = "c
     return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)
 
 
-def packed_latent_shape(family: str, in_channels: int, vae_factor: int, height: int, width: int) -> tuple[int, int, int]:
+def packed_latent_shape(
+    family: str, in_channels: int, vae_factor: int, height: int, width: int
+) -> tuple[int, int, int]:
     """Unpacked latent shape (C, H / f, W / f) of a 2x2-packed model (FLUX, Qwen-Image).
 
     Args:
         family: model name for the error message.
         in_channels: the transformer's input channels (4 x the latent channels, 2x2 packed).
         vae_factor: the VAE's spatial downsampling factor f.
-        height, width: output resolution; multiples of 2f.
+        height: output height; a multiple of 2f.
+        width: output width; a multiple of 2f.
 
     Raises:
         ValueError: for a resolution that does not pack into whole 2x2 patches.

@@ -48,7 +48,9 @@ def pipeline_sigmas(config: Mapping[str, Any], num_steps: int, image_seq_len: in
         raise ValueError(f"num_steps must be a positive integer; got {num_steps!r}")
     for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"):
         if config.get(key):
-            raise ValueError(f"scheduler option {key}=True is not supported by flowrl; use a scheduler config without it")
+            raise ValueError(
+                f"scheduler option {key}=True is not supported by flowrl; use a scheduler config without it"
+            )
     sigmas = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
     if config.get("use_dynamic_shifting"):
         mu = scheduler_mu(config, image_seq_len)

@@ -32,13 +32,23 @@ from torch import Tensor
 
 from ..samplers.broadcast import compute_dtype
 from .adapter import AdapterBase, Cond, freeze_modules
-from .packing import packed_latent_shape, pack_latents, unpack_latents
+from .packing import pack_latents, packed_latent_shape, unpack_latents
 from .pipeline_schedule import pipeline_sigmas
 from .sd3 import read_model_card
 
 QWEN_IMAGE_LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
 )
 """Attention and both streams' MLPs (the Qwen-Image recipes adapt attention + MLPs)."""
 
@@ -50,7 +60,8 @@ def qwen_true_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
     norm of the conditional velocity's token: ``v * ||c|| / ||v||``.
 
     Args:
-        v_uncond, v_cond: (B, C, h, w) velocities without / with the prompt.
+        v_uncond: (B, C, h, w) velocity without the prompt.
+        v_cond: (B, C, h, w) velocity with the prompt.
         scale: guidance weight w (``true_cfg_scale``).
 
     Returns:
@@ -65,14 +76,17 @@ def qwen_true_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
 
 
 def decode_qwen_image(vae: Any, latents: Tensor) -> Tensor:
-    """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32, through the one-frame
-    ``AutoencoderKLQwenImage`` with its per-channel mean and std."""
+    """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32.
+
+    Decodes through the one-frame ``AutoencoderKLQwenImage`` with its per-channel mean and std.
+    """
     cfg = vae.config
     z = latents.to(vae.dtype).unsqueeze(2)
     mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
     images = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
     return (images.float() / 2 + 0.5).clamp(0, 1)
+
 
 class QwenImageAdapter(AdapterBase):
     """Model adapter over a ``QwenImagePipeline``.
@@ -95,9 +109,19 @@ class QwenImageAdapter(AdapterBase):
         """How this model combines CFG branches: :func:`qwen_true_cfg` (norm-rescaled, as the pipeline)."""
         return qwen_true_cfg(v_uncond, v_cond, scale)
 
-    def __init__(self, pipe: Any, *, max_sequence_length: int = 512, resolution: tuple[int, int] | None = None, model_id: str = "qwen-image"):
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        max_sequence_length: int = 512,
+        resolution: tuple[int, int] | None = None,
+        model_id: str = "qwen-image",
+    ):
         if pipe.transformer.config.guidance_embeds:
-            raise ValueError(f"{model_id}: guidance-embedding Qwen-Image transformers are not supported; use a model without guidance_embeds")
+            raise ValueError(
+                f"{model_id}: guidance-embedding Qwen-Image transformers are not supported; "
+                "use a model without guidance_embeds"
+            )
         self.pipe = pipe
         self.transformer = pipe.transformer
         self.vae = pipe.vae
@@ -138,7 +162,10 @@ class QwenImageAdapter(AdapterBase):
             ``L = max_sequence_length``; embeddings in the transformer's dtype, mask int64.
         """
         embeds, mask = self.pipe.encode_prompt(
-            prompt=list(prompts), device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length
+            prompt=list(prompts),
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
         )
         b, length, dim = embeds.shape
         if mask is None:
@@ -178,7 +205,9 @@ class QwenImageAdapter(AdapterBase):
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
         self._image_only(frames)
-        return packed_latent_shape("Qwen-Image", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width)
+        return packed_latent_shape(
+            "Qwen-Image", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width
+        )
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
         """The (num_steps + 1,) float64 sigma grid ``QwenImagePipeline`` uses (dynamic shift, terminal stretch)."""
@@ -191,5 +220,7 @@ class QwenImageAdapter(AdapterBase):
 
         config = self.transformer.peft_config["default"].to_dict()
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        QwenImagePipeline.save_lora_weights(str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config)
+        QwenImagePipeline.save_lora_weights(
+            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
+        )
         return Path(directory) / "pytorch_lora_weights.safetensors"

@@ -46,14 +46,17 @@ LORA_FILES = {"high": "pytorch_lora_weights.safetensors", "low": "pytorch_lora_w
 
 
 def decode_wan(vae: Any, latents: Tensor) -> Tensor:
-    """Latents (B, C, F_lat, h, w) -> videos (B, F, 3, H, W) in [0, 1], float32, through
-    ``AutoencoderKLWan`` with its per-channel mean and std."""
+    """Latents (B, C, F_lat, h, w) -> videos (B, F, 3, H, W) in [0, 1], float32.
+
+    Decodes through ``AutoencoderKLWan`` with its per-channel mean and std.
+    """
     cfg = vae.config
     z = latents.to(vae.device, vae.dtype)
     mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z)
     inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z)
     video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
     return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).contiguous()
+
 
 class WanAdapter(AdapterBase):
     """Model adapter over a ``WanPipeline`` (text-to-video).
@@ -95,7 +98,9 @@ class WanAdapter(AdapterBase):
         self.model_id = model_id or "WanAdapter"
         self.experts = {"high": pipe.transformer, "low": getattr(pipe, "transformer_2", None)}
         if lora_expert != "high" and self.experts["low"] is None:
-            raise ValueError(f"lora_expert='{lora_expert}' but this Wan pipeline has no transformer_2 (Wan2.1); use 'high'")
+            raise ValueError(
+                f"lora_expert='{lora_expert}' but this Wan pipeline has no transformer_2 (Wan2.1); use 'high'"
+            )
         self.lora_expert = lora_expert
         both = lora_expert == "both"
         self.transformer = WanExperts(self.experts["high"], self.experts["low"]) if both else self.experts[lora_expert]
@@ -244,7 +249,9 @@ class WanAdapter(AdapterBase):
         written = []
         for expert, weights in self._lora_parts(lora_state).items():
             WanPipeline.save_lora_weights(
-                str(directory), transformer_lora_layers=weights, weight_name=LORA_FILES[expert],
+                str(directory),
+                transformer_lora_layers=weights,
+                weight_name=LORA_FILES[expert],
                 transformer_lora_adapter_metadata=config,
             )
             written.append(Path(directory) / LORA_FILES[expert])
@@ -263,8 +270,14 @@ class WanAdapter(AdapterBase):
             return
         found = [e for e, name in LORA_FILES.items() if (Path(directory) / name).is_file()]
         if not found:
-            raise FileNotFoundError(f"no Wan LoRA ({' or '.join(LORA_FILES.values())}) in {directory}; pass the run's lora/ folder")
+            raise FileNotFoundError(
+                f"no Wan LoRA ({' or '.join(LORA_FILES.values())}) in {directory}; pass the run's lora/ folder"
+            )
         for expert in found:
             if expert == "low" and self.experts["low"] is None:
-                raise FileNotFoundError(f"{directory} holds a low-noise-expert LoRA but this Wan pipeline has no transformer_2")
-            self.pipe.load_lora_weights(str(directory), weight_name=LORA_FILES[expert], load_into_transformer_2=expert == "low")
+                raise FileNotFoundError(
+                    f"{directory} holds a low-noise-expert LoRA but this Wan pipeline has no transformer_2"
+                )
+            self.pipe.load_lora_weights(
+                str(directory), weight_name=LORA_FILES[expert], load_into_transformer_2=expert == "low"
+            )

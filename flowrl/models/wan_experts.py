@@ -39,10 +39,12 @@ class WanExperts(nn.Module, PeftAdapterMixin):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The high-noise expert's parameter dtype."""
         return self.high.dtype
 
     @property
     def device(self) -> torch.device:
+        """The high-noise expert's device."""
         return self.high.device
 
     def enable_gradient_checkpointing(self) -> None:
@@ -56,6 +58,11 @@ class WanExperts(nn.Module, PeftAdapterMixin):
         self.low.set_attention_backend(backend)
 
     def forward(self, *args, **kwargs):
+        """Not callable: always raises, since each expert is called directly.
+
+        Raises:
+            TypeError: always; call ``WanAdapter.velocity``, which picks the expert by sigma.
+        """
         raise TypeError("WanExperts is a container; call WanAdapter.velocity, which picks the expert by sigma")
 
 

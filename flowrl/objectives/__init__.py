@@ -7,7 +7,13 @@ from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO, clipped_policy_loss, gaussian_mean_kl
 from .sage_grpo import SageGRPO
 
-OBJECTIVES = {"flow_grpo": FlowGRPO, "diffusion_nft": DiffusionNFT, "awm": AWM, "branch_grpo": BranchGRPO, "sage_grpo": SageGRPO}
+OBJECTIVES = {
+    "flow_grpo": FlowGRPO,
+    "diffusion_nft": DiffusionNFT,
+    "awm": AWM,
+    "branch_grpo": BranchGRPO,
+    "sage_grpo": SageGRPO,
+}
 
 __all__ = [
     "AWM",

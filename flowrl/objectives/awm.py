@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..policy.lora import add_frozen_copy, soft_update
 from ..models.adapter import ModelAdapter
+from ..policy.lora import add_frozen_copy, soft_update
 from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
 
@@ -38,7 +38,9 @@ def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> 
     return -(sigma.double() / power) * ((mse + eps) ** power - eps**power)
 
 
-def stratified_steps(num_steps: int, count: int, fraction: float, generator: torch.Generator, skip_first: bool = True) -> list[int]:
+def stratified_steps(
+    num_steps: int, count: int, fraction: float, generator: torch.Generator, skip_first: bool = True
+) -> list[int]:
     """One step index per stratum of ``[first, int(num_steps * fraction)]`` (AWM "discrete_wo_init").
 
     Args:
@@ -100,8 +102,10 @@ class AWM(Objective):
         add_frozen_copy(model.transformer, "ema")
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
-        """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all
-        (or ``updates_per_iteration`` steps over the shuffled micro-batches)."""
+        """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all.
+
+        With ``updates_per_iteration`` > 1, that many steps over the shuffled micro-batches instead.
+        """
         steps = stratified_steps(len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator)
         mbs = []
         for idx in chunk_indices(len(batch.prompts), batch.chunk_size):

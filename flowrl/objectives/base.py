@@ -13,8 +13,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ..policy.lora import adapters_disabled, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
+from ..policy.lora import adapters_disabled, use_adapter
 from ..samplers.broadcast import batch_view
 from ..samplers.types import Trajectory
 
@@ -110,13 +110,17 @@ class Objective(Protocol):
         return {}
 
     def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
-        """Called after an iteration's optimizer steps, e.g. to soft-update auxiliary adapters
-        (default: nothing to do)."""
+        """Called after an iteration's optimizer steps; returns stats to log (default: nothing to do).
+
+        E.g. to soft-update auxiliary adapters.
+        """
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-scalar state that must survive a resume (default: stateless). Extra LoRA adapters
-        are checkpointed by the trainer, not here."""
+        """JSON-scalar state that must survive a resume (default: stateless).
+
+        Extra LoRA adapters are checkpointed by the trainer, not here.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -156,7 +160,9 @@ def noised_microbatch(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tens
     return x0, sigma, (1 - t) * x0 + t * mb.noise, select_cond(batch.cond, mb.index)
 
 
-def velocity_penalty(model: ModelAdapter, x_t: Tensor, sigma: Tensor, cond: Cond, v_theta: Tensor, adapter: str | None) -> Tensor:
+def velocity_penalty(
+    model: ModelAdapter, x_t: Tensor, sigma: Tensor, cond: Cond, v_theta: Tensor, adapter: str | None
+) -> Tensor:
     """``mean (v_theta - v_other)^2`` (fp64) against the base model (adapter None) or a named adapter.
 
     The velocity-space "KL" used by DiffusionNFT and AWM; the other velocity carries no gradient.

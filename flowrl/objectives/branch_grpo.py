@@ -20,11 +20,12 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
+from ..policy.lora import adapters_disabled
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
 from .base import Objective, RolloutBatch

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..policy.lora import add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import ModelAdapter
+from ..policy.lora import add_frozen_copy, soft_update, use_adapter
 from ..samplers.broadcast import batch_view
 from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
 
@@ -50,7 +50,9 @@ def implicit_policies(v_theta: Tensor, v_old: Tensor, beta: float) -> tuple[Tens
     return beta * v_theta + (1 - beta) * v_old, (1 + beta) * v_old - beta * v_theta
 
 
-def nft_policy_loss(v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sigma: Tensor, r: Tensor, beta: float, clip: float) -> Tensor:
+def nft_policy_loss(
+    v_theta: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sigma: Tensor, r: Tensor, beta: float, clip: float
+) -> Tensor:
     """Per-sample NFT policy loss ``clip (r L+ + (1 - r) L-) / beta`` (b,), fp64.
 
     Args:

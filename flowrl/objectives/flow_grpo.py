@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..policy.lora import adapters_disabled
 from ..models.adapter import ModelAdapter, select_cond
+from ..policy.lora import adapters_disabled
 from ..samplers.flow_sde import flow_sde_diffusion
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.types import SDEStep
@@ -27,7 +27,9 @@ from .base import Microbatch, Objective, RolloutBatch
 from .planning import plan_transitions
 
 
-def clipped_policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float) -> tuple[Tensor, Tensor]:
+def clipped_policy_loss(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float
+) -> tuple[Tensor, Tensor]:
     """Per-sample PPO-clip loss.
 
     Args:
@@ -52,8 +54,11 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, s: Tensor) -> Tensor:
 
 
 def kl_scale(sde: str, step: SDEStep, sigma: Tensor, sigma_next: Tensor, level: float) -> Tensor:
-    """The std in the KL denominator: Flow-GRPO's diffusion ``s`` for the Flow-SDE (as the
-    reference computes it), the transition std for every other SDE step. Shape (b, 1)."""
+    """The std in the KL denominator, shape (b, 1).
+
+    Flow-GRPO's diffusion ``s`` for the Flow-SDE (as the reference computes it), the transition std
+    for every other SDE step.
+    """
     if sde == "flow":
         return flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level).to(step.mean.device)
     return step.std.reshape(len(sigma), 1)
@@ -92,7 +97,9 @@ class FlowGRPO(Objective):
         step_fn = get_sde_step(traj.sde)  # the step that drew x_next, so the ratio starts at 1
         step = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
         keep = batch.keep[idx].float()
-        per_sample, ratio = clipped_policy_loss(step.log_prob, traj.log_probs[idx, j], batch.advantages[idx], self.clip_range)
+        per_sample, ratio = clipped_policy_loss(
+            step.log_prob, traj.log_probs[idx, j], batch.advantages[idx], self.clip_range
+        )
         denom = keep.sum().clamp(min=1.0)
         loss = (per_sample * keep).sum() / denom
         stats = {

@@ -51,9 +51,9 @@ def chunk_children(parents: Tensor, factor: int, train: Tensor) -> tuple[Tensor,
 
 
 def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
-    """Every (chunk, stochastic step) pair of the stored trajectories once, chunks and steps in
-    random order, split evenly into ``updates`` optimizer steps (Flow-GRPO).
+    """Every (chunk, stochastic step) pair of the stored trajectories once (Flow-GRPO).
 
+    Chunks and steps are in random order, split evenly into ``updates`` optimizer steps.
     Chunks whose samples are all dropped (``keep`` False) are skipped.
     """
     levels = batch.trajectory.noise_levels
@@ -68,16 +68,19 @@ def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: i
 
 
 def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[EdgeMicrobatch]]:
-    """Every (step, frontier chunk) with a trained edge once, in random order, split evenly into
-    ``updates`` optimizer steps; each micro-batch weighs ``n_mb / E`` so a step's loss is the mean
-    over its E trained edges (BranchGRPO).
+    """Every (step, frontier chunk) with a trained edge once, in random order (BranchGRPO).
+
+    The micro-batches are split evenly into ``updates`` optimizer steps; each micro-batch weighs
+    ``n_mb / E`` so a step's loss is the mean over its E trained edges.
 
     Raises:
         ValueError: the batch holds no tree (the objective's rollout is not a tree).
     """
     tb = batch.tree
     if tb is None:
-        raise ValueError("tree-edge planning needs tree rollouts (batch.tree is None); set the objective's rollout to 'tree'")
+        raise ValueError(
+            "tree-edge planning needs tree rollouts (batch.tree is None); set the objective's rollout to 'tree'"
+        )
     tr, mbs, edges = tb.rollout, [], []
     for t in range(len(tb.train)):
         f, parents_n = int(tr.factors[t]), tr.nodes[t].shape[0]

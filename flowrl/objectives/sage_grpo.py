@@ -46,8 +46,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from ..policy.lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
 from ..models.adapter import Cond, ModelAdapter, select_cond
+from ..policy.lora import adapters_disabled, add_frozen_copy, soft_update, use_adapter
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
 from ..samplers.types import SDEStep
@@ -159,6 +159,7 @@ class Edges(NamedTuple):
 
     @property
     def noise_scale(self) -> float:
+        """The std multiplier of this step (1.0 for flat trajectories and unsplit tree steps)."""
         return 1.0 if self.noise_scales is None else float(self.noise_scales[self.step])
 
 
@@ -167,9 +168,18 @@ def flat_edges(batch: RolloutBatch, mb: Microbatch) -> Edges:
     traj, idx, j = batch.trajectory, mb.index, mb.step
     keep = batch.keep[idx].float()
     return Edges(
-        traj.latents[idx, j], select_cond(batch.cond, idx), torch.arange(len(idx)), traj.latents[idx, j + 1],
-        traj.log_probs[idx, j], batch.advantages[idx], keep / keep.sum().clamp(min=1.0), j,
-        traj.sigmas, traj.noise_levels, None, traj.sde,
+        traj.latents[idx, j],
+        select_cond(batch.cond, idx),
+        torch.arange(len(idx)),
+        traj.latents[idx, j + 1],
+        traj.log_probs[idx, j],
+        batch.advantages[idx],
+        keep / keep.sum().clamp(min=1.0),
+        j,
+        traj.sigmas,
+        traj.noise_levels,
+        None,
+        traj.sde,
     )
 
 
@@ -179,9 +189,18 @@ def tree_edges(batch: RolloutBatch, mb: Any) -> Edges:
     tr = tb.rollout
     children, local = chunk_children(parents, int(tr.factors[t]), tb.train[t])
     return Edges(
-        tr.nodes[t][parents], select_cond(tb.cond, tr.trees(t)[parents]), local, tr.nodes[t + 1][children],
-        tr.log_probs[t][children], tb.advantages[t][children], torch.full((len(children),), float(mb.weight)), t,
-        tr.sigmas, tr.noise_levels, tr.noise_scales, tr.sde,
+        tr.nodes[t][parents],
+        select_cond(tb.cond, tr.trees(t)[parents]),
+        local,
+        tr.nodes[t + 1][children],
+        tr.log_probs[t][children],
+        tb.advantages[t][children],
+        torch.full((len(children),), float(mb.weight)),
+        t,
+        tr.sigmas,
+        tr.noise_levels,
+        tr.noise_scales,
+        tr.sde,
     )
 
 
@@ -232,7 +251,9 @@ class SageGRPO(Objective):
         }
         for key, ok in checks.items():
             if not ok:
-                raise ValueError(f"objective.{key} is out of range ({getattr(self, key)!r}); see flowrl/objectives/sage_grpo.py")
+                raise ValueError(
+                    f"objective.{key} is out of range ({getattr(self, key)!r}); see flowrl/objectives/sage_grpo.py"
+                )
         if not 0 <= self.kl_min <= self.kl_init <= self.kl_max:
             raise ValueError(
                 f"objective needs 0 <= kl_min <= kl_init <= kl_max; got {self.kl_min}, {self.kl_init}, {self.kl_max}"
@@ -258,12 +279,15 @@ class SageGRPO(Objective):
 
     @property
     def rollout(self) -> str:
-        """"tree" (branching tree rollouts, trained per edge) or "sde" (flat trajectories)."""
+        """The rollout kind: "tree" (branching tree rollouts, trained per edge) or "sde" (flat trajectories)."""
         return "tree" if self.tree else "sde"
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
-        """Every (chunk, stochastic step) pair once as Flow-GRPO plans it; on trees, every
-        (step, frontier chunk) with a trained edge once, as BranchGRPO plans it."""
+        """Plan the micro-batches of one iteration, split into ``updates_per_iteration`` optimizer steps.
+
+        Every (chunk, stochastic step) pair once as Flow-GRPO plans it; on trees, every
+        (step, frontier chunk) with a trained edge once, as BranchGRPO plans it.
+        """
         if batch.tree is not None:
             return plan_tree_edges(batch, generator, self.updates_per_iteration)
         return plan_transitions(batch, generator, self.updates_per_iteration)
@@ -320,7 +344,7 @@ class SageGRPO(Objective):
         return policy + self.beta * kl_eff, stats
 
     def _anchor_adapter(self) -> str | None:
-        """"current" while the anchor equals theta, else "anchor" (K > 0) or None (base model)."""
+        """The anchor policy's adapter: "current" while it equals theta, else "anchor" (K > 0) or None (base model)."""
         if self.anchor_every == 0:
             return None
         return "current" if self.since_refresh == 0 else ANCHOR

@@ -47,12 +47,16 @@ def with_uncond(cond: Cond, negative: Cond) -> Cond:
         raise ValueError(f"negative conditioning keys {sorted(negative)} differ from the prompt's {sorted(cond)}")
     sizes = {v.shape[0] for v in (*cond.values(), *negative.values())}
     if len(sizes) != 1:
-        raise ValueError(f"negative and prompt conditioning have different batch sizes {sorted(sizes)}; encode one negative per prompt")
+        raise ValueError(
+            f"negative and prompt conditioning have different batch sizes {sorted(sizes)}; "
+            "encode one negative per prompt"
+        )
     for key, value in cond.items():
         if negative[key].shape[1:] != value.shape[1:]:
             raise ValueError(
-                f"negative conditioning '{key}' has per-sample shape {tuple(negative[key].shape[1:])} but the prompt's is "
-                f"{tuple(value.shape[1:])}; pad both to one fixed length (max_sequence_length) so [uncond; cond] batch together"
+                f"negative conditioning '{key}' has per-sample shape {tuple(negative[key].shape[1:])} "
+                f"but the prompt's is {tuple(value.shape[1:])}; "
+                "pad both to one fixed length (max_sequence_length) so [uncond; cond] batch together"
             )
     return {**cond, **{UNCOND + k: v for k, v in negative.items()}}
 
@@ -132,7 +136,10 @@ class GuidedAdapter(AdapterWrapper):
         """
         pos, neg = split_cond(cond)
         if not neg:
-            raise ValueError("guided velocity needs negative-prompt conditioning ('uncond.' keys); encode with GuidedAdapter.encode_prompt")
+            raise ValueError(
+                "guided velocity needs negative-prompt conditioning ('uncond.' keys); "
+                "encode with GuidedAdapter.encode_prompt"
+            )
         both = {k: torch.cat([neg[k], pos[k]]) for k in pos}
         v = self._model.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         v_u, v_c = v.to(torch.promote_types(v.dtype, torch.float32)).chunk(2)  # half -> fp32; fp64 stays
@@ -160,5 +167,7 @@ def apply_guidance(model: ModelAdapter, scale: float, negative_prompt: str = "")
             "set model.distilled_guidance instead and keep sampler.guidance_scale=1.0"
         )
     if kind == "none":
-        raise ValueError(f"sampler.guidance_scale={scale} but {type(model).__name__} has no guidance; set sampler.guidance_scale=1.0")
+        raise ValueError(
+            f"sampler.guidance_scale={scale} but {type(model).__name__} has no guidance; set sampler.guidance_scale=1.0"
+        )
     return GuidedAdapter(model, scale, negative_prompt)

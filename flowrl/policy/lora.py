@@ -57,7 +57,9 @@ def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequen
     try:
         transformer.add_adapter(config)
     except ValueError as err:
-        raise ValueError(f"lora.targets {list(targets)} do not match modules of {type(transformer).__name__}: {err}") from err
+        raise ValueError(
+            f"lora.targets {list(targets)} do not match modules of {type(transformer).__name__}: {err}"
+        ) from err
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()

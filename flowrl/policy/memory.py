@@ -36,7 +36,8 @@ def enable_gradient_checkpointing(transformer: nn.Module) -> None:
     """
     if not getattr(transformer, "_supports_gradient_checkpointing", False):
         raise ValueError(
-            f"memory.gradient_checkpointing: {type(transformer).__name__} does not support gradient checkpointing; set it to false"
+            f"memory.gradient_checkpointing: {type(transformer).__name__} does not support gradient checkpointing; "
+            "set it to false"
         )
     transformer.enable_gradient_checkpointing()
 
@@ -59,13 +60,21 @@ def set_attention_backend(transformer: nn.Module, backend: str, device: torch.de
         ValueError: unknown backend, xformers missing, or not on CUDA (one line with the fix).
     """
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"memory.attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}; got {backend!r}")
+        raise ValueError(
+            f"memory.attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}; got {backend!r}"
+        )
     if backend == "sdpa":
         return
     if importlib.util.find_spec("xformers") is None:
-        raise ValueError("memory.attention_backend=xformers needs the xformers package: `pip install xformers` (CUDA builds only), or set memory.attention_backend=sdpa")
+        raise ValueError(
+            "memory.attention_backend=xformers needs the xformers package: `pip install xformers` (CUDA builds only), "
+            "or set memory.attention_backend=sdpa"
+        )
     if torch.device(device).type != "cuda":
-        raise ValueError(f"memory.attention_backend=xformers runs only on CUDA (model.device is {device}); set memory.attention_backend=sdpa")
+        raise ValueError(
+            f"memory.attention_backend=xformers runs only on CUDA (model.device is {device}); "
+            "set memory.attention_backend=sdpa"
+        )
     if _uses_backend_dispatch(transformer):
         transformer.set_attention_backend("xformers")
     else:
@@ -131,9 +140,13 @@ class MemoryAdapter(AdapterWrapper):
         offload_vae: keep the VAE on the CPU outside ``decode``.
     """
 
-    def __init__(self, model: ModelAdapter, *, autocast: str = "none", offload_encoders: bool = False, offload_vae: bool = False):
+    def __init__(
+        self, model: ModelAdapter, *, autocast: str = "none", offload_encoders: bool = False, offload_vae: bool = False
+    ):
         if autocast not in AUTOCAST_DTYPES:
-            raise ValueError(f"memory.autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}; got {autocast!r}")
+            raise ValueError(
+                f"memory.autocast must be one of {', '.join(map(repr, AUTOCAST_DTYPES))}; got {autocast!r}"
+            )
         super().__init__(model)
         self.autocast_dtype = AUTOCAST_DTYPES[autocast]
         self.offload_encoders = offload_encoders
@@ -168,7 +181,8 @@ class MemoryAdapter(AdapterWrapper):
             shown = list(prompts)[:1]
             raise ValueError(
                 f"prompt {shown[0]!r} is not in the prompt cache and the text encoders were freed "
-                "(memory.free_encoders_when_cached); list it in prompts.train/prompts.eval or set memory.free_encoders_when_cached=false"
+                "(memory.free_encoders_when_cached); list it in prompts.train/prompts.eval "
+                "or set memory.free_encoders_when_cached=false"
             )
         encoders = list(text_encoders(self._model.pipe).values())
         with placed(encoders, self.compute_device, self.offload_encoders):
@@ -188,13 +202,16 @@ class MemoryAdapter(AdapterWrapper):
                 left on the CPU while the latents live on the accelerator).
         """
         if self.offload_vae:
-            raise ValueError("memory.offload_vae=true and train.rewards_async=process can't be combined (the scoring "
-                             "process keeps its own VAE placement); set one of them to false")
+            raise ValueError(
+                "memory.offload_vae=true and train.rewards_async=process can't be combined (the scoring "
+                "process keeps its own VAE placement); set one of them to false"
+            )
         return self._model.decoder()
 
     def free_text_encoders(self) -> int:
-        """Drop the text encoders from the pipeline (after the prompt cache is warm); a later
-        :meth:`encode_prompt` then fails with a one-line message instead of deep in diffusers.
+        """Drop the text encoders from the pipeline (after the prompt cache is warm).
+
+        A later :meth:`encode_prompt` then fails with a one-line message instead of deep in diffusers.
 
         Returns:
             The number of encoder parameters released.
@@ -224,4 +241,6 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
     if memory.gradient_checkpointing:
         enable_gradient_checkpointing(transformer)
     configure_vae(model.pipe.vae, tiling=memory.vae_tiling, slicing=memory.vae_slicing)
-    return MemoryAdapter(model, autocast=memory.autocast, offload_encoders=memory.offload_encoders, offload_vae=memory.offload_vae)
+    return MemoryAdapter(
+        model, autocast=memory.autocast, offload_encoders=memory.offload_encoders, offload_vae=memory.offload_vae
+    )

@@ -39,7 +39,9 @@ def collate(prompts: list[Prompt], repeats: int = 1) -> PromptBatch:
     return PromptBatch(texts, metadata, torch.tensor(groups, dtype=torch.long))
 
 
-def sample_groups(prompts: list[Prompt], per_iteration: int, group_size: int, generator: torch.Generator) -> PromptBatch:
+def sample_groups(
+    prompts: list[Prompt], per_iteration: int, group_size: int, generator: torch.Generator
+) -> PromptBatch:
     """Draw ``per_iteration`` prompts (without replacement while possible) and repeat each K times."""
     picks: list[int] = []
     while len(picks) < per_iteration:

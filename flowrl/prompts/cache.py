@@ -1,8 +1,8 @@
 """Prompt-embedding cache: encode each distinct prompt once, in memory and optionally on disk.
 
 Keys combine a model fingerprint (the adapter's model id, its text encoders' configs and weights,
-and its tokenizers' vocabularies) with a SHA-256 of the prompt, so a cache folder can be shared across runs of the same model and is never
-reused for another one. Files are safetensors, one per prompt.
+and its tokenizers' vocabularies) with a SHA-256 of the prompt, so a cache folder can be shared across runs
+of the same model and is never reused for another one. Files are safetensors, one per prompt.
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def _tokenizer_identity(tokenizer: object) -> str:
 
 
 def model_fingerprint(model: ModelAdapter) -> str:
-    """Short hash of what the embeddings depend on: the model id, each text encoder's config and
-    weights (a checksum), and each tokenizer's vocabulary."""
+    """Short hash of what the embeddings depend on.
+
+    That is the model id, each text encoder's config and weights (a checksum), and each tokenizer's
+    vocabulary.
+    """
     pipe = model.pipe
     parts = {"model": model.model_id, "max_len": model.max_sequence_length}
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # optional pipeline components
@@ -64,6 +67,7 @@ class PromptCache:
 
     @staticmethod
     def key(prompt: str) -> str:
+        """The cache key of a prompt: the hex SHA-256 of its UTF-8 text."""
         return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
     def _load(self, key: str) -> Cond | None:

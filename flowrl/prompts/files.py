@@ -65,7 +65,7 @@ def _row_prompt(row: Any, where: str) -> Prompt:
     if isinstance(row, str) and row.strip():
         return Prompt(row.strip(), {})
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-        raise ValueError(f"{where}: needs a non-empty string field \"prompt\" (e.g. {{\"prompt\": \"a cat\"}})")
+        raise ValueError(f'{where}: needs a non-empty string field "prompt" (e.g. {{"prompt": "a cat"}})')
     meta = dict(row)
     return Prompt(meta.pop("prompt").strip(), meta)
 
@@ -80,9 +80,11 @@ def read_jsonl(path: Path) -> list[Prompt]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {number}: invalid JSON ({err.msg}); each line must be an object like {{\"prompt\": \"...\"}}") from None
+            raise ValueError(
+                f'{path} line {number}: invalid JSON ({err.msg}); each line must be an object like {{"prompt": "..."}}'
+            ) from None
         if isinstance(row, str):
-            raise ValueError(f"{path} line {number}: needs a non-empty string field \"prompt\"; got a bare string")
+            raise ValueError(f'{path} line {number}: needs a non-empty string field "prompt"; got a bare string')
         prompts.append(_row_prompt(row, f"{path} line {number}"))
     return prompts
 
@@ -103,7 +105,10 @@ def read_csv(path: Path) -> list[Prompt]:
         if not any(cell.strip() for cell in row):
             continue
         if len(row) != len(header):
-            raise ValueError(f"{path} line {number}: has {len(row)} fields but the header has {len(header)}; quote fields that contain commas")
+            raise ValueError(
+                f"{path} line {number}: has {len(row)} fields but the header has {len(header)}; "
+                "quote fields that contain commas"
+            )
         record = dict(zip(header, row))
         text = record.pop("prompt").strip()
         if not text:
@@ -121,7 +126,7 @@ def read_json(path: Path) -> list[Prompt]:
     if isinstance(data, dict) and isinstance(data.get("prompts"), list):
         data = data["prompts"]
     if not isinstance(data, list):
-        raise ValueError(f"{path}: must hold a JSON list of prompts (strings or {{\"prompt\": ...}} objects)")
+        raise ValueError(f'{path}: must hold a JSON list of prompts (strings or {{"prompt": ...}} objects)')
     return [_row_prompt(row, f"{path} item {i}") for i, row in enumerate(data)]
 
 

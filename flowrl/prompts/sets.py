@@ -43,7 +43,9 @@ def load_prompts(spec: str, split: str = "train") -> list[Prompt]:
         path = split_file(path, split)
     if not path.is_file():
         names = ", ".join(BUILTIN_SETS)
-        raise ValueError(f"prompt set {spec!r} is neither a built-in set ({names}) nor an existing prompt file or folder")
+        raise ValueError(
+            f"prompt set {spec!r} is neither a built-in set ({names}) nor an existing prompt file or folder"
+        )
     return read_prompt_file(path)
 
 
@@ -72,5 +74,8 @@ def holdout_split(prompts: list[Prompt], test_fraction: float, part: str) -> lis
 
     chosen = [p for p in prompts if in_test(p) == (part == "test")]
     if not chosen:
-        raise ValueError(f"prompts.test_fraction={test_fraction} leaves the {part} split of {len(prompts)} prompts empty; change the fraction or add prompts")
+        raise ValueError(
+            f"prompts.test_fraction={test_fraction} leaves the {part} split of {len(prompts)} prompts empty; "
+            "change the fraction or add prompts"
+        )
     return chosen

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
+from ..runtime import seeded_noise
 from ..samplers.rollout import rollout
 from ..samplers.types import Trajectory
-from ..runtime import seeded_noise
 
 ChunkHook = Callable[[slice, Tensor], None]  # (rows of the batch, final latents of those rows)
 
@@ -52,7 +52,11 @@ def chunked_rollout(
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
-        parts.append(rollout(lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde))
+        parts.append(
+            rollout(
+                lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde
+            )
+        )
         if on_chunk is not None:
             on_chunk(slice(start, start + parts[-1].latents.shape[0]), parts[-1].latents[:, -1])
     return Trajectory(
@@ -70,7 +74,8 @@ def sigma_window_levels(sigmas: Tensor, noise_level: float, lo: float, hi: float
     Args:
         sigmas: (T + 1,) grid.
         noise_level: the Flow-SDE ``a`` inside the window.
-        lo, hi: sigma range of the window (AWM's SA-solver setting uses [0.3, 0.9]).
+        lo: lower sigma bound of the window (AWM's SA-solver setting uses 0.3).
+        hi: upper sigma bound of the window (AWM's SA-solver setting uses 0.9).
 
     Returns:
         (T,) float64.

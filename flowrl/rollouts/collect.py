@@ -109,8 +109,11 @@ class Scored(NamedTuple):
 
 
 def iteration_levels(ctx: RolloutContext) -> Tensor:
-    """Per-step noise levels (T,) of this iteration's SDE rollout: every step but the last, or only
-    an SDE window (random, progressive or fixed; MixGRPO / Flow-GRPO-Fast)."""
+    """Per-step noise levels (T,) of this iteration's SDE rollout.
+
+    Noise on every step but the last, or only in an SDE window (random, progressive or fixed; MixGRPO /
+    Flow-GRPO-Fast).
+    """
     s = ctx.sampler
     if s.window == "none":
         return sde_noise_levels(s.num_steps, s.noise_level)
@@ -128,8 +131,15 @@ def sample_sde(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook) 
     s = ctx.sampler
     x_init = ctx.noise(rows)
     traj = chunked_rollout(
-        ctx.model, cond, x_init, ctx.sigmas, iteration_levels(ctx), chunk_size=s.chunk_size, generator=ctx.generator,
-        sde=s.sde, on_chunk=on_chunk,
+        ctx.model,
+        cond,
+        x_init,
+        ctx.sigmas,
+        iteration_levels(ctx),
+        chunk_size=s.chunk_size,
+        generator=ctx.generator,
+        sde=s.sde,
+        on_chunk=on_chunk,
     )
     return Rollout(traj.latents[:, -1], trajectory=traj)
 
@@ -139,22 +149,40 @@ def sample_solver(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHoo
     s = ctx.sampler
     x_init = ctx.noise(rows)
     samples = chunked_solve(
-        ctx.model, cond, x_init, ctx.sigmas, solver=s.solver, chunk_size=s.chunk_size, noise_levels=ctx.solver_levels,
-        generator=ctx.generator, on_chunk=on_chunk,
+        ctx.model,
+        cond,
+        x_init,
+        ctx.sigmas,
+        solver=s.solver,
+        chunk_size=s.chunk_size,
+        noise_levels=ctx.solver_levels,
+        generator=ctx.generator,
+        on_chunk=on_chunk,
     )
     return Rollout(samples)
 
 
 def sample_tree(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook) -> Rollout:
-    """One tree per prompt (``rows`` = trees x leaves); the leaves are reported chunk by chunk at
-    the end, so async scoring modes split their scoring with the worker."""
+    """One tree per prompt (``rows`` = trees x leaves).
+
+    The leaves are reported chunk by chunk at the end, so async scoring modes split their scoring with
+    the worker.
+    """
     s, spec = ctx.sampler, ctx.tree
     num_trees = rows // spec.leaves
     roots = ctx.noise(num_trees)
     levels = tree_levels(spec, None if s.window == "none" else iteration_levels(ctx), s.noise_level)
     tree = chunked_tree_rollout(
-        ctx.model, tree_cond(cond, spec, num_trees), roots, ctx.sigmas, levels, spec.factors, chunk_size=s.chunk_size,
-        split_noise_scale=s.tree.split_noise_scale, sde=s.sde, generator=ctx.generator,
+        ctx.model,
+        tree_cond(cond, spec, num_trees),
+        roots,
+        ctx.sigmas,
+        levels,
+        spec.factors,
+        chunk_size=s.chunk_size,
+        split_noise_scale=s.tree.split_noise_scale,
+        sde=s.sde,
+        generator=ctx.generator,
     )
     leaves = tree.leaves
     for start in range(0, leaves.shape[0], s.chunk_size):
@@ -167,20 +195,32 @@ def tree_cond(cond: Cond, spec: TreeSpec, num_trees: int) -> Cond:
     return select_cond(cond, torch.arange(num_trees) * spec.leaves)
 
 
-def group_advantages(ctx: RolloutContext, rollout: Rollout, prompts: PromptBatch, cond: Cond, scored: RewardOutput) -> Scored:
+def group_advantages(
+    ctx: RolloutContext, rollout: Rollout, prompts: PromptBatch, cond: Cond, scored: RewardOutput
+) -> Scored:
     """Per-prompt-group advantages of the samples (``advantage`` config)."""
     adv, keep, stats = ctx.advantages(scored.components, prompts.group_ids, prompts.texts)
     return Scored(adv, keep, None, {"zero_std_groups": torch.tensor(float(stats.zero_std_groups))})
 
 
-def tree_edge_advantages(ctx: RolloutContext, rollout: Rollout, prompts: PromptBatch, cond: Cond, scored: RewardOutput) -> Scored:
-    """Depth-wise advantages of every tree edge and the pruning masks (BranchGRPO); the per-sample
-    advantages are the leaves' (for logging), every leaf kept."""
+def tree_edge_advantages(
+    ctx: RolloutContext, rollout: Rollout, prompts: PromptBatch, cond: Cond, scored: RewardOutput
+) -> Scored:
+    """Depth-wise advantages of every tree edge and the pruning masks (BranchGRPO).
+
+    The per-sample advantages are the leaves' (for logging), every leaf kept.
+    """
     leaves, spec = rollout.samples, ctx.tree
     num_trees = leaves.shape[0] // spec.leaves
     tb = edge_advantages(
-        rollout.tree, scored.total.to(leaves.device), tree_cond(cond, spec, num_trees), spec, ctx.sampler.tree,
-        clip=ctx.advantage_clip, iteration=ctx.iteration, chunk_size=ctx.sampler.chunk_size,
+        rollout.tree,
+        scored.total.to(leaves.device),
+        tree_cond(cond, spec, num_trees),
+        spec,
+        ctx.sampler.tree,
+        clip=ctx.advantage_clip,
+        iteration=ctx.iteration,
+        chunk_size=ctx.sampler.chunk_size,
     )
     info = {
         "zero_std_groups": torch.tensor(float((tb.advantages[-1].reshape(num_trees, -1) == 0).all(1).sum())),
@@ -219,7 +259,9 @@ def rollout_kind(objective_rollout: str, solver: str) -> str:
     return objective_rollout
 
 
-def collect_rollouts(ctx: RolloutContext, kind: str, prompts: PromptBatch, cond: Cond) -> tuple[RolloutBatch, dict[str, Tensor]]:
+def collect_rollouts(
+    ctx: RolloutContext, kind: str, prompts: PromptBatch, cond: Cond
+) -> tuple[RolloutBatch, dict[str, Tensor]]:
     """Sample, decode + score, compute advantages and build the batch, for every rollout kind.
 
     Args:
@@ -238,7 +280,17 @@ def collect_rollouts(ctx: RolloutContext, kind: str, prompts: PromptBatch, cond:
         images, scored = scorer.result(rollout.samples)
     adv = entry.advantages(ctx, rollout, prompts, cond, scored)
     batch = RolloutBatch(
-        prompts.texts, prompts.group_ids, cond, rollout.samples, rollout.trajectory, ctx.sigmas, images.cpu(),
-        scored.total.cpu(), adv.advantages, adv.keep, ctx.sampler.chunk_size, tree=adv.tree,
+        prompts.texts,
+        prompts.group_ids,
+        cond,
+        rollout.samples,
+        rollout.trajectory,
+        ctx.sigmas,
+        images.cpu(),
+        scored.total.cpu(),
+        adv.advantages,
+        adv.keep,
+        ctx.sampler.chunk_size,
+        tree=adv.tree,
     )
     return batch, {**adv.info, **{f"reward/{k}": v for k, v in scored.components.items()}}

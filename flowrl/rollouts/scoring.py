@@ -46,7 +46,9 @@ def _jobs_per_batch(total: int, chunk_size: int, score_chunk_size: int | None) -
     return sum(math.ceil(min(chunk_size, total - start) / step) for start in range(0, total, chunk_size))
 
 
-def batch_index(iteration: int, chunk: int, batch_size: int, chunk_size: int, score_chunk_size: int | None = None) -> int:
+def batch_index(
+    iteration: int, chunk: int, batch_size: int, chunk_size: int, score_chunk_size: int | None = None
+) -> int:
     """Run-wide index of a scoring job: ``iteration * jobs_per_iteration + chunk``.
 
     A job is a rollout chunk (``sampler.chunk_size``) or, with ``train.score_chunk_size``, one
@@ -118,7 +120,7 @@ class RolloutScorer:
         step = self.score_chunk_size or latents.shape[0]
         for offset in range(0, latents.shape[0], step):
             part = slice(rows.start + offset, min(rows.start + offset + step, rows.start + latents.shape[0]))
-            self._submit_job(part, latents[offset:offset + step])
+            self._submit_job(part, latents[offset : offset + step])
 
     def _submit_job(self, rows: slice, latents: Tensor) -> None:
         index = self.first_index + len(self._jobs)
@@ -170,7 +172,9 @@ class RolloutScorer:
         expected_start = 0
         for start, stop in covered:
             if start != expected_start:
-                raise ValueError(f"rollout chunks {covered} do not cover the batch of {samples.shape[0]} in order; report this bug")
+                raise ValueError(
+                    f"rollout chunks {covered} do not cover the batch of {samples.shape[0]} in order; report this bug"
+                )
             expected_start = min(stop, samples.shape[0])
         images = torch.cat([out[0] for _, out in done])
         if not self.by_parts:

@@ -33,8 +33,9 @@ Decode = Callable[[Tensor], Tensor]
 POLL_S = 0.2  # how often a waiting side checks that the other one is still alive
 
 
-def score_chunk(reward: Any, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any],
-                index: int) -> tuple[Tensor, dict[str, Tensor] | None]:
+def score_chunk(
+    reward: Any, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int
+) -> tuple[Tensor, dict[str, Tensor] | None]:
     """Decode one chunk and score it with every reward component (no gradient).
 
     Args:
@@ -108,7 +109,9 @@ class ScoringProcess:
         RuntimeError: the worker died or did not start in time.
     """
 
-    def __init__(self, reward: Any, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, reward: Any, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0
+    ) -> None:
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._pending: dict[int, Future] = {}
@@ -117,16 +120,22 @@ class ScoringProcess:
         self._lock = threading.Lock()
         self._next_key = 0
         self._closed = False
-        self._proc = ctx.Process(target=_worker_main, name="flowrl-scoring", daemon=True,
-                                 args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results))
+        self._proc = ctx.Process(
+            target=_worker_main,
+            name="flowrl-scoring",
+            daemon=True,
+            args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results),
+        )
         try:
             self._proc.start()  # spawn pickles the arguments here, before any child exists
         except Exception:
             problem = _unpicklable_part(reward, decode)  # only on failure: name the part that can't travel
             if problem is None:
                 raise
-            raise ValueError(f"train.rewards_async=process: {problem}; use train.rewards_async=thread, "
-                             "or serve that reward with `flowrl serve-reward` and use it as remote:") from None
+            raise ValueError(
+                f"train.rewards_async=process: {problem}; use train.rewards_async=thread, "
+                "or serve that reward with `flowrl serve-reward` and use it as remote:"
+            ) from None
         self._wait_ready(start_timeout_s)
         self._receiver = threading.Thread(target=self._receive, name="flowrl-scoring-receiver", daemon=True)
         self._receiver.start()
@@ -141,8 +150,10 @@ class ScoringProcess:
                 waited += POLL_S
                 if not self._proc.is_alive():
                     self._closed = True
-                    raise RuntimeError(f"scoring process exited with code {self._proc.exitcode} while starting "
-                                       "(it could not load the reward); run with train.rewards_async=false to see the error")
+                    raise RuntimeError(
+                        f"scoring process exited with code {self._proc.exitcode} while starting "
+                        "(it could not load the reward); run with train.rewards_async=false to see the error"
+                    )
         self.close()
         raise RuntimeError(f"scoring process did not start within {timeout_s:.0f} s; use train.rewards_async=thread")
 
@@ -155,9 +166,13 @@ class ScoringProcess:
                 if self._closed:
                     return
                 if not self._proc.is_alive():
-                    self._fail_pending(RuntimeError(
-                        f"scoring process died (exit code {self._proc.exitcode}); rerun with train.rewards_async=thread "
-                        "or false to see the reward's own error"))
+                    self._fail_pending(
+                        RuntimeError(
+                            f"scoring process died (exit code {self._proc.exitcode}); "
+                            "rerun with train.rewards_async=thread "
+                            "or false to see the reward's own error"
+                        )
+                    )
                     return
                 continue
             except (EOFError, OSError):
@@ -196,10 +211,17 @@ class ScoringProcess:
     def submit(self, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int) -> Future:
         """Queue one chunk; the Future resolves to ``score_chunk``'s (images, parts)."""
         if self._closed or not self._proc.is_alive():
-            raise RuntimeError(f"scoring process is not running (exit code {self._proc.exitcode}); "
-                               "rerun with train.rewards_async=thread or false")
+            raise RuntimeError(
+                f"scoring process is not running (exit code {self._proc.exitcode}); "
+                "rerun with train.rewards_async=thread or false"
+            )
         future: Future = Future()
-        job = (latents.detach().clone(), list(prompts), metadata, index)  # a private copy, moved to shared memory when sent
+        job = (
+            latents.detach().clone(),
+            list(prompts),
+            metadata,
+            index,
+        )  # a private copy, moved to shared memory when sent
         with self._lock:
             key, self._next_key = self._next_key, self._next_key + 1
             self._pending[key] = future

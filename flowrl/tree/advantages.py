@@ -27,7 +27,9 @@ from torch import Tensor
 Fusion = Literal["mean", "softmax"]
 
 
-def fuse_rewards(leaf_rewards: Tensor, widths: Sequence[int], log_probs: Sequence[Tensor], num_trees: int, fusion: Fusion = "mean") -> list[Tensor]:
+def fuse_rewards(
+    leaf_rewards: Tensor, widths: Sequence[int], log_probs: Sequence[Tensor], num_trees: int, fusion: Fusion = "mean"
+) -> list[Tensor]:
     """Rewards of every node, depth by depth.
 
     Args:
@@ -44,7 +46,10 @@ def fuse_rewards(leaf_rewards: Tensor, widths: Sequence[int], log_probs: Sequenc
         ValueError: wrong leaf count, NaN/inf rewards or an unknown fusion.
     """
     if leaf_rewards.shape != (num_trees * widths[-1],):
-        raise ValueError(f"leaf_rewards must be ({num_trees * widths[-1]},) for {num_trees} trees of {widths[-1]} leaves; got {tuple(leaf_rewards.shape)}")
+        raise ValueError(
+            f"leaf_rewards must be ({num_trees * widths[-1]},) for {num_trees} trees of {widths[-1]} leaves; "
+            f"got {tuple(leaf_rewards.shape)}"
+        )
     if not torch.isfinite(leaf_rewards).all():
         raise ValueError("tree rollouts need a finite reward for every leaf (a NaN reward has no defined fusion)")
     if fusion not in ("mean", "softmax"):

@@ -43,7 +43,9 @@ def depth_prune_window(depths: Sequence[int], iteration: int, slide_every: int =
     return set(base)
 
 
-def width_prune_masks(advantages: Sequence[Tensor], steps: Sequence[int], num_trees: int, fraction: float) -> list[Tensor]:
+def width_prune_masks(
+    advantages: Sequence[Tensor], steps: Sequence[int], num_trees: int, fraction: float
+) -> list[Tensor]:
     """Best/worst selection among the edges of ``steps`` (the last segment), per tree.
 
     Args:
@@ -73,7 +75,9 @@ def width_prune_masks(advantages: Sequence[Tensor], steps: Sequence[int], num_tr
     return masks
 
 
-def branch_prune_masks(advantages: Sequence[Tensor], steps: Sequence[int], factor: int, fraction: float) -> list[Tensor]:
+def branch_prune_masks(
+    advantages: Sequence[Tensor], steps: Sequence[int], factor: int, fraction: float
+) -> list[Tensor]:
     """Mode 1: the best children of every last-split branch keep their segment edges.
 
     Args:

@@ -64,7 +64,9 @@ def chunked_tree_rollout(
         model: the sampling policy.
         cond: conditioning of the N trees (one row per tree).
         roots: (N, ...) initial noise.
-        sigmas, noise_levels, factors: the grid, (T,) levels and (T,) children per step.
+        sigmas: (T + 1,) the sigma grid.
+        noise_levels: (T,) noise level per step.
+        factors: (T,) children per node at each step.
         chunk_size: nodes per model call.
         split_noise_scale: std multiplier at split steps.
         sde: SDE step name.
@@ -82,7 +84,14 @@ def chunked_tree_rollout(
         return torch.cat(parts)
 
     return tree_rollout(
-        velocity, roots, sigmas, noise_levels, factors, split_noise_scale=split_noise_scale, sde=sde, generator=generator
+        velocity,
+        roots,
+        sigmas,
+        noise_levels,
+        factors,
+        split_noise_scale=split_noise_scale,
+        sde=sde,
+        generator=generator,
     )
 
 
@@ -163,9 +172,17 @@ def edge_advantages(
     node_rewards = fuse_rewards(rewards.double(), tree_widths(spec.factors), tree.log_probs, n, tree_cfg.fusion)
     advantages = depthwise_advantages(node_rewards, n, clip=clip)
     masks = train_masks(
-        advantages, spec.factors, tree.noise_levels, n, iteration=iteration, depth_prune=tree_cfg.depth_prune,
-        slide_every=tree_cfg.depth_prune_slide_every, stop_depth=tree_cfg.depth_prune_stop, width_keep=tree_cfg.width_keep,
-        width_mode=tree_cfg.width_mode, prune_until=tree_cfg.prune_until,
+        advantages,
+        spec.factors,
+        tree.noise_levels,
+        n,
+        iteration=iteration,
+        depth_prune=tree_cfg.depth_prune,
+        slide_every=tree_cfg.depth_prune_slide_every,
+        stop_depth=tree_cfg.depth_prune_stop,
+        width_keep=tree_cfg.width_keep,
+        width_mode=tree_cfg.width_mode,
+        prune_until=tree_cfg.prune_until,
     )
     masks = [m.cpu() for m in masks]  # index bookkeeping stays on the CPU (CUDA tensors take CPU indices)
     return TreeBatch(tree, advantages, masks, node_rewards, cond, chunk_size)

@@ -13,8 +13,17 @@ import math
 import pytest
 import torch
 
+from flowrl.advantages.group import (
+    clip_advantages,
+    compute_advantages,
+    gdpo_advantages,
+    group_advantages,
+    group_stats,
+    median_advantages,
+    weighted_sum,
+    weighted_sum_advantages,
+)
 from flowrl.advantages.tracker import StatTracker
-from flowrl.advantages.group import clip_advantages, compute_advantages, gdpo_advantages, group_advantages, group_stats, median_advantages, weighted_sum, weighted_sum_advantages
 
 NAN = math.nan
 

@@ -5,19 +5,24 @@ import time
 
 import pytest
 import torch
-
 from conftest import tiny_sd3_pipeline
+
 from flowrl.config import load_config
-from flowrl.policy import build_policy
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
 from flowrl.rollouts.scoring import RolloutScorer, batch_index
 from flowrl.trainer import Trainer
 
 FAST = [
-    "prompts.per_iteration=4", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=5",
-    "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.01",
+    "prompts.per_iteration=4",
+    "prompts.group_size=3",
+    "sampler.num_steps=3",
+    "sampler.chunk_size=5",
+    "train.eval_seeds=1",
+    "objective.kl_beta=0.01",
+    "optim.lr=0.01",
 ]
 
 
@@ -127,14 +132,21 @@ def test_all_nan_is_checked_on_the_whole_batch(async_):
         return torch.where(keep, images.mean(dim=(1, 2, 3)), torch.tensor(float("nan"))).float()
 
     first_rows_only.allows_nan = True
-    scorer = RolloutScorer(MultiReward({"partial": (first_rows_only, 1.0)}), lambda z: z, ["a bold 1"] * 5 + ["x"] * 5,
-                           threaded=async_, first_index=4)
+    scorer = RolloutScorer(
+        MultiReward({"partial": (first_rows_only, 1.0)}),
+        lambda z: z,
+        ["a bold 1"] * 5 + ["x"] * 5,
+        threaded=async_,
+        first_index=4,
+    )
     with scorer:
         scorer.submit(slice(0, 5), torch.rand(5, 3, 2, 2))
         scorer.submit(slice(5, 10), torch.rand(5, 3, 2, 2))  # all NaN in this chunk: fine, the batch is not
         images, out = scorer.result(torch.zeros(10, 3, 2, 2))
     assert images.shape == (10, 3, 2, 2) and out.components["partial"][5:].isnan().all()
-    scorer = RolloutScorer(MultiReward({"partial": (first_rows_only, 1.0)}), lambda z: z, ["x"] * 10, threaded=async_, first_index=4)
+    scorer = RolloutScorer(
+        MultiReward({"partial": (first_rows_only, 1.0)}), lambda z: z, ["x"] * 10, threaded=async_, first_index=4
+    )
     with scorer, pytest.raises(RewardError, match=r"reward 'partial' \(batch 4-5\) returned NaN for every sample"):
         scorer.submit(slice(0, 5), torch.rand(5, 3, 2, 2))
         scorer.submit(slice(5, 10), torch.rand(5, 3, 2, 2))

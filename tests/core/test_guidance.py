@@ -4,12 +4,12 @@ the same guided velocity in rollout, training and the KL reference (ratio exactl
 import pytest
 import torch
 
-from flowrl.policy.guidance import GuidedAdapter, apply_guidance, encode_with_negative, split_cond, with_uncond
-from flowrl.policy import build_policy
-from flowrl.policy.lora import add_lora
 from flowrl.models.adapter import select_cond
-from flowrl.policy.counting import CountingAdapter
 from flowrl.objectives import FlowGRPO, RolloutBatch
+from flowrl.policy import build_policy
+from flowrl.policy.counting import CountingAdapter
+from flowrl.policy.guidance import GuidedAdapter, apply_guidance, encode_with_negative, split_cond, with_uncond
+from flowrl.policy.lora import add_lora
 from flowrl.prompts.cache import PromptCache, model_fingerprint
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
@@ -23,7 +23,9 @@ class ForwardCounter:
 
     def __init__(self, module):
         self.batches = []
-        self.handle = module.register_forward_hook(lambda mod, args, kwargs, out: self.batches.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+        self.handle = module.register_forward_hook(
+            lambda mod, args, kwargs, out: self.batches.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+        )
 
 
 def _nonzero_lora(model, std=0.05):
@@ -78,8 +80,15 @@ def test_sd3_guided_euler_matches_the_diffusers_pipeline(tiny_sd3):
     pipe, negative, scale, steps = tiny_sd3.pipe, "a thin handwritten 0", 3.0, 3
     x = torch.randn(2, *tiny_sd3.latent_shape(8, 8), generator=torch.Generator().manual_seed(1))
     ref = pipe(
-        prompt=PROMPTS, negative_prompt=[negative] * 2, height=8, width=8, num_inference_steps=steps, guidance_scale=scale,
-        latents=x.clone(), output_type="latent", max_sequence_length=tiny_sd3.max_sequence_length,
+        prompt=PROMPTS,
+        negative_prompt=[negative] * 2,
+        height=8,
+        width=8,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=x.clone(),
+        output_type="latent",
+        max_sequence_length=tiny_sd3.max_sequence_length,
     ).images
     sigmas = pipe.scheduler.sigmas.double()  # the grid the pipeline just used (ends at 0)
     guided = GuidedAdapter(tiny_sd3, scale, negative)
@@ -93,11 +102,15 @@ def _rollout_batch(model, prompts, chunk=2, steps=3, latent=(8, 8)):
     cond = model.encode_prompt(prompts)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *model.latent_shape(*latent), generator=gen)
-    traj = chunked_rollout(model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen)
+    traj = chunked_rollout(
+        model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen
+    )
     adv = torch.randn(len(prompts), generator=gen)
     keep = torch.ones(len(prompts), dtype=torch.bool)
     ids = torch.arange(len(prompts))
-    return RolloutBatch(prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk)
+    return RolloutBatch(
+        prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk
+    )
 
 
 def assert_ratio_one_with_guided_reference(model, batch):
@@ -153,7 +166,9 @@ def test_prompt_cache_over_guided_adapter(tiny_sd3, tmp_path):
     cache = PromptCache(guided, tmp_path)
     first = cache.encode(PROMPTS + PROMPTS[:1])
     assert (cache.misses, cache.hits) == (2, 1)
-    torch.testing.assert_close(first["uncond.encoder_hidden_states"][:2], guided.encode_prompt(PROMPTS)["uncond.encoder_hidden_states"])
+    torch.testing.assert_close(
+        first["uncond.encoder_hidden_states"][:2], guided.encode_prompt(PROMPTS)["uncond.encoder_hidden_states"]
+    )
     warm = PromptCache(guided, tmp_path)  # a new run: served from disk
     again = warm.encode(PROMPTS)
     assert (warm.misses, warm.hits) == (0, 2)
@@ -169,18 +184,35 @@ def test_trainer_default_is_unguided_and_cfg_trains_with_ratio_one(tiny_sd3):
     from flowrl.rewards import build_multi_reward
     from flowrl.trainer import Trainer
 
-    fast = ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=3", "sampler.chunk_size=2", "objective.kl_beta=0.01"]
+    fast = [
+        "prompts.per_iteration=2",
+        "prompts.group_size=2",
+        "sampler.num_steps=3",
+        "sampler.chunk_size=2",
+        "objective.kl_beta=0.01",
+    ]
     prompts = load_prompts("digits-styles")
     cfg = load_config(None, fast)
     assert cfg.sampler.guidance_scale == 1.0 and cfg.prompts.negative == ""
-    plain = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    plain = Trainer(
+        cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2]
+    )
     assert not isinstance(plain.model._model, GuidedAdapter)
 
     from conftest import tiny_sd3_pipeline
+
     from flowrl.models.sd3 import SD3Adapter
 
     cfg = load_config(None, fast + ["sampler.guidance_scale=4.5", "prompts.negative=blurry"])
-    trainer = Trainer(cfg, build_policy(cfg, model=SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)), trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(
+            cfg, model=SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)), trainable=True
+        ),
+        build_multi_reward(cfg.rewards),
+        prompts,
+        prompts[:2],
+    )
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
     # rollout 4 x 3 steps + policy and KL-reference passes on 2 SDE steps x 4 samples, each 2 evaluations
@@ -190,9 +222,9 @@ def test_trainer_default_is_unguided_and_cfg_trains_with_ratio_one(tiny_sd3):
 def test_flowrl_sample_applies_the_configured_cfg(tmp_path, capsys):
     """`flowrl sample` guides exactly as training does: sampler.guidance_scale and prompts.negative."""
     import numpy as np
+    from conftest import tiny_sd3_pipeline
     from PIL import Image
 
-    from conftest import tiny_sd3_pipeline
     from flowrl.cli import main
 
     folder = tmp_path / "tiny"
@@ -201,7 +233,19 @@ def test_flowrl_sample_applies_the_configured_cfg(tmp_path, capsys):
     outs = {}
     for scale in (1.0, 4.0):
         out = tmp_path / f"cfg{scale}.png"
-        assert main([*common[:3], f"sampler.guidance_scale={scale}", "prompts.negative=blurry", *common[3:], "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    *common[:3],
+                    f"sampler.guidance_scale={scale}",
+                    "prompts.negative=blurry",
+                    *common[3:],
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         outs[scale] = np.asarray(Image.open(out), dtype=np.float32)
     assert outs[1.0].shape == outs[4.0].shape and np.abs(outs[1.0] - outs[4.0]).max() > 1.0
     assert main([*common[:3], "sampler.guidance_scale=-1", *common[3:]]) == 2

@@ -1,10 +1,10 @@
 """LoRA: zero-init output identity, frozen base, and diffusers load_lora_weights interop."""
 
 import torch
-
 from conftest import tiny_sd3_pipeline
-from flowrl.policy.lora import add_lora, count_parameters, load_lora_state, lora_state_dict
+
 from flowrl.models.sd3 import SD3Adapter
+from flowrl.policy.lora import add_lora, count_parameters, load_lora_state, lora_state_dict
 
 
 def _inputs(model):
@@ -55,7 +55,7 @@ def test_state_round_trip_and_mismatch_error(tiny_sd3):
 
 
 def test_frozen_copy_soft_update_and_switch(tiny_sd3):
-    from flowrl.policy.lora import add_frozen_copy, adapter_parameters, soft_update, use_adapter
+    from flowrl.policy.lora import adapter_parameters, add_frozen_copy, soft_update, use_adapter
 
     params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
     for p in params:

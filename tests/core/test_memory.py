@@ -6,16 +6,22 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.models.sd3 import SD3_LORA_TARGETS
 from flowrl.policy import build_policy
 from flowrl.policy.lora import add_lora
 from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, set_attention_backend, text_encoders
-from flowrl.models.sd3 import SD3_LORA_TARGETS
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.samplers.flow_sde import flow_sde_step
 from flowrl.trainer import Trainer
 
-FAST = ["prompts.per_iteration=2", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=3", "train.eval_seeds=1"]
+FAST = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=3",
+    "sampler.num_steps=3",
+    "sampler.chunk_size=3",
+    "train.eval_seeds=1",
+]
 
 
 def _memory(*overrides):
@@ -41,6 +47,7 @@ def _lora_grads(model):
 
 def test_gradient_checkpointing_keeps_lora_gradients(tiny_sd3):
     from conftest import tiny_sd3_pipeline
+
     from flowrl.models.sd3 import SD3Adapter
 
     plain = _lora_grads(tiny_sd3)
@@ -73,7 +80,9 @@ def test_autocast_runs_the_denoiser_in_half_but_sde_math_in_fp32(tiny_sd3, autoc
 def test_bf16_autocast_training_keeps_ratio_one_and_fp32_log_probs(tiny_sd3):
     cfg = load_config(None, FAST + ["memory.autocast=bf16", "objective.kl_beta=0.01"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    trainer = Trainer(
+        cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2]
+    )
     batch, _ = trainer.collect()
     assert batch.trajectory.log_probs.dtype == torch.float32 and batch.trajectory.latents.dtype == torch.float32
     stats = trainer.update(batch)
@@ -111,7 +120,9 @@ def test_offload_moves_encoders_and_vae_only_for_their_phase(tiny_sd3):
     moves.clear()
     model.velocity(torch.zeros(1, *model.latent_shape(8, 8)), torch.full((1,), 0.5), cond)
     assert moves == []  # the denoiser phase touches neither
-    torch.testing.assert_close(cond["pooled_projections"], tiny_sd3.encode_prompt(["a bold handwritten 3"])["pooled_projections"])
+    torch.testing.assert_close(
+        cond["pooled_projections"], tiny_sd3.encode_prompt(["a bold handwritten 3"])["pooled_projections"]
+    )
 
 
 def test_attention_backend(tiny_sd3):
@@ -129,13 +140,21 @@ def test_attention_backend(tiny_sd3):
 def test_free_encoders_when_cached(tiny_sd3, tmp_path):
     cfg = load_config(None, FAST + ["memory.free_encoders_when_cached=true", f"prompts.cache_dir={tmp_path}"])
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts[:6], prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=tiny_sd3, trainable=True),
+        build_multi_reward(cfg.rewards),
+        prompts[:6],
+        prompts[:2],
+    )
     assert tiny_sd3.pipe.text_encoder is None and tiny_sd3.pipe.text_encoder_2 is None
     assert trainer.prompt_cache.misses == 6 and len(list(tmp_path.rglob("*.safetensors"))) == 6
     metrics = trainer.train_step()
     assert metrics["prompt_cache/misses"] == 6 and metrics["prompt_cache/hits"] > 0
     trainer.evaluate()
-    with pytest.raises(ValueError, match=r"^prompt 'a thin handwritten 9' is not in the prompt cache and the text encoders were freed"):
+    with pytest.raises(
+        ValueError, match=r"^prompt 'a thin handwritten 9' is not in the prompt cache and the text encoders were freed"
+    ):
         trainer.prompt_cache.encode(["a thin handwritten 9"])
 
 
@@ -146,9 +165,17 @@ def test_memory_adapter_is_applied_once(tiny_sd3):
 
 
 def test_free_encoders_under_true_cfg_keeps_the_negative_in_each_entry(tiny_sd3):
-    cfg = load_config(None, FAST + ["memory.free_encoders_when_cached=true", "sampler.guidance_scale=3.0", "memory.autocast=bf16"])
+    cfg = load_config(
+        None, FAST + ["memory.free_encoders_when_cached=true", "sampler.guidance_scale=3.0", "memory.autocast=bf16"]
+    )
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts[:4], prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=tiny_sd3, trainable=True),
+        build_multi_reward(cfg.rewards),
+        prompts[:4],
+        prompts[:2],
+    )
     assert tiny_sd3.pipe.text_encoder is None and trainer.prompt_cache.misses == 4
     cond = trainer.prompt_cache.encode([prompts[0].text])
     assert any(k.startswith("uncond.") for k in cond)
@@ -160,14 +187,36 @@ def test_every_memory_control_on_wan_video_with_true_cfg(tmp_path):
     from tiny_wan import tiny_wan_adapter
 
     model = tiny_wan_adapter()
-    cfg = load_config(None, [
-        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2",
-        "sampler.chunk_size=2", "sampler.guidance_scale=3.0", "lora.rank=4", "lora.alpha=8", f"prompts.cache_dir={tmp_path}",
-        "memory.gradient_checkpointing=true", "memory.autocast=bf16", "memory.vae_tiling=true", "memory.vae_slicing=true",
-        "memory.offload_encoders=true", "memory.offload_vae=true", "memory.free_encoders_when_cached=true",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.resolution=16",
+            "model.num_frames=5",
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=2",
+            "sampler.chunk_size=2",
+            "sampler.guidance_scale=3.0",
+            "lora.rank=4",
+            "lora.alpha=8",
+            f"prompts.cache_dir={tmp_path}",
+            "memory.gradient_checkpointing=true",
+            "memory.autocast=bf16",
+            "memory.vae_tiling=true",
+            "memory.vae_slicing=true",
+            "memory.offload_encoders=true",
+            "memory.offload_vae=true",
+            "memory.free_encoders_when_cached=true",
+        ],
+    )
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}), prompts[:3], prompts[:1])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        build_multi_reward({"ink": {"weight": 1.0, "video": "mean"}}),
+        prompts[:3],
+        prompts[:1],
+    )
     assert model.transformer.gradient_checkpointing and model.vae.use_tiling and model.pipe.text_encoder is None
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
@@ -178,8 +227,19 @@ def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
     from flowrl.cli import main
 
     out = tmp_path / "grid.png"
-    args = ["sample", "memory.vae_slicing=true", "memory.offload_encoders=true", "memory.autocast=bf16", "sampler.num_steps=2",
-            "--prompt", "a bold handwritten 3", "--seeds", "2", "--out", str(out)]
+    args = [
+        "sample",
+        "memory.vae_slicing=true",
+        "memory.offload_encoders=true",
+        "memory.autocast=bf16",
+        "sampler.num_steps=2",
+        "--prompt",
+        "a bold handwritten 3",
+        "--seeds",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0 and out.is_file()
     assert main(["sample", "memory.attention_backend=xformers", "--prompt", "a 3", "--out", str(out)]) == 2
     assert "memory.attention_backend=xformers" in capsys.readouterr().err

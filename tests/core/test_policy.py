@@ -20,9 +20,7 @@ from flowrl.policy.memory import MemoryAdapter, apply_memory_settings
 from flowrl.policy.wrapper import AdapterWrapper
 from flowrl.samplers import make_sigmas
 
-PROTOCOL_MEMBERS = sorted(
-    {n for n in vars(ModelAdapter) if not n.startswith("_")} | set(ModelAdapter.__annotations__)
-)
+PROTOCOL_MEMBERS = sorted({n for n in vars(ModelAdapter) if not n.startswith("_")} | set(ModelAdapter.__annotations__))
 
 
 def _layers(model):
@@ -43,9 +41,27 @@ def _velocity(model, prompts=("a bold handwritten 3", "a thin handwritten 7")):
 
 def test_protocol_lists_the_whole_contract():
     expected = {
-        "transformer", "lora_target_modules", "dtype", "device", "default_resolution", "guidance", "model_id", "pipe",
-        "max_sequence_length", "default_num_frames", "evaluations_per_sample", "encode_prompt", "velocity", "decode",
-        "decoder", "latent_shape", "sigmas", "combine_cfg", "save_lora", "load_lora", "free_text_encoders",
+        "transformer",
+        "lora_target_modules",
+        "dtype",
+        "device",
+        "default_resolution",
+        "guidance",
+        "model_id",
+        "pipe",
+        "max_sequence_length",
+        "default_num_frames",
+        "evaluations_per_sample",
+        "encode_prompt",
+        "velocity",
+        "decode",
+        "decoder",
+        "latent_shape",
+        "sigmas",
+        "combine_cfg",
+        "save_lora",
+        "load_lora",
+        "free_text_encoders",
     }
     assert set(PROTOCOL_MEMBERS) == expected
 
@@ -128,8 +144,17 @@ def test_wrappers_define_the_contract_explicitly(tiny_sd3):
     assert isinstance(stack, ModelAdapter) and isinstance(tiny_sd3, ModelAdapter)
     for name in PROTOCOL_MEMBERS:
         assert hasattr(stack, name), name
-    for name in ("transformer", "lora_target_modules", "dtype", "device", "default_resolution", "guidance", "pipe",
-                 "max_sequence_length", "default_num_frames"):
+    for name in (
+        "transformer",
+        "lora_target_modules",
+        "dtype",
+        "device",
+        "default_resolution",
+        "guidance",
+        "pipe",
+        "max_sequence_length",
+        "default_num_frames",
+    ):
         assert getattr(stack, name) == getattr(tiny_sd3, name), name
     assert stack.model_id.startswith(f"{tiny_sd3.model_id}|negative:")
     assert stack.sigmas(4, 8, 8) is None and stack.latent_shape(8, 8) == tiny_sd3.latent_shape(8, 8)

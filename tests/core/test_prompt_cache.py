@@ -1,8 +1,8 @@
 """Prompt-embedding cache: hit path, disk persistence, model fingerprint."""
 
 import torch
-
 from conftest import tiny_sd3_pipeline
+
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts.cache import PromptCache, model_fingerprint
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.prompts.sets import holdout_split, load_prompts
 from flowrl.prompts.batch import sample_groups
+from flowrl.prompts.sets import holdout_split, load_prompts
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "prompts"
 

@@ -1,7 +1,7 @@
 """Prompt sets and prompt files."""
 
-import torch
 import pytest
+import torch
 
 from flowrl.models.digits.prompts import DIGITS_SETS
 from flowrl.prompts.batch import collate, sample_groups

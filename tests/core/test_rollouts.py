@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowrl.rollouts.chunked import chunked_rollout, chunked_solve, sigma_window_levels
-from flowrl.samplers import linear_sigmas, rollout, sde_noise_levels
+from flowrl.samplers import linear_sigmas, sde_noise_levels
 
 
 def test_sigma_window_levels():
@@ -35,8 +35,16 @@ def test_sde_window_solver_uses_noise_only_in_the_window(tiny_sd3):
     sigmas = linear_sigmas(4)
     quiet = torch.zeros(4, dtype=torch.float64)
     out0 = chunked_solve(tiny_sd3, cond, x, sigmas, solver="sde_window", chunk_size=2, noise_levels=quiet)
-    out1 = chunked_solve(tiny_sd3, cond, x, sigmas, solver="sde_window", chunk_size=2, noise_levels=sde_noise_levels(4, 0.5, [1]),
-                         generator=torch.Generator().manual_seed(1))
+    out1 = chunked_solve(
+        tiny_sd3,
+        cond,
+        x,
+        sigmas,
+        solver="sde_window",
+        chunk_size=2,
+        noise_levels=sde_noise_levels(4, 0.5, [1]),
+        generator=torch.Generator().manual_seed(1),
+    )
     euler = chunked_solve(tiny_sd3, cond, x, sigmas, solver="euler", chunk_size=2)
     torch.testing.assert_close(out0, euler, rtol=0, atol=1e-6)
     assert not torch.allclose(out1, euler)

@@ -7,19 +7,18 @@ import time
 
 import pytest
 import torch
-
 from conftest import tiny_sd3_pipeline
 from test_async_scoring import FAST, assert_same_iteration, assert_same_weights  # 12 samples in chunks of 5, 5, 2
+
 from flowrl.config import ConfigError, load_config
+from flowrl.models.sd3 import SD3Adapter
 from flowrl.policy import build_policy
 from flowrl.policy.memory import MemoryAdapter
-from flowrl.models.sd3 import SD3Adapter
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import MultiReward, RewardError, ink
 from flowrl.rollouts.scoring import RolloutScorer, batch_index
 from flowrl.rollouts.scoring_process import ScoringProcess
 from flowrl.trainer import Trainer
-
 
 
 class TimedInk:
@@ -67,12 +66,17 @@ def inks(log_path, delay=0.0):
 @pytest.mark.parametrize("pieces", ["null", "2"])
 def test_process_scoring_is_bit_identical_to_inline(tmp_path, pieces):
     extra = f"train.score_chunk_size={pieces}"
-    inline, proc = trainer("false", inks(tmp_path / "a.log"), extra), trainer("process", inks(tmp_path / "b.log"), extra)
+    inline, proc = (
+        trainer("false", inks(tmp_path / "a.log"), extra),
+        trainer("process", inks(tmp_path / "b.log"), extra),
+    )
     try:
         for _ in range(2):  # the second iteration follows an update made from the first one's rewards
             assert_same_iteration(inline, proc)
         pids = [line.split(":")[0] for line in (tmp_path / "b.log").read_text().splitlines()]
-        assert len(pids) == 2 * (3 if pieces == "null" else 7)  # 12 samples: chunks 5, 5, 2 -> pieces 2, 2, 1, 2, 2, 1, 2
+        assert len(pids) == 2 * (
+            3 if pieces == "null" else 7
+        )  # 12 samples: chunks 5, 5, 2 -> pieces 2, 2, 1, 2, 2, 1, 2
         assert batch_index(1, 0, 12, 5, None if pieces == "null" else 2) == len(pids) // 2
         assert set(pids) - {str(os.getpid())}  # scored in another process (the trainer may take a share of the tail)
         assert proc._scoring_process is not None and proc._scoring_process._proc.is_alive()  # one worker for the run
@@ -84,7 +88,9 @@ def test_process_scoring_is_bit_identical_to_inline(tmp_path, pieces):
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_trainer_scores_the_tail_beside_the_worker(tmp_path, mode):
     log = tmp_path / "score.log"
-    t = trainer(mode, inks(log, delay=0.4), "sampler.chunk_size=6", "train.score_chunk_size=3")  # 12 samples: 4 jobs of 3
+    t = trainer(
+        mode, inks(log, delay=0.4), "sampler.chunk_size=6", "train.score_chunk_size=3"
+    )  # 12 samples: 4 jobs of 3
     try:
         if mode == "process":
             t.scoring_process()
@@ -96,7 +102,9 @@ def test_trainer_scores_the_tail_beside_the_worker(tmp_path, mode):
     me = f"{os.getpid()}:{threading.current_thread().name}"
     mine, theirs = [r for r in rows if r[0] == me], [r for r in rows if r[0] != me]
     assert mine and theirs  # the trainer scored the last job(s) itself, the worker the others
-    assert any(float(a[1]) < float(b[2]) and float(b[1]) < float(a[2]) for a in mine for b in theirs)  # at the same time
+    assert any(
+        float(a[1]) < float(b[2]) and float(b[1]) < float(a[2]) for a in mine for b in theirs
+    )  # at the same time
 
 
 def test_chunks_are_scored_in_the_worker_while_sampling(tmp_path):
@@ -134,7 +142,9 @@ def test_dead_worker_fails_fast_with_one_line():
     t = trainer("process", MultiReward({"quitter": (Exits(), 1.0)}))
     start = time.perf_counter()
     try:
-        with pytest.raises(RuntimeError, match=r"^scoring process died \(exit code 3\); rerun with train.rewards_async=thread"):
+        with pytest.raises(
+            RuntimeError, match=r"^scoring process died \(exit code 3\); rerun with train.rewards_async=thread"
+        ):
             t.collect()
     finally:
         t.close()
@@ -143,8 +153,11 @@ def test_dead_worker_fails_fast_with_one_line():
 
 def test_unpicklable_reward_is_named_before_starting():
     lock_holder = lambda images, prompts, **metadata: images.mean(dim=(1, 2, 3))  # noqa: E731 - a lambda can't be pickled
-    with pytest.raises(ValueError, match=r"^train.rewards_async=process: reward 'judge' can't be sent to a scoring process .*"
-                                         r"use train.rewards_async=thread"):
+    with pytest.raises(
+        ValueError,
+        match=r"^train.rewards_async=process: reward 'judge' can't be sent to a scoring process .*"
+        r"use train.rewards_async=thread",
+    ):
         ScoringProcess(MultiReward({"judge": (lock_holder, 1.0)}), lambda z: z)
 
 

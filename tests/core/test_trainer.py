@@ -11,15 +11,23 @@ from flowrl.rollouts.collect import iteration_levels
 from flowrl.trainer import Trainer
 
 FAST = [
-    "prompts.per_iteration=2", "prompts.group_size=3", "sampler.num_steps=3", "sampler.chunk_size=3",
-    "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.01", "objective.updates_per_iteration=2",
+    "prompts.per_iteration=2",
+    "prompts.group_size=3",
+    "sampler.num_steps=3",
+    "sampler.chunk_size=3",
+    "train.eval_seeds=1",
+    "objective.kl_beta=0.01",
+    "optim.lr=0.01",
+    "objective.updates_per_iteration=2",
 ]
 
 
 def _trainer(model, *extra):
     cfg = load_config(None, FAST + list(extra))
     prompts = load_prompts("digits-styles")
-    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2])
+    return Trainer(
+        cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2]
+    )
 
 
 def test_one_iteration_updates_only_the_lora(tiny_sd3):
@@ -43,6 +51,7 @@ def test_one_iteration_updates_only_the_lora(tiny_sd3):
 
 def test_state_dict_restores_exactly(tiny_sd3):
     from conftest import tiny_sd3_pipeline
+
     from flowrl.models.sd3 import SD3Adapter
 
     trainer = _trainer(tiny_sd3)
@@ -66,15 +75,28 @@ def test_nan_reward_is_named(tiny_sd3):
 
     cfg = load_config(None, FAST)
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), MultiReward({"broken_reward": (broken, 1.0)}), prompts, prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=tiny_sd3, trainable=True),
+        MultiReward({"broken_reward": (broken, 1.0)}),
+        prompts,
+        prompts[:2],
+    )
     with pytest.raises(RewardError, match="broken_reward"):
         trainer.train_step()
 
 
 @pytest.mark.parametrize("mode", ["fixed", "random", "progressive"])
 def test_sde_window_trains_only_window_steps(tiny_sd3, mode):
-    trainer = _trainer(tiny_sd3, "sampler.num_steps=4", f"sampler.window={mode}", "sampler.window_size=2",
-                       "sampler.window_start=1", "sampler.window_range=[0, 4]", "sampler.window_shift_every=1")
+    trainer = _trainer(
+        tiny_sd3,
+        "sampler.num_steps=4",
+        f"sampler.window={mode}",
+        "sampler.window_size=2",
+        "sampler.window_start=1",
+        "sampler.window_range=[0, 4]",
+        "sampler.window_shift_every=1",
+    )
     levels = iteration_levels(trainer.rollout_context())
     assert int((levels > 0).sum()) == 2
     if mode == "fixed":

@@ -14,8 +14,11 @@ D = torch.float64
 
 def _one_tree():
     factors = split_factors(3, [0, 2], [2])  # widths 1, 2, 2, 4
-    log_probs = [torch.log(torch.tensor([1.0, 4.0], dtype=D)), torch.zeros(2, dtype=D),
-                 torch.log(torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=D))]
+    log_probs = [
+        torch.log(torch.tensor([1.0, 4.0], dtype=D)),
+        torch.zeros(2, dtype=D),
+        torch.log(torch.tensor([1.0, 3.0, 1.0, 1.0], dtype=D)),
+    ]
     return factors, log_probs
 
 
@@ -49,7 +52,9 @@ def test_depthwise_advantages_by_hand():
     torch.testing.assert_close(adv[0], torch.tensor([a1, -a1, 0, 0], dtype=torch.float32))
     torch.testing.assert_close(adv[1], adv[0])
     std = math.sqrt(sum((r - 2.75) ** 2 for r in (1, 2, 3, 5)) / 3)
-    torch.testing.assert_close(adv[2], torch.tensor([(r - 2.75) / (std + 1e-8) for r in (1, 2, 3, 5)] + [0] * 4, dtype=torch.float32))
+    torch.testing.assert_close(
+        adv[2], torch.tensor([(r - 2.75) / (std + 1e-8) for r in (1, 2, 3, 5)] + [0] * 4, dtype=torch.float32)
+    )
     clipped = depthwise_advantages(nodes, 2, clip=0.5)
     assert float(clipped[2].abs().max()) == 0.5
 
@@ -97,13 +102,18 @@ def test_train_masks_combine_depth_width_and_ode_steps():
 
 def test_per_branch_width_pruning_keeps_the_best_children_of_each_last_split_node():
     # 2 trees x 4 leaves after a last split of factor 2: parents (0, 1), (2, 3), (4, 5), (6, 7) per edge index
-    seg = [torch.tensor([0.1, 0.5, 0.3, -0.2, 0.0, 0.9, -1.0, 0.2]), torch.tensor([0.2, 0.1, 0.3, 0.1, 0.0, 0.0, -1.0, 0.0])]
+    seg = [
+        torch.tensor([0.1, 0.5, 0.3, -0.2, 0.0, 0.9, -1.0, 0.2]),
+        torch.tensor([0.2, 0.1, 0.3, 0.1, 0.0, 0.0, -1.0, 0.0]),
+    ]
     masks = branch_prune_masks(seg, [0, 1], 2, 0.5)  # summed: 0.3 0.6 | 0.6 -0.1 | 0.0 0.9 | -2.0 0.2
     assert [m.tolist() for m in masks] == [[False, True, True, False, False, True, False, True]] * 2
     assert all(m.all() for m in branch_prune_masks(seg, [0, 1], 2, 1.0))
     factors = split_factors(5, [0, 1], [2])  # last split at step 1 (factor 2); segment = steps 2..4, 4 edges each
     levels = torch.full((5,), 0.7, dtype=D)
-    adv = [torch.arange(w, dtype=torch.float32) * (-1) ** torch.arange(w) for w in tree_widths(factors)[1:]]  # 0, -1, 2, -3
+    adv = [
+        torch.arange(w, dtype=torch.float32) * (-1) ** torch.arange(w) for w in tree_widths(factors)[1:]
+    ]  # 0, -1, 2, -3
     masks = train_masks(adv, factors, levels, 1, width_keep=0.5, width_mode="per_branch")
     assert masks[0].all() and masks[1].all()  # the splits themselves are not width-pruned
     assert all(m.tolist() == [True, False, True, False] for m in masks[2:])  # child 0 beats 1, child 2 beats 3

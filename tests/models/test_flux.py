@@ -2,19 +2,19 @@
 
 import pytest
 import torch
+from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
 
 from flowrl.config import load_config
-from flowrl.policy import build_policy
-from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models.flux import FluxAdapter, flux_lora_targets
 from flowrl.models.packing import latent_image_ids, pack_latents, unpack_latents
+from flowrl.policy import build_policy
+from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.prompts.cache import PromptCache
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import ode_solve, sde_noise_levels
 from flowrl.trainer import Trainer
-from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
 
 PROMPTS = ["a bold handwritten 3", "a thin handwritten 7"]
 
@@ -45,16 +45,28 @@ def test_euler_ode_reproduces_flux_pipeline(guidance_embeds, steps):
     sigmas = model.sigmas(steps, 16, 16)
     ours = ode_solve(lambda x, s: model.velocity(x, s, cond), x_init, sigmas, method="euler")
     out = model.pipe(
-        prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
-        latents=pack_latents(x_init), height=16, width=16, num_inference_steps=steps,
-        guidance_scale=3.5, output_type="latent", max_sequence_length=8,
+        prompt_embeds=cond["encoder_hidden_states"],
+        pooled_prompt_embeds=cond["pooled_projections"],
+        latents=pack_latents(x_init),
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=3.5,
+        output_type="latent",
+        max_sequence_length=8,
     ).images
     torch.testing.assert_close(model.pipe.scheduler.sigmas.double(), sigmas, rtol=0, atol=1e-6)
     torch.testing.assert_close(ours, unpack_latents(out, 8, 8), rtol=1e-4, atol=1e-5)
     images = model.pipe(
-        prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
-        latents=pack_latents(x_init), height=16, width=16, num_inference_steps=steps,
-        guidance_scale=3.5, output_type="pt", max_sequence_length=8,
+        prompt_embeds=cond["encoder_hidden_states"],
+        pooled_prompt_embeds=cond["pooled_projections"],
+        latents=pack_latents(x_init),
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        guidance_scale=3.5,
+        output_type="pt",
+        max_sequence_length=8,
     ).images
     torch.testing.assert_close(model.decode(ours), images, rtol=1e-4, atol=1e-4)
 
@@ -76,8 +88,14 @@ def test_sigma_convention_and_velocity_sign():
     handle.remove()
     torch.testing.assert_close(seen["timestep"], sigma)
     out = model.pipe(
-        prompt_embeds=cond["encoder_hidden_states"], pooled_prompt_embeds=cond["pooled_projections"],
-        latents=pack_latents(x), height=16, width=16, sigmas=[1.0], num_inference_steps=1, output_type="latent",
+        prompt_embeds=cond["encoder_hidden_states"],
+        pooled_prompt_embeds=cond["pooled_projections"],
+        latents=pack_latents(x),
+        height=16,
+        width=16,
+        sigmas=[1.0],
+        num_inference_steps=1,
+        output_type="latent",
         max_sequence_length=8,
     ).images
     # a 1-step pipeline call from sigma 1 to 0 is x - v(x, 1)
@@ -90,7 +108,9 @@ def test_distilled_guidance_reaches_the_transformer():
     model = tiny_flux()
     assert model.guidance_scale == 3.5 and model.has_guidance_embeds and model.guidance == "distilled"
     seen = []
-    handle = model.transformer.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True)
+    handle = model.transformer.register_forward_pre_hook(
+        lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True
+    )
     cond, x, sigma = model.encode_prompt(PROMPTS), _noise(model), torch.tensor([0.6, 0.6])
     v_default = model.velocity(x, sigma, cond)
     model.set_guidance_scale(7.0)
@@ -106,7 +126,9 @@ def test_schnell_has_no_guidance_and_rejects_one():
     model = tiny_flux(guidance_embeds=False)
     assert model.guidance_scale is None and not model.has_guidance_embeds
     seen = []
-    handle = model.transformer.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["guidance"]), with_kwargs=True)
+    handle = model.transformer.register_forward_pre_hook(
+        lambda _, args, kw: seen.append(kw["guidance"]), with_kwargs=True
+    )
     model.velocity(_noise(model), torch.tensor([0.5, 0.5]), model.encode_prompt(PROMPTS))
     handle.remove()
     assert seen == [None]
@@ -137,8 +159,15 @@ def test_two_step_rollout_with_log_probs():
     model = tiny_flux()
     cond = model.encode_prompt(PROMPTS * 2)
     sigmas = model.sigmas(2, 16, 16)
-    traj = chunked_rollout(model, cond, _noise(model, 4), sigmas, sde_noise_levels(2, 0.7), chunk_size=2,
-                           generator=torch.Generator().manual_seed(1))
+    traj = chunked_rollout(
+        model,
+        cond,
+        _noise(model, 4),
+        sigmas,
+        sde_noise_levels(2, 0.7),
+        chunk_size=2,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert traj.latents.shape == (4, 3, 4, 8, 8) and traj.log_probs.shape == (4, 2)
     assert traj.log_probs.dtype == torch.float32 and torch.isfinite(traj.log_probs).all()
     assert (traj.log_probs[:, 0] != 0).all() and (traj.log_probs[:, 1] == 0).all()  # last step is ODE
@@ -168,9 +197,13 @@ def test_default_lora_targets_cover_attention_mlps_and_single_blocks_only():
     add_lora(model.transformer, rank=2, alpha=4, targets=model.lora_target_modules)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.transformer.named_parameters() if ".lora_A" in n}
     assert "proj_out" not in adapted  # the final output layer is not adapted
-    assert {"single_transformer_blocks.0.proj_out", "single_transformer_blocks.1.proj_mlp",
-            "transformer_blocks.0.attn.to_add_out", "transformer_blocks.0.ff_context.net.2",
-            "single_transformer_blocks.1.attn.to_q"} <= adapted
+    assert {
+        "single_transformer_blocks.0.proj_out",
+        "single_transformer_blocks.1.proj_mlp",
+        "transformer_blocks.0.attn.to_add_out",
+        "transformer_blocks.0.ff_context.net.2",
+        "single_transformer_blocks.1.attn.to_q",
+    } <= adapted
     assert flux_lora_targets(2)[-1] == "single_transformer_blocks.1.proj_out"
 
 
@@ -192,9 +225,17 @@ def test_saved_lora_loads_into_flux_pipeline(tmp_path):
 
 
 FAST = [
-    "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
-    "sampler.schedule=dynamic_shift", "model.resolution=16", "train.eval_seeds=1", "objective.kl_beta=0.01",
-    "optim.lr=0.05", "lora.rank=4", "lora.alpha=8",
+    "prompts.per_iteration=2",
+    "prompts.group_size=2",
+    "sampler.num_steps=2",
+    "sampler.chunk_size=2",
+    "sampler.schedule=dynamic_shift",
+    "model.resolution=16",
+    "train.eval_seeds=1",
+    "objective.kl_beta=0.01",
+    "optim.lr=0.05",
+    "lora.rank=4",
+    "lora.alpha=8",
 ]
 
 

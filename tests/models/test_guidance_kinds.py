@@ -2,17 +2,20 @@
 FLUX.1-schnell ("none") never are; a CFG scale for them is a one-line error."""
 
 import pytest
-
-from flowrl.policy.guidance import GuidedAdapter, apply_guidance
-from flowrl.models.adapter import GUIDANCE_KINDS
 from tiny_flow_pipelines import tiny_flux, tiny_qwen_image
 from tiny_wan import tiny_wan_adapter
+
+from flowrl.models.adapter import GUIDANCE_KINDS
+from flowrl.policy.guidance import GuidedAdapter, apply_guidance
 
 
 def test_every_adapter_declares_its_guidance_kind(tiny_sd3):
     kinds = {
-        "sd3": tiny_sd3.guidance, "wan": tiny_wan_adapter().guidance, "qwen": tiny_qwen_image().guidance,
-        "flux-dev": tiny_flux().guidance, "flux-schnell": tiny_flux(guidance_embeds=False).guidance,
+        "sd3": tiny_sd3.guidance,
+        "wan": tiny_wan_adapter().guidance,
+        "qwen": tiny_qwen_image().guidance,
+        "flux-dev": tiny_flux().guidance,
+        "flux-schnell": tiny_flux(guidance_embeds=False).guidance,
     }
     assert set(kinds.values()) <= set(GUIDANCE_KINDS)
     assert kinds == {"sd3": "cfg", "wan": "cfg", "qwen": "cfg", "flux-dev": "distilled", "flux-schnell": "none"}

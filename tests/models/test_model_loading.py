@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
+from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
 
 from flowrl.models import load_adapter
-from flowrl.policy import build_policy
 from flowrl.models.flux import FluxAdapter
 from flowrl.models.hub import resolve_model_path
-from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
+from flowrl.policy import build_policy
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,9 @@ def _check_velocity(loaded, reference):
     x = torch.randn(2, *reference.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.7, 0.2])
     torch.testing.assert_close(loaded.encode_prompt(["a bold handwritten 3", "a 2"]), cond, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(loaded.velocity(x, sigma, cond), reference.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        loaded.velocity(x, sigma, cond), reference.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_flux_folder_loads_by_class_name_with_model_card(flux_folder):
@@ -40,7 +42,9 @@ def test_flux_folder_loads_by_class_name_with_model_card(flux_folder):
 def test_schnell_folder_loads_without_guidance(tmp_path):
     tiny_flux_pipeline(guidance_embeds=False).save_pretrained(str(tmp_path))
     assert load_adapter(str(tmp_path)).max_sequence_length == 256  # schnell's T5 length when the card does not say
-    (tmp_path / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8, "guidance_scale": 3.5}))
+    (tmp_path / "flowrl.json").write_text(
+        json.dumps({"resolution": 16, "max_sequence_length": 8, "guidance_scale": 3.5})
+    )
     model = load_adapter(str(tmp_path))
     assert isinstance(model, FluxAdapter) and model.guidance_scale is None  # card guidance ignored: no embedding
     _check_velocity(model, tiny_flux(guidance_embeds=False))
@@ -67,7 +71,11 @@ def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
         resolve_model_path("black-forest-labs/FLUX.1-dev", cache_dir=str(tmp_path))
     assert time.perf_counter() - start < 2.0
     msg = str(err.value)
-    assert "\n" not in msg and "'black-forest-labs/FLUX.1-dev'" in msg and "not in the local hub cache; HF_HUB_OFFLINE" in msg
+    assert (
+        "\n" not in msg
+        and "'black-forest-labs/FLUX.1-dev'" in msg
+        and "not in the local hub cache; HF_HUB_OFFLINE" in msg
+    )
     assert "hf download black-forest-labs/FLUX.1-dev --local-dir" in msg and "model.path=" in msg
 
 
@@ -115,7 +123,9 @@ def test_distilled_guidance_config_key_reaches_the_adapter(flux_folder, tmp_path
         load_config(None, ["model.distilled_guidance=-1"])
     model = load_adapter(str(flux_folder), distilled_guidance=2.0)  # overrides the model card's 5.0
     seen = []
-    model.transformer.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True)
+    model.transformer.register_forward_pre_hook(
+        lambda _, args, kw: seen.append(kw["guidance"].clone()), with_kwargs=True
+    )
     x = torch.zeros(1, *model.latent_shape(16, 16))
     model.velocity(x, torch.tensor([0.5]), model.encode_prompt(["a 1"]))
     assert model.guidance_scale == 2.0 and seen[0].tolist() == [2.0]
@@ -140,20 +150,50 @@ def test_flux_trains_and_samples_through_the_cli(flux_folder, tmp_path):
 
     def flowrl(*args):
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        return subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "flowrl", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
 
     out = tmp_path / "run"
-    fast = ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
-            "sampler.schedule=dynamic_shift", "train.iterations=1", "train.eval_every=1", "train.eval_seeds=1",
-            "output.grid_seeds=1", "lora.rank=4", "lora.alpha=8", "model.distilled_guidance=4.0"]
+    fast = [
+        "prompts.per_iteration=2",
+        "prompts.group_size=2",
+        "sampler.num_steps=2",
+        "sampler.chunk_size=2",
+        "sampler.schedule=dynamic_shift",
+        "train.iterations=1",
+        "train.eval_every=1",
+        "train.eval_seeds=1",
+        "output.grid_seeds=1",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "model.distilled_guidance=4.0",
+    ]
     result = flowrl("train", f"model.path={flux_folder}", *fast, f"output.dir={out}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    sample = flowrl("sample", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "sampler.schedule=model", "--lora", str(out),
-                    "--prompt", "a bold handwritten 3", "--seeds", "2", "--out", str(tmp_path / "s.png"))
+    sample = flowrl(
+        "sample",
+        f"model.path={flux_folder}",
+        "model.distilled_guidance=4.0",
+        "sampler.schedule=model",
+        "--lora",
+        str(out),
+        "--prompt",
+        "a bold handwritten 3",
+        "--seeds",
+        "2",
+        "--out",
+        str(tmp_path / "s.png"),
+    )
     assert sample.returncode == 0 and (tmp_path / "s.png").is_file(), sample.stderr[-2000:]
-    bad = flowrl("train", f"model.path={flux_folder}", "model.distilled_guidance=4.0", "model.path=no/such-model",
-                 f"output.dir={tmp_path / 'r2'}")
+    bad = flowrl(
+        "train",
+        f"model.path={flux_folder}",
+        "model.distilled_guidance=4.0",
+        "model.path=no/such-model",
+        f"output.dir={tmp_path / 'r2'}",
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "hf download no/such-model" in bad.stderr and "model.path=" in bad.stderr
 
@@ -173,14 +213,38 @@ def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
     assert all(v.dtype == torch.bfloat16 for v in cond.values())
     x = torch.randn(2, *model.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
     assert model.velocity(x, torch.tensor([0.5, 0.5]), cond).dtype == torch.bfloat16
-    traj = chunked_rollout(model, cond, x, model.sigmas(2, 16, 16), sde_noise_levels(2, 0.7), chunk_size=2,
-                           generator=torch.Generator().manual_seed(1))
+    traj = chunked_rollout(
+        model,
+        cond,
+        x,
+        model.sigmas(2, 16, 16),
+        sde_noise_levels(2, 0.7),
+        chunk_size=2,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
     assert model.decode(traj.latents[:, -1]).dtype == torch.float32
-    cfg = load_config(None, ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2",
-                             "sampler.schedule=model", "model.dtype=bfloat16", "lora.rank=4", "lora.alpha=8"])
+    cfg = load_config(
+        None,
+        [
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=2",
+            "sampler.chunk_size=2",
+            "sampler.schedule=model",
+            "model.dtype=bfloat16",
+            "lora.rank=4",
+            "lora.alpha=8",
+        ],
+    )
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        build_multi_reward({"ink": {"weight": 1.0}}),
+        prompts,
+        prompts[:2],
+    )
     assert all(p.dtype == torch.float32 for p in trainer.params)  # LoRA weights train in fp32
     assert trainer.train_step()["train/first_ratio"] == 1.0
 
@@ -188,11 +252,14 @@ def test_bfloat16_dtype_policy_and_exact_first_ratio(flux_folder):
 @pytest.mark.parametrize("kind", ["flux", "qwen_image"])
 def test_export_merge_writes_a_loadable_folder_with_the_trained_velocity(kind, tmp_path):
     """`flowrl export --merge` on FLUX / Qwen-Image: the fused folder reproduces the LoRA policy's velocity."""
-    from flowrl.export import export_merged
-    from flowrl.policy.lora import add_lora, lora_state_dict
     from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
 
-    build_pipe, build = (tiny_flux_pipeline, tiny_flux) if kind == "flux" else (tiny_qwen_image_pipeline, tiny_qwen_image)
+    from flowrl.export import export_merged
+    from flowrl.policy.lora import add_lora, lora_state_dict
+
+    build_pipe, build = (
+        (tiny_flux_pipeline, tiny_flux) if kind == "flux" else (tiny_qwen_image_pipeline, tiny_qwen_image)
+    )
     base = tmp_path / "base"
     build_pipe().save_pretrained(str(base))
     seq = 8 if kind == "flux" else 24

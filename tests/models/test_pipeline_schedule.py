@@ -1,4 +1,7 @@
-"""The pipelines' sigma grids (dynamic/static shift, terminal stretch) in float64, against the equations and diffusers."""
+"""The pipelines' sigma grids (dynamic/static shift, terminal stretch) in float64.
+
+Checked against the equations and diffusers.
+"""
 
 import math
 
@@ -19,11 +22,19 @@ def _scheduler_grid(config, steps, seq_len):
 
 def test_equations_by_hand_float64():
     t = torch.tensor([1.0, 2 / 3, 1 / 3], dtype=torch.float64)
-    cfg = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+    cfg = {
+        "use_dynamic_shifting": True,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+    }
     mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (1024 - 256)
     assert scheduler_mu(cfg, 1024) == pytest.approx(mu, abs=1e-15)
     shifted = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
-    torch.testing.assert_close(pipeline_sigmas(cfg, 3, 1024), torch.cat([shifted, torch.zeros(1, dtype=torch.float64)]), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        pipeline_sigmas(cfg, 3, 1024), torch.cat([shifted, torch.zeros(1, dtype=torch.float64)]), rtol=0, atol=1e-15
+    )
     linear = pipeline_sigmas({**cfg, "time_shift_type": "linear"}, 3, 1024)
     torch.testing.assert_close(linear[:-1], mu / (mu + (1 / t - 1)), rtol=0, atol=1e-15)
     static = pipeline_sigmas({"shift": 3.0}, 3, 1024)
@@ -35,14 +46,30 @@ def test_equations_by_hand_float64():
     assert stretched[-2] == pytest.approx(0.1, abs=1e-15) and stretched[-1] == 0
 
 
-@pytest.mark.parametrize("config", [
-    {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
-    {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192,
-     "shift_terminal": 0.02},
-    {"use_dynamic_shifting": True, "time_shift_type": "linear", "base_shift": 0.5, "max_shift": 1.15},
-    {"shift": 3.0},
-    {"shift": 1.0},
-], ids=["flux-dev", "qwen-image", "linear-time-shift", "sd3-shift", "schnell"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "use_dynamic_shifting": True,
+            "base_shift": 0.5,
+            "max_shift": 1.15,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 4096,
+        },
+        {
+            "use_dynamic_shifting": True,
+            "base_shift": 0.5,
+            "max_shift": 0.9,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 8192,
+            "shift_terminal": 0.02,
+        },
+        {"use_dynamic_shifting": True, "time_shift_type": "linear", "base_shift": 0.5, "max_shift": 1.15},
+        {"shift": 3.0},
+        {"shift": 1.0},
+    ],
+    ids=["flux-dev", "qwen-image", "linear-time-shift", "sd3-shift", "schnell"],
+)
 def test_matches_diffusers_scheduler(config):
     for steps, seq_len in ((1, 16), (4, 1024), (28, 4096)):
         ours = pipeline_sigmas(config, steps, seq_len)

@@ -5,20 +5,20 @@ import shutil
 
 import pytest
 import torch
+from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
 
 from flowrl.config import load_config
-from flowrl.policy import build_policy
-from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.packing import pack_latents, unpack_latents
 from flowrl.models.qwen_image import QwenImageAdapter, qwen_true_cfg
+from flowrl.policy import build_policy
+from flowrl.policy.lora import add_lora, lora_state_dict
 from flowrl.prompts.cache import PromptCache
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import ode_solve, sde_noise_levels
 from flowrl.trainer import Trainer
-from tiny_flow_pipelines import tiny_qwen_image, tiny_qwen_image_pipeline
 
 PROMPTS = ["a bold handwritten 3", "a thin digit 7 on paper"]
 
@@ -41,24 +41,37 @@ def test_prompts_are_padded_to_one_length_with_a_mask(qwen):
     lengths = cond["encoder_hidden_states_mask"].sum(1).tolist()
     # prompt tokens after the 34-token system prefix: words + "<|im_end|>\n<|im_start|>assistant\n"
     assert lengths[0] < lengths[1] <= 24
-    assert (cond["encoder_hidden_states"][0, lengths[0]:] == 0).all()
+    assert (cond["encoder_hidden_states"][0, lengths[0] :] == 0).all()
     embeds, mask = qwen.pipe.encode_prompt(PROMPTS, device="cpu")
     valid = int(mask[0].sum())
     torch.testing.assert_close(cond["encoder_hidden_states"][0, :valid], embeds[0, :valid])
     for i, prompt in enumerate(PROMPTS):  # batched == one prompt at a time (what the prompt cache does)
-        torch.testing.assert_close(qwen.encode_prompt([prompt])["encoder_hidden_states"][0], cond["encoder_hidden_states"][i],
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            qwen.encode_prompt([prompt])["encoder_hidden_states"][0],
+            cond["encoder_hidden_states"][i],
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_padding_does_not_change_the_velocity(qwen):
     x, sigma = _noise(qwen), torch.tensor([0.8, 0.3])
     padded = qwen.encode_prompt(PROMPTS[:1] * 2)
     embeds, _ = qwen.pipe.encode_prompt(PROMPTS[:1] * 2, device="cpu")  # unpadded, no mask
-    direct = qwen.transformer(hidden_states=pack_latents(x), encoder_hidden_states=embeds, timestep=sigma,
-                              img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)[0]
+    direct = qwen.transformer(
+        hidden_states=pack_latents(x),
+        encoder_hidden_states=embeds,
+        timestep=sigma,
+        img_shapes=[[(1, 4, 4)]] * 2,
+        return_dict=False,
+    )[0]
     torch.testing.assert_close(qwen.velocity(x, sigma, padded), unpack_latents(direct, 8, 8), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(qwen.velocity(x, sigma, {k: v[:, :20] for k, v in padded.items()}),
-                               qwen.velocity(x, sigma, padded), rtol=0, atol=0)
+    torch.testing.assert_close(
+        qwen.velocity(x, sigma, {k: v[:, :20] for k, v in padded.items()}),
+        qwen.velocity(x, sigma, padded),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("true_cfg", [1.0, 4.0])
@@ -74,7 +87,14 @@ def test_euler_ode_reproduces_qwen_image_pipeline(qwen, true_cfg):
         neg = qwen.encode_prompt([" "] * 2)
         velocity = lambda x, s: qwen_true_cfg(qwen.velocity(x, s, neg), qwen.velocity(x, s, cond), true_cfg)  # noqa: E731
     ours = ode_solve(velocity, x_init, sigmas, method="euler")
-    kwargs = dict(prompt=PROMPTS, latents=pack_latents(x_init), height=16, width=16, num_inference_steps=steps, true_cfg_scale=true_cfg)
+    kwargs = dict(
+        prompt=PROMPTS,
+        latents=pack_latents(x_init),
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        true_cfg_scale=true_cfg,
+    )
     if true_cfg > 1:
         kwargs["negative_prompt"] = [" "] * 2
     out = qwen.pipe(**kwargs, output_type="latent").images
@@ -86,8 +106,15 @@ def test_euler_ode_reproduces_qwen_image_pipeline(qwen, true_cfg):
 
 def test_two_step_rollout_with_log_probs(qwen):
     cond = qwen.encode_prompt(PROMPTS * 2)
-    traj = chunked_rollout(qwen, cond, _noise(qwen, 4), qwen.sigmas(2, 16, 16), sde_noise_levels(2, 0.7), chunk_size=2,
-                           generator=torch.Generator().manual_seed(1))
+    traj = chunked_rollout(
+        qwen,
+        cond,
+        _noise(qwen, 4),
+        qwen.sigmas(2, 16, 16),
+        sde_noise_levels(2, 0.7),
+        chunk_size=2,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert traj.latents.shape == (4, 3, 4, 8, 8) and traj.log_probs.shape == (4, 2)
     assert traj.log_probs.dtype == torch.float32 and torch.isfinite(traj.log_probs).all()
     assert (traj.log_probs[:, 0] != 0).all() and (traj.log_probs[:, 1] == 0).all()
@@ -134,8 +161,16 @@ def test_guided_adapter_uses_qwen_norm_rescaled_cfg(qwen):
     guided = GuidedAdapter(qwen, 4.0, negative_prompt=" ")
     cond, x_init, sigmas = guided.encode_prompt(PROMPTS), _noise(qwen), qwen.sigmas(2, 16, 16)
     ours = ode_solve(lambda x, s: guided.velocity(x, s, cond), x_init, sigmas, method="euler")
-    out = qwen.pipe(prompt=PROMPTS, negative_prompt=[" "] * 2, true_cfg_scale=4.0, latents=pack_latents(x_init),
-                    height=16, width=16, num_inference_steps=2, output_type="latent").images
+    out = qwen.pipe(
+        prompt=PROMPTS,
+        negative_prompt=[" "] * 2,
+        true_cfg_scale=4.0,
+        latents=pack_latents(x_init),
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        output_type="latent",
+    ).images
     torch.testing.assert_close(ours, unpack_latents(out, 8, 8), rtol=1e-4, atol=1e-5)
 
 
@@ -143,13 +178,32 @@ def test_guided_adapter_uses_qwen_norm_rescaled_cfg(qwen):
 def test_flow_grpo_update_through_the_trainer(guidance_scale):
     """First ratio exactly 1 without CFG and with true CFG (guided rollout and guided training)."""
     model = tiny_qwen_image()
-    cfg = load_config(None, [
-        "prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "sampler.chunk_size=2", "model.resolution=16",
-        "train.eval_seeds=1", "objective.kl_beta=0.01", "optim.lr=0.05", "lora.rank=4", "lora.alpha=8",
-        f"sampler.guidance_scale={guidance_scale}", "prompts.negative=' '", "sampler.schedule=model",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=2",
+            "sampler.chunk_size=2",
+            "model.resolution=16",
+            "train.eval_seeds=1",
+            "objective.kl_beta=0.01",
+            "optim.lr=0.05",
+            "lora.rank=4",
+            "lora.alpha=8",
+            f"sampler.guidance_scale={guidance_scale}",
+            "prompts.negative=' '",
+            "sampler.schedule=model",
+        ],
+    )
     prompts = load_prompts("digits-styles")
-    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_multi_reward({"ink": {"weight": 1.0}}), prompts, prompts[:2])
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        build_multi_reward({"ink": {"weight": 1.0}}),
+        prompts,
+        prompts[:2],
+    )
     torch.testing.assert_close(trainer.sigmas, model.sigmas(2, 16, 16), rtol=0, atol=0)  # the pipeline's own grid
     lora_b = {n: p.clone() for n, p in model.transformer.named_parameters() if "lora_B" in n}
     metrics = trainer.train_step()
@@ -175,7 +229,9 @@ def test_folder_loads_through_load_adapter_and_missing_weights_are_named(tmp_pat
     shutil.copytree(folder, broken)
     for f in (broken / "text_encoder").glob("*.safetensors"):
         f.unlink()
-    with pytest.raises(FileNotFoundError, match=r"text_encoder holds no weight files.*hf download Qwen/Qwen-Image .*model\.path="):
+    with pytest.raises(
+        FileNotFoundError, match=r"text_encoder holds no weight files.*hf download Qwen/Qwen-Image .*model\.path="
+    ):
         load_adapter(str(broken))
 
 
@@ -187,6 +243,8 @@ def test_true_cfg_formula_by_hand():
     combined = (u + 3.0 * (c - u)).flatten()  # a single 2x2 patch -> one token of all 16 features
     expected = combined / combined.norm() * c.flatten().norm()
     torch.testing.assert_close(out.flatten().sort().values, expected.sort().values, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(pack_latents(out), pack_latents(u + 3.0 * (c - u)) * (c.norm() / (u + 3.0 * (c - u)).norm()))
+    torch.testing.assert_close(
+        pack_latents(out), pack_latents(u + 3.0 * (c - u)) * (c.norm() / (u + 3.0 * (c - u)).norm())
+    )
     torch.testing.assert_close(qwen_true_cfg(u, c, 1.0), c, rtol=1e-12, atol=1e-12)
     assert qwen_true_cfg(u.float(), c.half(), 2.0).dtype == torch.float32

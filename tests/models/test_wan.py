@@ -5,20 +5,20 @@ import json
 
 import pytest
 import torch
+from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
 
-from flowrl.policy.guidance import GuidedAdapter, split_cond
-from flowrl.policy import build_policy
-from flowrl.policy.lora import adapters_disabled, add_lora, lora_state_dict
 from flowrl.models import load_adapter
 from flowrl.models.adapter import model_latent_shape
-from flowrl.policy.counting import CountingAdapter
 from flowrl.models.wan import WanAdapter
 from flowrl.objectives import FlowGRPO, RolloutBatch
+from flowrl.policy import build_policy
+from flowrl.policy.counting import CountingAdapter
+from flowrl.policy.guidance import GuidedAdapter, split_cond
+from flowrl.policy.lora import adapters_disabled, add_lora, lora_state_dict
 from flowrl.prompts.cache import PromptCache
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 from flowrl.samplers.ode_solve import ode_solve
-from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
 
 PROMPTS = ["a red fox running", "a blue cat jumping slowly"]
 NEGATIVE = "blurry static"
@@ -64,8 +64,16 @@ def test_guided_euler_and_decode_match_the_wan_pipeline():
     model = tiny_wan_adapter()
     x = _latents(model)
     frames = model.pipe(
-        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=16, width=16, num_frames=5, num_inference_steps=3,
-        guidance_scale=5.0, latents=x.clone(), output_type="pt", max_sequence_length=8,
+        prompt=PROMPTS,
+        negative_prompt=[NEGATIVE] * 2,
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        latents=x.clone(),
+        output_type="pt",
+        max_sequence_length=8,
     ).frames
     guided = GuidedAdapter(model, 5.0, NEGATIVE)
     cond = guided.encode_prompt(PROMPTS)
@@ -82,8 +90,16 @@ def test_per_token_timesteps_match_the_pipeline():
     model = tiny_wan_adapter(expand_timesteps=True)
     x = torch.randn(2, *model.latent_shape(32, 32, 9), generator=torch.Generator().manual_seed(4))
     ref = model.pipe(
-        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=32, width=32, num_frames=9, num_inference_steps=2,
-        guidance_scale=2.0, latents=x.clone(), output_type="latent", max_sequence_length=8,
+        prompt=PROMPTS,
+        negative_prompt=[NEGATIVE] * 2,
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        latents=x.clone(),
+        output_type="latent",
+        max_sequence_length=8,
     ).frames
     guided = GuidedAdapter(model, 2.0, NEGATIVE)
     cond = guided.encode_prompt(PROMPTS)
@@ -98,7 +114,9 @@ def test_cfg_batching_one_call_equals_two_calls():
     cond = guided.encode_prompt(PROMPTS)
     x, sigma = _latents(model), torch.tensor([0.8, 0.3])
     seen = []
-    hook = model.transformer.register_forward_hook(lambda m, a, kw, out: seen.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+    hook = model.transformer.register_forward_hook(
+        lambda m, a, kw, out: seen.append(kw["hidden_states"].shape[0]), with_kwargs=True
+    )
     v = guided.velocity(x, sigma, cond)
     hook.remove()
     assert seen == [4]
@@ -115,12 +133,16 @@ def test_two_step_rollout_log_probs_and_ratio_one_with_cfg():
     prompts = PROMPTS * 2
     cond = guided.encode_prompt(prompts)
     gen = torch.Generator().manual_seed(0)
-    traj = chunked_rollout(guided, cond, _latents(model, 4), linear_sigmas(2), sde_noise_levels(2, 0.7), chunk_size=2, generator=gen)
+    traj = chunked_rollout(
+        guided, cond, _latents(model, 4), linear_sigmas(2), sde_noise_levels(2, 0.7), chunk_size=2, generator=gen
+    )
     assert traj.latents.shape == (4, 3, 16, 2, 2, 2) and traj.log_probs.shape == (4, 2)
     assert torch.isfinite(traj.log_probs).all() and traj.log_probs.dtype == torch.float32
     assert guided.nfe == 4 * 2 * 2
     adv, keep = torch.randn(4, generator=gen), torch.ones(4, dtype=torch.bool)
-    batch = RolloutBatch(prompts, torch.arange(4), cond, traj.latents[:, -1], traj, traj.sigmas, None, adv, adv, keep, 2)
+    batch = RolloutBatch(
+        prompts, torch.arange(4), cond, traj.latents[:, -1], traj, traj.sigmas, None, adv, adv, keep, 2
+    )
     objective = FlowGRPO(clip_range=1e-3, kl_beta=0.1)
     plan = [mb for group in objective.plan(batch, gen) for mb in group]
     assert len(plan) == 2  # 2 chunks x 1 stochastic step
@@ -138,13 +160,33 @@ def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp
 
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     prompts = load_prompts(str(tmp_path / "prompts.txt"))
-    cfg = load_config(None, [
-        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2",
-        "sampler.num_steps=2", "sampler.chunk_size=2", "sampler.guidance_scale=5.0", f"prompts.negative={NEGATIVE}",
-        "objective.kl_beta=0.01", "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.resolution=16",
+            "model.num_frames=5",
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=2",
+            "sampler.chunk_size=2",
+            "sampler.guidance_scale=5.0",
+            f"prompts.negative={NEGATIVE}",
+            "objective.kl_beta=0.01",
+            "objective.clip_range=0.001",
+            "optim.lr=0.05",
+            "lora.rank=4",
+            "lora.alpha=4",
+            "train.eval_seeds=1",
+        ],
+    )
     model = tiny_wan_adapter()
-    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+    trainer = Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        MultiReward({"brightness": (clip_brightness, 1.0)}),
+        prompts,
+        prompts,
+    )
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0
     assert metrics["nfe"] == 2 * (4 * 2 + 2 * 4)  # CFG: rollout 4 x 2 steps + policy and KL passes at 1 SDE step
@@ -165,7 +207,9 @@ def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp
     fresh.load_lora_weights(str(tmp_path / "lora"))
     loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5)
     with torch.no_grad():
-        torch.testing.assert_close(loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_prompt_cache_hit_path(tmp_path):
@@ -173,7 +217,9 @@ def test_prompt_cache_hit_path(tmp_path):
     cache = PromptCache(model, tmp_path)
     first = cache.encode(PROMPTS + PROMPTS)
     assert (cache.misses, cache.hits) == (2, 2)
-    torch.testing.assert_close(first["encoder_hidden_states"][:2], model.encode_prompt(PROMPTS)["encoder_hidden_states"])
+    torch.testing.assert_close(
+        first["encoder_hidden_states"][:2], model.encode_prompt(PROMPTS)["encoder_hidden_states"]
+    )
     warm = PromptCache(tiny_wan_adapter(), tmp_path)
     assert torch.equal(warm.encode(PROMPTS)["encoder_hidden_states"], first["encoder_hidden_states"][:2])
     assert (warm.misses, warm.hits) == (0, 2)
@@ -227,14 +273,29 @@ def test_two_experts_follow_the_pipeline_boundary():
     x, sigma = _latents(model), torch.tensor([0.9, 0.3])
     with torch.no_grad():
         mixed = model.velocity(x, sigma, cond)
-        high = model._run(pipe.transformer, x[:1], sigma[:1], {"encoder_hidden_states": cond["encoder_hidden_states"][:1]})
-        low = model._run(pipe.transformer_2, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]})
+        high = model._run(
+            pipe.transformer, x[:1], sigma[:1], {"encoder_hidden_states": cond["encoder_hidden_states"][:1]}
+        )
+        low = model._run(
+            pipe.transformer_2, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]}
+        )
     torch.testing.assert_close(mixed, torch.cat([high, low]), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(low, model._run(pipe.transformer, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]}))
+    assert not torch.allclose(
+        low,
+        model._run(pipe.transformer, x[1:], sigma[1:], {"encoder_hidden_states": cond["encoder_hidden_states"][1:]}),
+    )
     # the pipeline's own two-stage CFG sampling agrees step for step
     ref = pipe(
-        prompt=PROMPTS, negative_prompt=[NEGATIVE] * 2, height=16, width=16, num_frames=5, num_inference_steps=4,
-        guidance_scale=3.0, latents=x.clone(), output_type="latent", max_sequence_length=8,
+        prompt=PROMPTS,
+        negative_prompt=[NEGATIVE] * 2,
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=4,
+        guidance_scale=3.0,
+        latents=x.clone(),
+        output_type="latent",
+        max_sequence_length=8,
     ).frames
     sigmas = pipe.scheduler.sigmas.double()
     assert (sigmas[:-1] >= 0.5).any() and (sigmas[:-1] < 0.5).any()
@@ -250,14 +311,21 @@ def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
     assert model.transformer is model.pipe.transformer_2
     add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
     _randomize_lora(model.transformer)
-    assert model.save_lora(tmp_path, lora_state_dict(model.transformer)).name == "pytorch_lora_weights_transformer_2.safetensors"
+    assert (
+        model.save_lora(tmp_path, lora_state_dict(model.transformer)).name
+        == "pytorch_lora_weights_transformer_2.safetensors"
+    )
     fresh = tiny_wan_pipeline(two_experts=True)
-    fresh.load_lora_weights(str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
+    fresh.load_lora_weights(
+        str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True
+    )
     loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5, lora_expert="low")
     cond = model.encode_prompt(PROMPTS)
     x, sigma = _latents(model), torch.tensor([0.95, 0.3])  # one sample per expert
     with torch.no_grad():
-        torch.testing.assert_close(loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            loaded.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=1e-5, atol=1e-5
+        )
     with pytest.raises(ValueError, match="no transformer_2"):
         tiny_wan_adapter(lora_expert="low")
 
@@ -268,13 +336,33 @@ def _two_expert_trainer(model, *extra):
     from flowrl.rewards.combine import MultiReward
     from flowrl.trainer import Trainer
 
-    cfg = load_config(None, [
-        "model.resolution=16", "model.num_frames=5", "prompts.per_iteration=2", "prompts.group_size=2",
-        "sampler.num_steps=4", "sampler.chunk_size=2", "sampler.guidance_scale=3.0", "objective.kl_beta=0.01",
-        "objective.clip_range=0.001", "optim.lr=0.05", "lora.rank=4", "lora.alpha=4", "train.eval_seeds=1", *extra,
-    ])
+    cfg = load_config(
+        None,
+        [
+            "model.resolution=16",
+            "model.num_frames=5",
+            "prompts.per_iteration=2",
+            "prompts.group_size=2",
+            "sampler.num_steps=4",
+            "sampler.chunk_size=2",
+            "sampler.guidance_scale=3.0",
+            "objective.kl_beta=0.01",
+            "objective.clip_range=0.001",
+            "optim.lr=0.05",
+            "lora.rank=4",
+            "lora.alpha=4",
+            "train.eval_seeds=1",
+            *extra,
+        ],
+    )
     prompts = [Prompt(t, {}) for t in PROMPTS]
-    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), MultiReward({"brightness": (clip_brightness, 1.0)}), prompts, prompts)
+    return Trainer(
+        cfg,
+        build_policy(cfg, model=model, trainable=True),
+        MultiReward({"brightness": (clip_brightness, 1.0)}),
+        prompts,
+        prompts,
+    )
 
 
 def test_one_lora_adapter_spans_both_experts(tmp_path):
@@ -289,7 +377,11 @@ def test_one_lora_adapter_spans_both_experts(tmp_path):
     metrics = trainer.train_step()  # SDE steps at sigma 1, 0.75 (high expert) and 0.5 (low expert)
     assert metrics["train/first_ratio"] == 1.0
     for prefix in ("high.", "low."):
-        assert any(not torch.equal(p, before[n]) for n, p in model.transformer.named_parameters() if n in before and n.startswith(prefix)), prefix
+        assert any(
+            not torch.equal(p, before[n])
+            for n, p in model.transformer.named_parameters()
+            if n in before and n.startswith(prefix)
+        ), prefix
     cond = model.encode_prompt(PROMPTS)
     x, sigma = _latents(model), torch.tensor([0.9, 0.3])  # one sample per expert
     with torch.no_grad():
@@ -300,13 +392,21 @@ def test_one_lora_adapter_spans_both_experts(tmp_path):
 
     model.save_lora(tmp_path, lora_state_dict(model.transformer))
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
-        "pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"
+        "pytorch_lora_weights.safetensors",
+        "pytorch_lora_weights_transformer_2.safetensors",
     ]
     fresh = tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6)
     fresh.load_lora_weights(str(tmp_path))
-    fresh.load_lora_weights(str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
+    fresh.load_lora_weights(
+        str(tmp_path), weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True
+    )
     loaded = WanAdapter(fresh, max_sequence_length=8, resolution=(16, 16), num_frames=5)
-    via_adapter = WanAdapter(tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6), max_sequence_length=8, resolution=(16, 16), num_frames=5)
+    via_adapter = WanAdapter(
+        tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6),
+        max_sequence_length=8,
+        resolution=(16, 16),
+        num_frames=5,
+    )
     via_adapter.load_lora(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded.velocity(x, sigma, cond), trained, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, load_config
-from flowrl.policy import build_policy
 from flowrl.models import load_adapter
+from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import Run, build_reward
 from flowrl.trainer import Trainer
@@ -21,7 +21,13 @@ SMALL = ["prompts.per_iteration=1", "sampler.chunk_size=8", "train.progress=fals
 def _trainer(*overrides: str) -> Trainer:
     cfg = load_config(REPO / "configs/branch/digits.yaml", SMALL + list(overrides))
     torch.manual_seed(0)
-    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), load_prompts(cfg.prompts.train), load_prompts(cfg.prompts.eval))
+    return Trainer(
+        cfg,
+        build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True),
+        build_reward(cfg),
+        load_prompts(cfg.prompts.train),
+        load_prompts(cfg.prompts.eval),
+    )
 
 
 def _perturb_lora(trainer: Trainer) -> None:
@@ -66,8 +72,12 @@ def _total_loss(trainer, batch, plan, adv=None):
 
 @pytest.mark.parametrize("width_mode", ["best_worst", "per_branch"])
 def test_pruned_edges_get_no_gradient_and_leave_rollouts_and_rewards_unchanged(width_mode):
-    prune = ["sampler.tree.depth_prune=[2,3]", "sampler.tree.width_keep=0.5", "sampler.tree.split_steps=[0,2,4,6]",
-             f"sampler.tree.width_mode={width_mode}"]
+    prune = [
+        "sampler.tree.depth_prune=[2,3]",
+        "sampler.tree.width_keep=0.5",
+        "sampler.tree.split_steps=[0,2,4,6]",
+        f"sampler.tree.width_mode={width_mode}",
+    ]
     full, pruned = _trainer("sampler.tree.split_steps=[0,2,4,6]"), _trainer(*prune)
     a, _ = full.collect()
     b, _ = pruned.collect()
@@ -98,8 +108,16 @@ def test_pruned_edges_get_no_gradient_and_leave_rollouts_and_rewards_unchanged(w
 
 
 def _two_iterations(config: str, tmp_path, *extra: str) -> list[dict]:
-    small = ["prompts.per_iteration=2", "sampler.chunk_size=8", "train.iterations=2", "train.eval_every=2",
-             "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false", f"output.dir={tmp_path / 'run'}"]
+    small = [
+        "prompts.per_iteration=2",
+        "sampler.chunk_size=8",
+        "train.iterations=2",
+        "train.eval_every=2",
+        "train.eval_seeds=1",
+        "output.grid_seeds=1",
+        "train.progress=false",
+        f"output.dir={tmp_path / 'run'}",
+    ]
     cfg = load_config(REPO / config, small + list(extra))
     summary = Run(cfg).execute()
     assert summary["iterations"] == 2
@@ -120,7 +138,9 @@ def test_branch_grpo_two_iterations_end_to_end(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/nft/digits.yaml", "configs/awm/digits.yaml"])
 def test_solver_objectives_train_on_tree_leaves(config, tmp_path):
-    rows = _two_iterations(config, tmp_path, "sampler.solver=tree", "prompts.group_size=16", "sampler.tree.split_noise_scale=1.0")
+    rows = _two_iterations(
+        config, tmp_path, "sampler.solver=tree", "prompts.group_size=16", "sampler.tree.split_noise_scale=1.0"
+    )
     assert rows[0]["nfe"] > 2 * 43  # rollout of 2 trees + the objective's training passes
 
 

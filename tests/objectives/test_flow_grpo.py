@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flowrl.policy.lora import add_lora, adapters_disabled
 from flowrl.objectives import FlowGRPO, Microbatch, RolloutBatch, clipped_policy_loss, gaussian_mean_kl
+from flowrl.policy.lora import adapters_disabled, add_lora
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 
@@ -23,7 +23,9 @@ def test_clipped_loss_by_hand():
 
 def test_gradient_sign_follows_advantage():
     logp = torch.zeros(2, dtype=torch.float64, requires_grad=True)
-    loss, _ = clipped_policy_loss(logp, torch.zeros(2, dtype=torch.float64), torch.tensor([2.0, -3.0], dtype=torch.float64), 0.2)
+    loss, _ = clipped_policy_loss(
+        logp, torch.zeros(2, dtype=torch.float64), torch.tensor([2.0, -3.0], dtype=torch.float64), 0.2
+    )
     loss.sum().backward()
     # descending the loss raises log-prob where A > 0 and lowers it where A < 0
     assert logp.grad[0] < 0 and logp.grad[1] > 0
@@ -46,11 +48,15 @@ def _rollout_batch(model, chunk=3, groups=2, k=3, steps=4, sde="flow"):
     cond = model.encode_prompt(prompts)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *model.latent_shape(8, 8), generator=gen)
-    traj = chunked_rollout(model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen, sde=sde)
+    traj = chunked_rollout(
+        model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, 0.7), chunk_size=chunk, generator=gen, sde=sde
+    )
     adv = torch.randn(len(prompts), generator=gen)
     keep = torch.ones(len(prompts), dtype=torch.bool)
     ids = torch.arange(groups).repeat_interleave(k)
-    return RolloutBatch(prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk)
+    return RolloutBatch(
+        prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk
+    )
 
 
 @pytest.mark.parametrize("sde", ["flow", "dance", "cps", "sage"])

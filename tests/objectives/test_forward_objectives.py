@@ -28,7 +28,9 @@ def test_beta_one_policies():
 
 def test_optimality_probability():
     adv = torch.tensor([-10.0, -5.0, 0.0, 2.5, 5.0, 7.0], dtype=F64)
-    torch.testing.assert_close(optimality_probability(adv, 5.0), torch.tensor([0.0, 0.0, 0.5, 0.75, 1.0, 1.0], dtype=F64))
+    torch.testing.assert_close(
+        optimality_probability(adv, 5.0), torch.tensor([0.0, 0.0, 0.5, 0.75, 1.0, 1.0], dtype=F64)
+    )
 
 
 def test_nft_gradient_is_zero_at_v_old_with_r_half():
@@ -103,7 +105,7 @@ def test_decay_schedules():
 
 
 def test_nft_old_adapter_soft_update_follows_its_formula(tiny_sd3):
-    from flowrl.policy.lora import add_lora, adapter_parameters
+    from flowrl.policy.lora import adapter_parameters, add_lora
 
     params = add_lora(tiny_sd3.transformer, rank=4, alpha=4, targets=tiny_sd3.lora_target_modules)
     nft = DiffusionNFT()
@@ -125,7 +127,19 @@ def _plan_batch(b=12, chunk=4, steps=10):
     x = torch.zeros(b, 2, 3, 3)
     sigmas = torch.linspace(1, 0, steps + 1)
     keep = torch.ones(b, dtype=torch.bool)
-    return RolloutBatch([f"p{i}" for i in range(b)], torch.arange(b) // 4, {}, x, None, sigmas, x, x[:, 0, 0, 0], x[:, 0, 0, 0], keep, chunk)
+    return RolloutBatch(
+        [f"p{i}" for i in range(b)],
+        torch.arange(b) // 4,
+        {},
+        x,
+        None,
+        sigmas,
+        x,
+        x[:, 0, 0, 0],
+        x[:, 0, 0, 0],
+        keep,
+        chunk,
+    )
 
 
 def test_awm_updates_per_iteration_split_the_same_microbatches():

@@ -7,14 +7,27 @@ import pytest
 from flowrl.config import load_config
 from flowrl.recipe import Run
 
-SMALL = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=8", "train.iterations=2",
-         "train.eval_every=2", "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false"]
+SMALL = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=4",
+    "sampler.chunk_size=8",
+    "train.iterations=2",
+    "train.eval_every=2",
+    "train.eval_seeds=1",
+    "output.grid_seeds=1",
+    "train.progress=false",
+]
 
 
 @pytest.mark.parametrize(
     "config",
-    ["configs/grpo/digits.yaml", "configs/nft/digits.yaml", "configs/awm/digits.yaml",
-     "configs/nft/digits_fast.yaml", "configs/awm/digits_fast.yaml"],
+    [
+        "configs/grpo/digits.yaml",
+        "configs/nft/digits.yaml",
+        "configs/awm/digits.yaml",
+        "configs/nft/digits_fast.yaml",
+        "configs/awm/digits_fast.yaml",
+    ],
 )
 def test_two_iterations(config, tmp_path):
     from pathlib import Path
@@ -23,7 +36,7 @@ def test_two_iterations(config, tmp_path):
     cfg = load_config(repo / config, SMALL + [f"output.dir={tmp_path / 'run'}"])
     summary = Run(cfg).execute()
     assert summary["iterations"] == 2
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
     assert len(trained) == 2 and all(r["nfe"] > 0 for r in trained)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from flowrl.checkpoint import load_checkpoint, save_checkpoint
-from flowrl.policy import build_policy
-from flowrl.policy.lora import adapter_parameters, add_lora, use_adapter
 from flowrl.models.adapter import select_cond
 from flowrl.objectives import OBJECTIVES, Microbatch, RolloutBatch, SageGRPO, clipped_policy_loss
 from flowrl.objectives.sage_grpo import adapt_kl_weight, equaliser_scales, step_sensitivity, transition_kl
+from flowrl.policy import build_policy
+from flowrl.policy.lora import adapter_parameters, add_lora, use_adapter
 from flowrl.rollouts.chunked import chunked_rollout
 from flowrl.samplers import get_sde_step, linear_sigmas, sage_sde_variance, sde_noise_levels, shift_sigmas
 
@@ -139,11 +139,15 @@ def _batch(model, sde="sage", level=0.5, chunk=3, groups=2, k=3, steps=4):
     cond = model.encode_prompt(prompts)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *model.latent_shape(8, 8), generator=gen)
-    traj = chunked_rollout(model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, level), chunk_size=chunk, generator=gen, sde=sde)
+    traj = chunked_rollout(
+        model, cond, x, linear_sigmas(steps), sde_noise_levels(steps, level), chunk_size=chunk, generator=gen, sde=sde
+    )
     adv = torch.randn(len(prompts), generator=gen)
     ids = torch.arange(groups).repeat_interleave(k)
     keep = torch.ones(len(prompts), dtype=torch.bool)
-    return RolloutBatch(prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk)
+    return RolloutBatch(
+        prompts, ids, cond, traj.latents[:, -1], traj, traj.sigmas, traj.latents[:, -1], adv, adv, keep, chunk
+    )
 
 
 def test_ratio_is_exactly_one_before_the_first_update(tiny_sd3):
@@ -151,7 +155,13 @@ def test_ratio_is_exactly_one_before_the_first_update(tiny_sd3):
     objective = SageGRPO(anchor_every=5, kl_init=1e-3, kl_min=1e-4, kl_max=1e-2)
     objective.setup(tiny_sd3)
     batch = _batch(tiny_sd3)
-    scales = equaliser_scales(torch.where(batch.trajectory.noise_levels > 0, step_sensitivity("sage", batch.sigmas, batch.trajectory.noise_levels), torch.nan))
+    scales = equaliser_scales(
+        torch.where(
+            batch.trajectory.noise_levels > 0,
+            step_sensitivity("sage", batch.sigmas, batch.trajectory.noise_levels),
+            torch.nan,
+        )
+    )
     seen = 0
     for group in objective.plan(batch, torch.Generator().manual_seed(1)):
         for mb in group:
@@ -222,7 +232,10 @@ def test_step_kl_against_the_rollout_policy(tiny_sd3):
     assert stats["kl_step"] == pytest.approx(expected, rel=1e-6) and expected > 0
     objective.after_iteration(tiny_sd3, 1)  # the next rollout samples with theta: snapshot it
     assert objective.loss(tiny_sd3, batch, mb)[1]["kl_step"] == 0.0
-    default, rollout = adapter_parameters(tiny_sd3.transformer, "default"), adapter_parameters(tiny_sd3.transformer, "rollout")
+    default, rollout = (
+        adapter_parameters(tiny_sd3.transformer, "default"),
+        adapter_parameters(tiny_sd3.transformer, "rollout"),
+    )
     assert all(torch.equal(default[k], rollout[k]) for k in default)
 
 
@@ -239,8 +252,15 @@ def test_equaliser_scales_the_policy_loss(tiny_sd3):
 
 # -- the trainer: checkpoint/resume and an end-to-end run --------------------------------------
 
-SMALL = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=8", "train.eval_every=2",
-         "train.eval_seeds=1", "output.grid_seeds=1", "train.progress=false"]
+SMALL = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=4",
+    "sampler.chunk_size=8",
+    "train.eval_every=2",
+    "train.eval_seeds=1",
+    "output.grid_seeds=1",
+    "train.progress=false",
+]
 
 
 def _trainer(overrides):
@@ -253,7 +273,9 @@ def _trainer(overrides):
     cfg = load_config(REPO / "configs/sage/digits.yaml", SMALL + overrides)
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.prompts.train)
-    return Trainer(cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), prompts, prompts)
+    return Trainer(
+        cfg, build_policy(cfg, model=load_adapter(cfg.model.path), trainable=True), build_reward(cfg), prompts, prompts
+    )
 
 
 @pytest.mark.slow
@@ -268,7 +290,9 @@ def test_resume_continues_exactly(tmp_path):
     save_checkpoint(first.state_dict(), tmp_path / "ck")
     meta = json.loads((tmp_path / "ck" / "trainer.json").read_text())
     assert meta["objective"]["updates"] == 4 and meta["objective"]["refreshes"] == 2
-    assert (tmp_path / "ck" / "adapter-anchor.safetensors").is_file() and (tmp_path / "ck" / "adapter-rollout.safetensors").is_file()
+    assert (tmp_path / "ck" / "adapter-anchor.safetensors").is_file() and (
+        tmp_path / "ck" / "adapter-rollout.safetensors"
+    ).is_file()
     resumed = _trainer(extra)
     resumed.load_state_dict(load_checkpoint(tmp_path / "ck"))
     assert resumed.objective.state_dict() == first.objective.state_dict()
@@ -286,7 +310,9 @@ def test_two_iterations_through_the_recipe(tmp_path):
     from flowrl.config import load_config
     from flowrl.recipe import Run
 
-    cfg = load_config(REPO / "configs/sage/digits.yaml", SMALL + ["train.iterations=2", f"output.dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        REPO / "configs/sage/digits.yaml", SMALL + ["train.iterations=2", f"output.dir={tmp_path / 'run'}"]
+    )
     assert cfg.sampler.sde == "sage" and cfg.sampler.noise_level == 0.5
     summary = Run(cfg).execute()
     assert summary["iterations"] == 2
@@ -323,8 +349,16 @@ def test_lora_loads_with_several_adapters_attached(tiny_sd3):
 
 @pytest.mark.slow
 def test_tree_rollouts_ratio_one_and_split_step_equaliser():
-    trainer = _trainer(["objective.tree=true", "prompts.per_iteration=1", "prompts.group_size=16", "sampler.tree.split_steps=[0,3,6,9]",
-                        "sampler.tree.factors=[2]", "sampler.tree.split_noise_scale=4.0"])
+    trainer = _trainer(
+        [
+            "objective.tree=true",
+            "prompts.per_iteration=1",
+            "prompts.group_size=16",
+            "sampler.tree.split_steps=[0,3,6,9]",
+            "sampler.tree.factors=[2]",
+            "sampler.tree.split_noise_scale=4.0",
+        ]
+    )
     assert trainer.objective.rollout == "tree"
     with torch.no_grad():
         for p in trainer.params:

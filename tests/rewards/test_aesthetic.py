@@ -3,7 +3,14 @@
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_reward_weights import IMAGE, laion_mlp, save_aesthetic_head, save_clip_folder, save_clip_processor, tiny_clip_model
+from tiny_reward_weights import (
+    IMAGE,
+    laion_mlp,
+    save_aesthetic_head,
+    save_clip_folder,
+    save_clip_processor,
+    tiny_clip_model,
+)
 
 from flowrl.rewards.aesthetic import AESTHETIC_HEAD_FILE, aesthetic
 from flowrl.rewards.image_preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize
@@ -37,9 +44,16 @@ def test_folder_and_safetensors_heads(tmp_path, clip):
     folder_head = save_aesthetic_head(tmp_path / "dir" / AESTHETIC_HEAD_FILE, seed=2).parent
     state = laion_mlp(seed=2).state_dict()
     expected = _by_hand(images, state)
-    torch.testing.assert_close(aesthetic(head=str(folder_head), model=clip)(images, ["a", "b"]), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        aesthetic(head=str(folder_head), model=clip)(images, ["a", "b"]), expected, rtol=1e-5, atol=1e-6
+    )
     save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "head.safetensors")
-    torch.testing.assert_close(aesthetic(head=str(tmp_path / "head.safetensors"), model=clip)(images, ["a", "b"]), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        aesthetic(head=str(tmp_path / "head.safetensors"), model=clip)(images, ["a", "b"]),
+        expected,
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_single_linear_head(tmp_path, clip):
@@ -51,7 +65,9 @@ def test_single_linear_head(tmp_path, clip):
     with torch.no_grad():
         emb = model.get_image_features(pixel_values=normalize(images, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)).pooler_output
         expected = linear(emb / emb.norm(dim=-1, keepdim=True))[:, 0]
-    torch.testing.assert_close(aesthetic(head=str(tmp_path / "linear.pth"), model=clip)(images, ["", ""]), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        aesthetic(head=str(tmp_path / "linear.pth"), model=clip)(images, ["", ""]), expected, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_head_errors(tmp_path, clip):

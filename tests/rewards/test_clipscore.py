@@ -36,7 +36,9 @@ def test_clipscore_is_clamped_scaled_cosine(folder):
 def test_weight_option(folder):
     images = torch.rand(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1))
     cos = _cosines(images, PROMPTS[:2])
-    torch.testing.assert_close(clipscore(model=str(folder), weight=1.0)(images, PROMPTS[:2]), cos.clamp(min=0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        clipscore(model=str(folder), weight=1.0)(images, PROMPTS[:2]), cos.clamp(min=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_missing_weights_offline(monkeypatch):

@@ -4,7 +4,6 @@ import socket
 
 import pytest
 import torch
-
 from tiny_reward_weights import build_tiny_weights
 
 from flowrl.rewards import digit_correctness, ink, jpeg_compressibility, jpeg_incompressibility
@@ -90,4 +89,6 @@ def test_video_check():
 
     check_reward(factory, video=True)
     with pytest.raises(ConformanceError, match="video"):
-        check_reward(_factory(lambda x: x.detach().flatten(1).mean(1).float() if x.ndim == 4 else torch.zeros(2, 2)), video=True)
+        check_reward(
+            _factory(lambda x: x.detach().flatten(1).mean(1).float() if x.ndim == 4 else torch.zeros(2, 2)), video=True
+        )

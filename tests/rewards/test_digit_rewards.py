@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from flowrl.rewards import RewardError, build_reward, digit_correctness, ink, ink_amount, score_reward
-from flowrl.rewards.digit_classifier import DigitClassifier, augment, default_weights_path, digits_split, dilate, erode, train_digit_classifier
+from flowrl.rewards.digit_classifier import (
+    DigitClassifier,
+    augment,
+    default_weights_path,
+    digits_split,
+    dilate,
+    erode,
+    train_digit_classifier,
+)
 from flowrl.rewards.digits import digit_from_prompt, prompt_style, to_gray8
 
 

@@ -48,11 +48,17 @@ def openclip_reference(sd, arch, pixels, prompts):
     """HPS score = diag(normalize(encode_image) @ normalize(encode_text).T), computed by hand."""
     v, t = arch["vision_cfg"], arch["text_cfg"]
     x = F.conv2d(pixels, sd["visual.conv1.weight"], stride=v["patch_size"]).flatten(2).transpose(1, 2)
-    x = torch.cat([sd["visual.class_embedding"].expand(x.shape[0], 1, -1), x], dim=1) + sd["visual.positional_embedding"]
+    x = (
+        torch.cat([sd["visual.class_embedding"].expand(x.shape[0], 1, -1), x], dim=1)
+        + sd["visual.positional_embedding"]
+    )
     x = F.layer_norm(x, (v["width"],), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"], eps=1e-5)
     for i in range(v["layers"]):
         x = _block(x, sd, f"visual.transformer.resblocks.{i}.", v["width"] // v["head_width"], causal=False)
-    img = F.layer_norm(x[:, 0], (v["width"],), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"], eps=1e-5) @ sd["visual.proj"]
+    img = (
+        F.layer_norm(x[:, 0], (v["width"],), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"], eps=1e-5)
+        @ sd["visual.proj"]
+    )
     ids = torch.zeros(len(prompts), t["context_length"], dtype=torch.long)  # open_clip pads with 0
     for row, prompt in enumerate(prompts):
         tokens = clip_tokenizer()(prompt)["input_ids"][: t["context_length"]]
@@ -89,8 +95,12 @@ def test_folder_spec_picks_the_version_file_and_fp16_checkpoints_load(tmp_path, 
     half = {k: v.half() for k, v in state.items()}
     save_hps_checkpoint(tmp_path / HPS_FILES["v2.0"], half)
     images = torch.rand(2, 3, 24, 40, generator=torch.Generator().manual_seed(1))  # non-square: resize + pad
-    reward = hpsv2(checkpoint=str(tmp_path), version="v2.0", backend="transformers", architecture=arch, tokenizer=tokenizer)
-    expected = openclip_reference({k: v.float() for k, v in half.items()}, arch, clip_pixels(images, IMAGE, longest_pad=True), PROMPTS[:2])
+    reward = hpsv2(
+        checkpoint=str(tmp_path), version="v2.0", backend="transformers", architecture=arch, tokenizer=tokenizer
+    )
+    expected = openclip_reference(
+        {k: v.float() for k, v in half.items()}, arch, clip_pixels(images, IMAGE, longest_pad=True), PROMPTS[:2]
+    )
     torch.testing.assert_close(reward(images, PROMPTS[:2]), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -59,7 +59,9 @@ def published(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hps-openclip")
     torch.manual_seed(0)
-    model = open_clip.model.CLIP(embed_dim=ARCH["embed_dim"], vision_cfg=ARCH["vision_cfg"], text_cfg=ARCH["text_cfg"]).eval()
+    model = open_clip.model.CLIP(
+        embed_dim=ARCH["embed_dim"], vision_cfg=ARCH["vision_cfg"], text_cfg=ARCH["text_cfg"]
+    ).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
@@ -74,7 +76,9 @@ def test_open_clip_path_equals_published_formula_and_conversion_path(published):
     model, root = published
     images = torch.rand(len(PROMPTS), 3, 24, 40, generator=torch.Generator().manual_seed(1))
     via_open_clip = hpsv2(checkpoint=str(root), backend="open_clip", architecture=ARCH)(images, PROMPTS)
-    via_transformers = hpsv2(checkpoint=str(root), backend="transformers", architecture=ARCH, tokenizer=str(root / "tokenizer"))(images, PROMPTS)
+    via_transformers = hpsv2(
+        checkpoint=str(root), backend="transformers", architecture=ARCH, tokenizer=str(root / "tokenizer")
+    )(images, PROMPTS)
     with torch.no_grad():  # HPSv2's own scoring: diag(encode_image(normalize=True) @ encode_text(normalize=True).T)
         img = model.encode_image(clip_pixels(images, IMAGE, longest_pad=True), normalize=True)
         txt = model.encode_text(open_clip.tokenizer.SimpleTokenizer(context_length=77)(PROMPTS), normalize=True)
@@ -89,7 +93,9 @@ def test_hf_tokenizer_ids_equal_open_clip_ids(published):
     from transformers import AutoTokenizer
 
     _, root = published
-    ours = AutoTokenizer.from_pretrained(str(root / "tokenizer"))(PROMPTS, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
+    ours = AutoTokenizer.from_pretrained(str(root / "tokenizer"))(
+        PROMPTS, padding="max_length", truncation=True, max_length=77, return_tensors="pt"
+    )
     ids = ours["input_ids"] * ours["attention_mask"]  # open_clip pads with 0
     torch.testing.assert_close(ids, open_clip.tokenizer.SimpleTokenizer(context_length=77)(PROMPTS))
 
@@ -118,11 +124,16 @@ def test_vit_h_14_config_and_key_coverage():
 
     assert VIT_H_14 == open_clip.get_model_config("ViT-H-14")
     with torch.device("meta"):
-        real = open_clip.model.CLIP(embed_dim=VIT_H_14["embed_dim"], vision_cfg=VIT_H_14["vision_cfg"], text_cfg=VIT_H_14["text_cfg"])
+        real = open_clip.model.CLIP(
+            embed_dim=VIT_H_14["embed_dim"], vision_cfg=VIT_H_14["vision_cfg"], text_cfg=VIT_H_14["text_cfg"]
+        )
         state = real.state_dict()
         config = clip_config_from_openclip(state, VIT_H_14, eos_token_id=49407)
         converted = CLIPModel(config)
     assert (config.vision_config.num_attention_heads, config.text_config.num_attention_heads) == (16, 16)
     assert (config.vision_config.hidden_act, config.vision_config.intermediate_size) == ("gelu", 5120)
     missing, unexpected = converted.load_state_dict(convert_openclip_state_dict(state), strict=False, assign=True)
-    assert not unexpected and set(missing) <= {"text_model.embeddings.position_ids", "vision_model.embeddings.position_ids"}
+    assert not unexpected and set(missing) <= {
+        "text_model.embeddings.position_ids",
+        "vision_model.embeddings.position_ids",
+    }

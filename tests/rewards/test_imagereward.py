@@ -33,14 +33,20 @@ def _attention(q_in, kv_in, sd, p, heads, key_mask=None):
 
 def _vit(pixels, sd, heads):
     v = "blip.visual_encoder."
-    x = F.conv2d(pixels, sd[v + "patch_embed.proj.weight"], sd[v + "patch_embed.proj.bias"], stride=PATCH).flatten(2).transpose(1, 2)
+    x = (
+        F.conv2d(pixels, sd[v + "patch_embed.proj.weight"], sd[v + "patch_embed.proj.bias"], stride=PATCH)
+        .flatten(2)
+        .transpose(1, 2)
+    )
     x = torch.cat([sd[v + "cls_token"].expand(x.shape[0], -1, -1), x], dim=1) + sd[v + "pos_embed"]
     width = x.shape[-1]
     ln = lambda t, name: F.layer_norm(t, (width,), sd[name + ".weight"], sd[name + ".bias"], eps=1e-6)  # noqa: E731
     for i in range(2):
         b = f"{v}blocks.{i}."
         h = ln(x, b + "norm1")
-        qkv = (h @ sd[b + "attn.qkv.weight"].T + sd[b + "attn.qkv.bias"]).reshape(x.shape[0], x.shape[1], 3, heads, width // heads)
+        qkv = (h @ sd[b + "attn.qkv.weight"].T + sd[b + "attn.qkv.bias"]).reshape(
+            x.shape[0], x.shape[1], 3, heads, width // heads
+        )
         q, k, val = qkv.permute(2, 0, 3, 1, 4)
         att = ((q @ k.transpose(-1, -2)) * (width // heads) ** -0.5).softmax(-1) @ val
         x = x + att.transpose(1, 2).reshape(x.shape) @ sd[b + "attn.proj.weight"].T + sd[b + "attn.proj.bias"]
@@ -55,11 +61,29 @@ def blip_reference(sd, pixels, ids, mask, heads):
     width = sd[t + "embeddings.word_embeddings.weight"].shape[1]
     ln = lambda x, name: F.layer_norm(x, (width,), sd[name + ".weight"], sd[name + ".bias"], eps=1e-12)  # noqa: E731
     dense = lambda x, name: x @ sd[name + ".weight"].T + sd[name + ".bias"]  # noqa: E731
-    x = ln(sd[t + "embeddings.word_embeddings.weight"][ids] + sd[t + "embeddings.position_embeddings.weight"][: ids.shape[1]], t + "embeddings.LayerNorm")
+    x = ln(
+        sd[t + "embeddings.word_embeddings.weight"][ids]
+        + sd[t + "embeddings.position_embeddings.weight"][: ids.shape[1]],
+        t + "embeddings.LayerNorm",
+    )
     for i in range(2):
         b = f"{t}encoder.layer.{i}."
-        x = ln(dense(_attention(x, x, sd, b + "attention.self.", heads["text_heads"], mask.bool()), b + "attention.output.dense") + x, b + "attention.output.LayerNorm")
-        x = ln(dense(_attention(x, image, sd, b + "crossattention.self.", heads["text_heads"]), b + "crossattention.output.dense") + x, b + "crossattention.output.LayerNorm")
+        x = ln(
+            dense(
+                _attention(x, x, sd, b + "attention.self.", heads["text_heads"], mask.bool()),
+                b + "attention.output.dense",
+            )
+            + x,
+            b + "attention.output.LayerNorm",
+        )
+        x = ln(
+            dense(
+                _attention(x, image, sd, b + "crossattention.self.", heads["text_heads"]),
+                b + "crossattention.output.dense",
+            )
+            + x,
+            b + "crossattention.output.LayerNorm",
+        )
         x = ln(dense(F.gelu(dense(x, b + "intermediate.dense")), b + "output.dense") + x, b + "output.LayerNorm")
     h = x[:, 0]
     for index in (0, 2, 4, 6, 7):
@@ -76,9 +100,13 @@ def test_scores_match_blip_forward_by_hand(published):
     ckpt, tokenizer, state = published
     images = torch.rand(len(PROMPTS), 3, 20, 28, generator=torch.Generator().manual_seed(0))
     scores = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY)(images, PROMPTS)
-    tokens = load_blip_tokenizer(str(tokenizer))(PROMPTS, padding="max_length", max_length=TEXT_LENGTH, truncation=True, return_tensors="pt")
+    tokens = load_blip_tokenizer(str(tokenizer))(
+        PROMPTS, padding="max_length", max_length=TEXT_LENGTH, truncation=True, return_tensors="pt"
+    )
     assert tokens["input_ids"].shape == (len(PROMPTS), 35) and (tokens["attention_mask"] == 0).any()
-    expected = blip_reference(state, clip_pixels(images, IMAGE), tokens["input_ids"], tokens["attention_mask"], IMAGEREWARD_TINY)
+    expected = blip_reference(
+        state, clip_pixels(images, IMAGE), tokens["input_ids"], tokens["attention_mask"], IMAGEREWARD_TINY
+    )
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(scores[0], scores[1])
 
@@ -89,7 +117,11 @@ def test_folder_spec_and_blip_specials(published):
     assert reward.vision.config.layer_norm_eps == 1e-6 and reward.text.config.layer_norm_eps == 1e-12  # timm ViT / BERT
     tok = reward.tokenizer
     assert tok.bos_token == "[DEC]" and "[ENC]" in tok.all_special_tokens
-    assert tok.convert_tokens_to_ids(["[DEC]", "[ENC]"]) == [len(tok) - 2, len(tok) - 1] == [reward.text.config.vocab_size - 2, reward.text.config.vocab_size - 1]
+    assert (
+        tok.convert_tokens_to_ids(["[DEC]", "[ENC]"])
+        == [len(tok) - 2, len(tok) - 1]
+        == [reward.text.config.vocab_size - 2, reward.text.config.vocab_size - 1]
+    )
 
 
 def test_layout_errors(tmp_path, published):
@@ -113,8 +145,12 @@ def test_missing_checkpoint_offline(monkeypatch):
 def test_bfloat16_towers_score_in_float32(published):
     ckpt, tokenizer, _ = published
     images = torch.rand(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(4))
-    full = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY)(images, PROMPTS[:2])
-    reward = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY, dtype="bfloat16")
+    full = imagereward(checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY)(
+        images, PROMPTS[:2]
+    )
+    reward = imagereward(
+        checkpoint=str(ckpt), tokenizer=str(tokenizer), architecture=IMAGEREWARD_TINY, dtype="bfloat16"
+    )
     half = reward(images, PROMPTS[:2])
     assert reward.vision.dtype == torch.bfloat16 and half.dtype == torch.float32
     torch.testing.assert_close(half, full, rtol=0.1, atol=0.1)

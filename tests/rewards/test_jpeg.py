@@ -47,8 +47,13 @@ def test_lower_quality_compresses_noise_more(flat_and_noisy) -> None:
 
 
 def test_digits_size_and_batch_of_one() -> None:
-    out = score_reward("jpeg_compressibility", build_reward("jpeg_compressibility", quality=50),
-                       torch.zeros(1, 3, 8, 8), ["a handwritten 0"], {})
+    out = score_reward(
+        "jpeg_compressibility",
+        build_reward("jpeg_compressibility", quality=50),
+        torch.zeros(1, 3, 8, 8),
+        ["a handwritten 0"],
+        {},
+    )
     assert out.shape == (1,) and float(out[0]) < 0
 
 

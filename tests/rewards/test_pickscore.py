@@ -24,8 +24,11 @@ def _reference(images, prompts, seed=0):
     model = tiny_clip_model(seed)
     tokens = clip_tokenizer()(prompts, padding="max_length", max_length=24, truncation=True, return_tensors="pt")
     with torch.no_grad():
-        out = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                    pixel_values=normalize(images, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+        out = model(
+            input_ids=tokens["input_ids"],
+            attention_mask=tokens["attention_mask"],
+            pixel_values=normalize(images, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
+        )
     return out.logits_per_image.diagonal()
 
 
@@ -61,7 +64,9 @@ def test_preprocessing_matches_clip_image_processor():
     smooth = torch.nn.functional.interpolate(torch.rand(1, 3, 6, 8, generator=gen), size=(24, 40), mode="bilinear")
     pil_like = (smooth * 255).round() / 255
     processor = CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
-    expected = processor(images=[(pil_like[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)], return_tensors="pt")
+    expected = processor(
+        images=[(pil_like[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)], return_tensors="pt"
+    )
     ours = clip_pixels(pil_like, IMAGE)
     assert ours.shape == expected["pixel_values"].shape == (1, 3, IMAGE, IMAGE)
     assert (ours - expected["pixel_values"]).abs().max() < 0.03  # measured 0.014: uint8 rounding, resampler edges

@@ -13,21 +13,55 @@ def test_scaffold_install_list_and_train(tmp_path):
     root = scaffold_reward("sharpness", tmp_path)
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(root)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(site)}
-    listed = subprocess.run([sys.executable, "-m", "flowrl", "rewards", "list"], env=env, capture_output=True, text=True, cwd=tmp_path)
-    line = next(l for l in listed.stdout.splitlines() if l.startswith("sharpness"))
+    listed = subprocess.run(
+        [sys.executable, "-m", "flowrl", "rewards", "list"], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    line = next(row for row in listed.stdout.splitlines() if row.startswith("sharpness"))
     assert "flowrl-reward-sharpness" in line and "yes" in line
-    kit = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests")],
-                         env=env, capture_output=True, text=True, cwd=root)
+    kit = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests")],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     assert kit.returncode == 0, kit.stdout[-2000:]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("rewards:\n  sharpness: {weight: 1.0, target: 0.3}\n")
-    small = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=8", "train.iterations=1",
-             "train.eval_seeds=1", "output.grid_seeds=1", f"output.dir={tmp_path / 'run'}"]
-    run = subprocess.run([sys.executable, "-m", "flowrl", "train", str(cfg), *small], env=env, capture_output=True, text=True, cwd=tmp_path)
+    small = [
+        "prompts.per_iteration=2",
+        "prompts.group_size=4",
+        "sampler.chunk_size=8",
+        "train.iterations=1",
+        "train.eval_seeds=1",
+        "output.grid_seeds=1",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "flowrl", "train", str(cfg), *small],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert '"reward/sharpness"' in (tmp_path / "run" / "metrics.jsonl").read_text()
 

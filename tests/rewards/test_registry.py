@@ -9,8 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.rewards import MultiReward, RewardError, RewardOutput, build_multi_reward, build_reward, ink, ink_amount, list_rewards, register_reward
-from flowrl.rewards import registry
+from flowrl.rewards import (
+    MultiReward,
+    RewardError,
+    RewardOutput,
+    build_multi_reward,
+    build_reward,
+    ink,
+    ink_amount,
+    list_rewards,
+    register_reward,
+    registry,
+)
 from flowrl.rewards.digits import DigitCorrectness, Ink
 from flowrl.rewards.jpeg import JpegSize
 
@@ -50,12 +60,14 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     dist = tmp_path / "flowrl_test_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowrl-test-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+    (dist / "entry_points.txt").write_text(
+        textwrap.dedent("""
         [flowrl.rewards]
         plugin_constant = flowrl_test_plugin_mod:constant
         plugin_broken = flowrl_test_plugin_missing_mod:factory
         ink = flowrl_test_plugin_mod:constant
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
@@ -171,11 +183,13 @@ def constant_reward(values: list[float], allows_nan: bool = False):
 
 
 def test_multi_reward_total_by_hand() -> None:
-    multi = MultiReward({
-        "a": (constant_reward([1.0, 2.0]), 2.0),
-        "b": (constant_reward([math.nan, 3.0], allows_nan=True), 0.5),
-        "c": (constant_reward([-1.0, 0.0]), -1.0),
-    })
+    multi = MultiReward(
+        {
+            "a": (constant_reward([1.0, 2.0]), 2.0),
+            "b": (constant_reward([math.nan, 3.0], allows_nan=True), 0.5),
+            "c": (constant_reward([-1.0, 0.0]), -1.0),
+        }
+    )
     out = multi(torch.rand(2, 3, 8, 8), ["p", "q"])
     assert isinstance(out, RewardOutput) and out.total.dtype == torch.float32
     torch.testing.assert_close(out.total, torch.tensor([2.0 + 0.0 + 1.0, 4.0 + 1.5 + 0.0]))
@@ -185,10 +199,12 @@ def test_multi_reward_total_by_hand() -> None:
 
 
 def test_multi_reward_names_the_failing_component() -> None:
-    multi = MultiReward({
-        "fine": (constant_reward([1.0, 2.0]), 1.0),
-        "nanny": (constant_reward([math.nan, 1.0]), 1.0),
-    })
+    multi = MultiReward(
+        {
+            "fine": (constant_reward([1.0, 2.0]), 1.0),
+            "nanny": (constant_reward([math.nan, 1.0]), 1.0),
+        }
+    )
     with pytest.raises(RewardError) as exc:
         multi(torch.rand(2, 3, 8, 8), ["p", "q"])
     assert "'nanny'" in one_line(exc)
@@ -207,20 +223,26 @@ def test_multi_reward_batch_of_one() -> None:
 
 
 def test_build_multi_reward_matches_components() -> None:
-    multi = build_multi_reward({
-        "ink": {"weight": 1.0, "target": "prompt"},
-        "digit_correctness": {"weight": 0.5},
-        "ink_bold": {"reward": "ink", "target": "bold", "weight": 0.25},
-        "jpeg_compressibility": None,
-    })
+    multi = build_multi_reward(
+        {
+            "ink": {"weight": 1.0, "target": "prompt"},
+            "digit_correctness": {"weight": 0.5},
+            "ink_bold": {"reward": "ink", "target": "bold", "weight": 0.25},
+            "jpeg_compressibility": None,
+        }
+    )
     images = torch.rand(3, 3, 8, 8)
     prompts = ["a bold handwritten 1", "a thin handwritten 2", "a handwritten 3"]
     out = multi(images, prompts)
     amount = ink_amount(images)
     torch.testing.assert_close(out.components["ink_bold"], amount)
     prompt_ink = ink("prompt")(images, prompts)
-    expected = (torch.nan_to_num(prompt_ink) + 0.5 * out.components["digit_correctness"]
-                + 0.25 * amount + out.components["jpeg_compressibility"])
+    expected = (
+        torch.nan_to_num(prompt_ink)
+        + 0.5 * out.components["digit_correctness"]
+        + 0.25 * amount
+        + out.components["jpeg_compressibility"]
+    )
     torch.testing.assert_close(out.total, expected)
     assert multi.weights["jpeg_compressibility"] == 1.0
 

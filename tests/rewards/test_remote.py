@@ -103,7 +103,9 @@ def test_ipv6_loopback(serve):
 def test_remote_video_reward_and_multi_reward(serve):
     server = serve(build_reward("ink", target="bold", video="min"), "ink-video")
     clips = torch.rand(4, 3, 3, 8, 8)
-    reward = build_multi_reward({"judge": {"reward": "remote", "url": server.url, "weight": 2.0}, "ink": {"target": "bold", "video": "min"}})
+    reward = build_multi_reward(
+        {"judge": {"reward": "remote", "url": server.url, "weight": 2.0}, "ink": {"target": "bold", "video": "min"}}
+    )
     out = reward(clips, PROMPTS[:4])
     assert torch.equal(out.components["judge"], out.components["ink"])
     assert torch.allclose(out.total, 3 * clips.mean(dim=(2, 3, 4)).amin(1))
@@ -276,7 +278,9 @@ def test_bad_requests_get_one_line_errors(serve):
     server = serve(ink("bold"), "ink")
     client = RemoteReward(server.url, retries=0)
     assert server.url.startswith("http://127.0.0.1:")
-    with pytest.raises(RemoteRewardError, match="HTTP 400: bad request for reward 'ink': body of 5 bytes is not a safetensors"):
+    with pytest.raises(
+        RemoteRewardError, match="HTTP 400: bad request for reward 'ink': body of 5 bytes is not a safetensors"
+    ):
         client._with_retries("raw", lambda: client._request("/score", b"hello", "application/vnd.flowrl.safetensors"))
     with pytest.raises(RemoteRewardError, match="HTTP 404: no endpoint /nope"):
         client._with_retries("get", lambda: client._request("/nope"))

@@ -30,7 +30,9 @@ def test_hub_ids_load_from_the_local_cache_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     images = torch.rand(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(0))
-    from_hub = pickscore(model="flowrl-tests/tiny-pickscore", processor="flowrl-tests/tiny-clip-processor")(images, ["a cat", "a dog"])
+    from_hub = pickscore(model="flowrl-tests/tiny-pickscore", processor="flowrl-tests/tiny-clip-processor")(
+        images, ["a cat", "a dog"]
+    )
     from_disk = pickscore(model=str(model), processor=str(processor))(images, ["a cat", "a dog"])
     torch.testing.assert_close(from_hub, from_disk)
 
@@ -45,11 +47,16 @@ def test_unreachable_hub_fails_in_one_line_without_retry_loop(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     start = time.perf_counter()
     with pytest.raises(FileNotFoundError) as err:
-        resolve_file("flowrl-tests/not-there", WeightSource("HPSv2.1", "rewards.hpsv2.checkpoint"), "HPS_v2.1_compressed.pt")
+        resolve_file(
+            "flowrl-tests/not-there", WeightSource("HPSv2.1", "rewards.hpsv2.checkpoint"), "HPS_v2.1_compressed.pt"
+        )
     assert time.perf_counter() - start < 10  # the hub client alone retries for ~25 s
     message = str(err.value)
     assert "\n" not in message and "could not be downloaded" in message
-    assert "hf download flowrl-tests/not-there HPS_v2.1_compressed.pt" in message and "rewards.hpsv2.checkpoint=" in message
+    assert (
+        "hf download flowrl-tests/not-there HPS_v2.1_compressed.pt" in message
+        and "rewards.hpsv2.checkpoint=" in message
+    )
 
 
 def test_checkpoints_unwrap_state_dict_and_data_parallel_prefix(tmp_path):

@@ -19,7 +19,9 @@ from flowrl.rewards.remote import RemoteReward
 def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "flowrl", "serve-reward", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
 
@@ -90,16 +92,22 @@ def test_serve_reward_stops_itself_when_idle(server_process):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["ink", "--host", "0.0.0.0", "--port", "0"], "binding the reward server to 0.0.0.0 exposes it to the network; pass --token"),
+        (
+            ["ink", "--host", "0.0.0.0", "--port", "0"],
+            "binding the reward server to 0.0.0.0 exposes it to the network; pass --token",
+        ),
         (["no_such_reward", "--port", "0"], "unknown reward 'no_such_reward'"),
         (["ink", "target=huge", "--port", "0"], "reward 'ink' could not be built"),
     ],
 )
 def test_serve_reward_one_line_errors(args, fragment):
     result = subprocess.run(
-        [sys.executable, "-m", "flowrl", "serve-reward", *args], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "flowrl", "serve-reward", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_REWARD_TOKEN": ""},
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.startswith("flowrl: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
     assert len(lines) == 1 and fragment in lines[0], result.stderr

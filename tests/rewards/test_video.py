@@ -43,17 +43,23 @@ def test_frame_reward_matches_per_frame_scores(reduce):
     assert torch.equal(image.isnan(), reference.isnan()) and torch.equal(image.nan_to_num(), reference.nan_to_num())
 
 
-@pytest.mark.parametrize("name, options", [("ink", {"target": "bold"}), ("digit_correctness", {}), ("jpeg_compressibility", {})])
+@pytest.mark.parametrize(
+    "name, options", [("ink", {"target": "bold"}), ("digit_correctness", {}), ("jpeg_compressibility", {})]
+)
 @pytest.mark.parametrize("reduce", ["mean", "min"])
 def test_frame_rewards_conform_with_video(name, options, reduce):
-    scores = check_reward(lambda **o: build_reward(name, **o), name=f"{name}/{reduce}", options={**options, "video": reduce}, video=True)
+    scores = check_reward(
+        lambda **o: build_reward(name, **o), name=f"{name}/{reduce}", options={**options, "video": reduce}, video=True
+    )
     assert scores.shape == (4,)
 
 
 def test_temporal_consistency_formula_float64():
     x = clips(batch=2, frames=4, size=8, seed=1).double()
     fn = temporal_consistency(size=None)
-    expected = torch.stack([1 - torch.stack([(x[b, t + 1] - x[b, t]).abs().mean() for t in range(3)]).mean() for b in range(2)])
+    expected = torch.stack(
+        [1 - torch.stack([(x[b, t + 1] - x[b, t]).abs().mean() for t in range(3)]).mean() for b in range(2)]
+    )
     assert torch.allclose(fn(x, ["p", "p"]).double(), expected, atol=1e-6)
     worst = temporal_consistency(size=None, reduce="min")(x, ["p", "p"])
     assert torch.allclose(worst.double(), 1 - frame_differences(x).amax(1).double(), atol=1e-6)
@@ -88,7 +94,9 @@ def test_video_rewards_in_a_config_spec():
     assert torch.allclose(out.total, expected, atol=1e-6)
     with pytest.raises(ValueError, match="option video must be one of"):
         build_multi_reward({"ink": {"video": "max"}})
-    with pytest.raises(RewardError, match=r"reward 'ink' \(batch 2\) raised ValueError: images must have shape \(B, 3, H, W\)"):
+    with pytest.raises(
+        RewardError, match=r"reward 'ink' \(batch 2\) raised ValueError: images must have shape \(B, 3, H, W\)"
+    ):
         build_multi_reward({"ink": {"target": "bold"}})(x, ["p"] * 4, batch_index=2)
 
 
@@ -99,7 +107,9 @@ def test_frame_reward_names_a_broken_image_reward():
     from flowrl.rewards import MultiReward, frame_reward
 
     reward = MultiReward({"broken": (frame_reward(per_clip, "mean", "broken"), 1.0)})
-    with pytest.raises(RewardError, match=r"reward 'broken' \(batch 5\) raised ValueError: .* returned \(2,\) for 4 clips x 3 frames"):
+    with pytest.raises(
+        RewardError, match=r"reward 'broken' \(batch 5\) raised ValueError: .* returned \(2,\) for 4 clips x 3 frames"
+    ):
         reward(clips(), ["p"] * 4, batch_index=5)
 
 
@@ -114,7 +124,9 @@ def tiny_model_weights(tmp_path_factory):
 @pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "hpsv2", "imagereward"])
 def test_model_rewards_score_video_frame_by_frame(name, tiny_model_weights):
     options = tiny_model_weights[name]
-    scores = check_reward(lambda **o: build_reward(name, **o), name=f"{name}/video", options={**options, "video": "mean"}, video=True)
+    scores = check_reward(
+        lambda **o: build_reward(name, **o), name=f"{name}/video", options={**options, "video": "mean"}, video=True
+    )
     images, prompts, _ = default_batch()
     clip = torch.stack([images, images.flip(-1)], dim=1)  # two different frames per clip
     image_reward = build_reward(name, **options)

@@ -31,7 +31,9 @@ def save_clip_processor(folder: Path, size: int = IMAGE, crop: int = IMAGE) -> P
 
     folder.mkdir(parents=True, exist_ok=True)
     clip_tokenizer().save_pretrained(str(folder))
-    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": crop, "width": crop}).save_pretrained(str(folder))
+    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": crop, "width": crop}).save_pretrained(
+        str(folder)
+    )
     return folder
 
 
@@ -41,13 +43,25 @@ def tiny_clip_config(vocab_size: int, projection_dim: int = 12, hidden_act: str 
 
     tok = clip_tokenizer()
     text = dict(
-        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=24, hidden_act=hidden_act, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=24,
+        hidden_act=hidden_act,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     vision = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE,
-        patch_size=PATCH, hidden_act=hidden_act,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE,
+        patch_size=PATCH,
+        hidden_act=hidden_act,
     )
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim, logit_scale_init_value=2.0)
 
@@ -81,9 +95,18 @@ def build_tiny_weights(root: Path) -> dict[str, dict[str, str]]:
     return {
         "pickscore": {"model": clip, "processor": processor},
         "clipscore": {"model": clip},
-        "aesthetic": {"model": clip, "head": str(save_aesthetic_head(root / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"))},
-        "hpsv2": {"checkpoint": str(save_hps_checkpoint(root / "hps" / "HPS_v2.1_compressed.pt", openclip_state_dict(hps_arch))),
-                  "architecture": hps_arch, "tokenizer": processor, "backend": "transformers"},
+        "aesthetic": {
+            "model": clip,
+            "head": str(save_aesthetic_head(root / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth")),
+        },
+        "hpsv2": {
+            "checkpoint": str(
+                save_hps_checkpoint(root / "hps" / "HPS_v2.1_compressed.pt", openclip_state_dict(hps_arch))
+            ),
+            "architecture": hps_arch,
+            "tokenizer": processor,
+            "backend": "transformers",
+        },
         "imagereward": {"checkpoint": str(ir_ckpt), "tokenizer": str(ir_tok), "architecture": IMAGEREWARD_TINY},
     }
 
@@ -95,8 +118,14 @@ def laion_mlp(in_features: int = 12, seed: int = 0) -> torch.nn.Module:
     nn = torch.nn
     mlp = nn.Module()
     mlp.layers = nn.Sequential(
-        nn.Linear(in_features, 32), nn.Dropout(0.2), nn.Linear(32, 16), nn.Dropout(0.2),
-        nn.Linear(16, 8), nn.Dropout(0.1), nn.Linear(8, 4), nn.Linear(4, 1),
+        nn.Linear(in_features, 32),
+        nn.Dropout(0.2),
+        nn.Linear(32, 16),
+        nn.Dropout(0.2),
+        nn.Linear(16, 8),
+        nn.Dropout(0.1),
+        nn.Linear(8, 4),
+        nn.Linear(4, 1),
     )
     return mlp
 

@@ -11,7 +11,9 @@ torch.set_num_threads(1)
 
 def _pair() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64), torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64)
+    return torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64), torch.randn(
+        2, 4, 3, 3, generator=g, dtype=torch.float64
+    )
 
 
 def test_scale_one_returns_cond() -> None:

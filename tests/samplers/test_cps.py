@@ -76,7 +76,9 @@ def test_coefficients_are_preserved_on_a_straight_path() -> None:
     x, v = (1 - sigma) * x0 + sigma * x1, x1 - x0
     out = cps_step(x, v, sigma, sigma_next, a, generator=g)
     s = sigma_next * math.sin(a * math.pi / 2)
-    torch.testing.assert_close(out.mean - (1 - sigma_next) * x0, math.sqrt(sigma_next**2 - s**2) * x1, rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        out.mean - (1 - sigma_next) * x0, math.sqrt(sigma_next**2 - s**2) * x1, rtol=0, atol=1e-14
+    )
     residual = out.sample - (1 - sigma_next) * x0
     assert residual.mean().item() == pytest.approx(0.0, abs=6 * sigma_next / math.sqrt(4 * n))
     assert residual.std().item() == pytest.approx(sigma_next, abs=6 * sigma_next / math.sqrt(8 * n))
@@ -101,7 +103,9 @@ def test_reference_log_prob_drops_constants_and_variance() -> None:
     ref = cps_log_prob_reference(out.sample, out.mean)
     torch.testing.assert_close(ref, -((out.sample - out.mean) ** 2).mean(dim=(1, 2, 3, 4)), rtol=0, atol=0)
     s = out.std.reshape(-1)
-    torch.testing.assert_close(out.log_prob, ref / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        out.log_prob, ref / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi), rtol=0, atol=1e-12
+    )
     assert ref.shape == (2,) and ref.dtype == F64
     assert cps_log_prob_reference(out.sample.float(), out.mean.float()).dtype == torch.float32
 
@@ -125,7 +129,9 @@ def test_given_noise_and_per_sample_rows() -> None:
     out = cps_step(x, v, sig, sig_next, a, noise=noise)
     torch.testing.assert_close(out.sample, out.mean + out.std * noise, rtol=0, atol=0)
     for b in range(3):
-        row = cps_step(x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1])
+        row = cps_step(
+            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1]
+        )
         torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
         torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
     assert out.log_prob[1].item() == 0.0 and out.log_prob[2].item() == 0.0

@@ -43,7 +43,9 @@ def test_mean_and_std_match_the_reference_score_form(rank: int, sigma: float, si
     x0_hat = x - sigma * v
     score = -(x - (1 - sigma) * x0_hat) / sigma**2
     torch.testing.assert_close(out.mean, x + dt * v + dt * (-0.5 * eta**2 * score), rtol=0, atol=1e-12)
-    torch.testing.assert_close(out.std, torch.full_like(out.std, eta * math.sqrt(sigma - sigma_next)), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        out.std, torch.full_like(out.std, eta * math.sqrt(sigma - sigma_next)), rtol=0, atol=1e-15
+    )
     assert out.std.shape == (x.shape[0],) + (1,) * (rank - 1)
 
 
@@ -83,13 +85,19 @@ def test_prev_sample_scoring_reproduces_log_prob(rank: int) -> None:
 def test_per_sample_rows_and_flattened_ranks_agree() -> None:
     x5, v5 = _xv(SHAPES[5], seed=8)
     noise = torch.randn(SHAPES[5], generator=torch.Generator().manual_seed(1), dtype=F64)
-    sig, sig_next, eta = torch.tensor([0.9, 0.5], dtype=F64), torch.tensor([0.8, 0.3], dtype=F64), torch.tensor([0.3, 0.6], dtype=F64)
+    sig, sig_next, eta = (
+        torch.tensor([0.9, 0.5], dtype=F64),
+        torch.tensor([0.8, 0.3], dtype=F64),
+        torch.tensor([0.3, 0.6], dtype=F64),
+    )
     out5 = dance_sde_step(x5, v5, sig, sig_next, eta, noise=noise)
     out3 = dance_sde_step(x5.reshape(2, 24, 4), v5.reshape(2, 24, 4), sig, sig_next, eta, noise=noise.reshape(2, 24, 4))
     torch.testing.assert_close(out3.sample.reshape(SHAPES[5]), out5.sample, rtol=0, atol=0)
     torch.testing.assert_close(out3.log_prob, out5.log_prob, rtol=0, atol=1e-14)
     for b in range(2):
-        row = dance_sde_step(x5[b : b + 1], v5[b : b + 1], float(sig[b]), float(sig_next[b]), float(eta[b]), noise=noise[b : b + 1])
+        row = dance_sde_step(
+            x5[b : b + 1], v5[b : b + 1], float(sig[b]), float(sig_next[b]), float(eta[b]), noise=noise[b : b + 1]
+        )
         torch.testing.assert_close(out5.sample[b : b + 1], row.sample, rtol=0, atol=0)
         torch.testing.assert_close(out5.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
 

@@ -64,7 +64,12 @@ def test_per_sample_sigmas() -> None:
         s, s_next = grids[:, i], grids[:, i + 1]
         step = euler_step(x, (x - x0) / s.reshape(-1, 1, 1, 1), s, s_next)
         for b in range(3):
-            torch.testing.assert_close(step[b : b + 1], euler_step(x[b : b + 1], ((x - x0) / s.reshape(-1, 1, 1, 1))[b : b + 1], s[b], s_next[b]), rtol=0, atol=0)
+            torch.testing.assert_close(
+                step[b : b + 1],
+                euler_step(x[b : b + 1], ((x - x0) / s.reshape(-1, 1, 1, 1))[b : b + 1], s[b], s_next[b]),
+                rtol=0,
+                atol=0,
+            )
         x = step
     torch.testing.assert_close(x, x0, rtol=0, atol=1e-12)
 

@@ -191,11 +191,17 @@ def test_ranks_agree_with_flattened_tokens() -> None:
     """The step is elementwise per sample: a rank-5 latent gives the same numbers as its (B, N, D) view."""
     x5, v5 = _xv(SHAPES[5], seed=8)
     noise = torch.randn(SHAPES[5], generator=torch.Generator().manual_seed(1), dtype=F64)
-    sig, sig_next, a = torch.tensor([0.9, 0.5], dtype=F64), torch.tensor([0.8, 0.3], dtype=F64), torch.tensor([0.7, 0.3], dtype=F64)
+    sig, sig_next, a = (
+        torch.tensor([0.9, 0.5], dtype=F64),
+        torch.tensor([0.8, 0.3], dtype=F64),
+        torch.tensor([0.7, 0.3], dtype=F64),
+    )
     out5 = flow_sde_step(x5, v5, sig, sig_next, a, noise=noise)
     flat = (2, 24, 4)
     out3 = flow_sde_step(x5.reshape(flat), v5.reshape(flat), sig, sig_next, a, noise=noise.reshape(flat))
-    out4 = flow_sde_step(x5.reshape(2, 3, 8, 4), v5.reshape(2, 3, 8, 4), sig, sig_next, a, noise=noise.reshape(2, 3, 8, 4))
+    out4 = flow_sde_step(
+        x5.reshape(2, 3, 8, 4), v5.reshape(2, 3, 8, 4), sig, sig_next, a, noise=noise.reshape(2, 3, 8, 4)
+    )
     for out in (out3, out4):
         torch.testing.assert_close(out.sample.reshape(SHAPES[5]), out5.sample, rtol=0, atol=0)
         torch.testing.assert_close(out.log_prob, out5.log_prob, rtol=0, atol=1e-14)
@@ -212,7 +218,9 @@ def test_per_sample_sigma_and_noise_level(rank: int) -> None:
     a = torch.tensor([0.7, 0.0, 1.1], dtype=F64)
     out = flow_sde_step(x, v, sig, sig_next, a, noise=noise)
     for b in range(3):
-        row = flow_sde_step(x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1])
+        row = flow_sde_step(
+            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1]
+        )
         torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
         torch.testing.assert_close(out.std[b : b + 1], row.std, rtol=0, atol=0)
         torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)

@@ -34,7 +34,9 @@ def _flow_map(x: torch.Tensor, a: float, b: float) -> torch.Tensor:
 
 
 def _random_grid(num_steps: int, seed: int) -> list[float]:
-    cuts = torch.rand(num_steps - 1, generator=torch.Generator().manual_seed(seed), dtype=F64).sort(descending=True).values
+    cuts = (
+        torch.rand(num_steps - 1, generator=torch.Generator().manual_seed(seed), dtype=F64).sort(descending=True).values
+    )
     return [1.0, *cuts.tolist(), 0.0]
 
 

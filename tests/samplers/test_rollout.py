@@ -26,7 +26,9 @@ def _noises(shape: tuple[int, ...], num_steps: int, seed: int = 1) -> torch.Tens
     return torch.randn((shape[0], num_steps) + shape[1:], generator=torch.Generator().manual_seed(seed))
 
 
-def _manual(x_init: torch.Tensor, sigmas: torch.Tensor, levels: torch.Tensor, noises: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _manual(
+    x_init: torch.Tensor, sigmas: torch.Tensor, levels: torch.Tensor, noises: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     x, lat, lps = x_init.float(), [x_init.float()], []
     batch = x.shape[0]
     for i in range(sigmas.shape[0] - 1):
@@ -153,7 +155,9 @@ def test_sde_noise_levels_default_is_all_but_last() -> None:
 
 
 def test_sde_noise_levels_custom_windows() -> None:
-    assert torch.equal(sde_noise_levels(6, 0.5, sde_steps=[2, 3]), torch.tensor([0, 0, 0.5, 0.5, 0, 0], dtype=torch.float64))
+    assert torch.equal(
+        sde_noise_levels(6, 0.5, sde_steps=[2, 3]), torch.tensor([0, 0, 0.5, 0.5, 0, 0], dtype=torch.float64)
+    )
     assert torch.equal(sde_noise_levels(4, 1.0, sde_steps=range(4)), torch.ones(4, dtype=torch.float64))
     assert torch.equal(sde_noise_levels(4, 1.0, sde_steps=[]), torch.zeros(4, dtype=torch.float64))
     assert torch.equal(sde_noise_levels(3, 0.3, sde_steps=(0,)), torch.tensor([0.3, 0, 0], dtype=torch.float64))
@@ -178,7 +182,14 @@ def test_rollout_stores_the_density_of_the_named_sde(sde):
     traj = rollout(lambda z, s: _velocity(z, s), x, sigmas, levels, generator=torch.Generator().manual_seed(1), sde=sde)
     assert traj.sde == sde
     for i in range(5):
-        again = SDE_STEPS[sde](traj.latents[:, i].double(), _velocity(traj.latents[:, i].double(), sigmas[i]), sigmas[i], sigmas[i + 1], float(levels[i]), prev_sample=traj.latents[:, i + 1].double())
+        again = SDE_STEPS[sde](
+            traj.latents[:, i].double(),
+            _velocity(traj.latents[:, i].double(), sigmas[i]),
+            sigmas[i],
+            sigmas[i + 1],
+            float(levels[i]),
+            prev_sample=traj.latents[:, i + 1].double(),
+        )
         torch.testing.assert_close(again.log_prob.float(), traj.log_probs[:, i], rtol=1e-4, atol=1e-4)
 
 

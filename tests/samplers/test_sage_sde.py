@@ -64,7 +64,12 @@ def test_variance_is_below_flow_grpo_one_step_variance_near_one() -> None:
     for sigma in (0.95, 0.99, 0.995, 0.999):
         sage = sage_sde_variance(_t(sigma), _t(sigma - step), eta).item()
         literal = eta**2 * sigma / (1 - sigma) * step
-        implemented = flow_sde_step(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64), sigma, sigma - step, eta).std.item() ** 2
+        implemented = (
+            flow_sde_step(
+                torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64), sigma, sigma - step, eta
+            ).std.item()
+            ** 2
+        )
         assert implemented == pytest.approx(literal, rel=1e-12)
         assert sage < literal
         ratios.append(sage / literal)
@@ -83,7 +88,9 @@ def test_at_pure_noise_the_clamped_variance_exceeds_flow_grpo_substituted_varian
     """
     eta, sigma_next = 0.7, 0.95
     sage = sage_sde_variance(_t(1.0), _t(sigma_next), eta).item()
-    flow = flow_sde_step(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64), 1.0, sigma_next, eta).std.item() ** 2
+    flow = (
+        flow_sde_step(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64), 1.0, sigma_next, eta).std.item() ** 2
+    )
     assert flow == pytest.approx(eta**2, rel=1e-12)
     assert sage == pytest.approx(eta**2 * (math.log(0.05 / 3e-3) - (1 - 3e-3 - sigma_next)), rel=1e-12)
     assert sage > 2.5 * flow
@@ -150,7 +157,9 @@ def test_given_noise_per_sample_rows_and_dtype() -> None:
     out = sage_sde_step(x, v, sig, sig_next, eta, noise=noise)
     torch.testing.assert_close(out.sample, out.mean + out.std * noise, rtol=0, atol=0)
     for b in range(3):
-        row = sage_sde_step(x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(eta[b]), noise=noise[b : b + 1])
+        row = sage_sde_step(
+            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(eta[b]), noise=noise[b : b + 1]
+        )
         torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
         torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
     out32 = sage_sde_step(x.float(), v.float(), 0.5, 0.4, 0.5, generator=torch.Generator().manual_seed(0))
@@ -177,7 +186,13 @@ def test_marginals_preserved_for_gaussian_data() -> None:
         noise = torch.randn(x.shape, generator=g, dtype=F64)
         x = sage_sde_step(x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], float(levels[i]), noise=noise).sample
         plain = sage_sde_step(
-            plain, velocity(plain, sigmas[i]), sigmas[i], sigmas[i + 1], float(levels[i]), noise=noise, score_correction=False
+            plain,
+            velocity(plain, sigmas[i]),
+            sigmas[i],
+            sigmas[i + 1],
+            float(levels[i]),
+            noise=noise,
+            score_correction=False,
         ).sample
     assert x.mean().item() == pytest.approx(m, abs=0.02)
     assert x.std().item() == pytest.approx(c, abs=0.02)

@@ -26,7 +26,9 @@ def test_linear_endpoints_monotonic_length(num_steps: int) -> None:
     assert sig.dtype == torch.float64 and sig.shape == (num_steps + 1,)
     assert sig[0].item() == 1.0 and sig[-1].item() == 0.0
     assert bool((sig[1:] < sig[:-1]).all())
-    torch.testing.assert_close(sig[:-1] - sig[1:], torch.full((num_steps,), 1.0 / num_steps, dtype=torch.float64), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        sig[:-1] - sig[1:], torch.full((num_steps,), 1.0 / num_steps, dtype=torch.float64), rtol=0, atol=1e-14
+    )
 
 
 def test_linear_sigma_max() -> None:
@@ -66,7 +68,9 @@ def test_dynamic_shift_mu_linear_formula() -> None:
     assert dynamic_shift_mu(256) == pytest.approx(0.5, abs=1e-15)
     assert dynamic_shift_mu(4096) == pytest.approx(1.15, abs=1e-15)
     assert dynamic_shift_mu(1024) == pytest.approx(0.5 + 0.65 * 768 / 3840, abs=1e-15)
-    assert dynamic_shift_mu(100, base_seq_len=0, max_seq_len=200, base_shift=1.0, max_shift=3.0) == pytest.approx(2.0, abs=1e-15)
+    assert dynamic_shift_mu(100, base_seq_len=0, max_seq_len=200, base_shift=1.0, max_shift=3.0) == pytest.approx(
+        2.0, abs=1e-15
+    )
 
 
 @pytest.mark.parametrize("mu", [-0.4, 0.0, 0.73, 1.15])

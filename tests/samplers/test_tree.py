@@ -37,15 +37,25 @@ def test_factor_one_tree_reproduces_a_flat_trajectory(sde):
     noises = torch.randn((n, steps, *shape), generator=torch.Generator().manual_seed(1))
     flat = rollout(_velocity, roots, sigmas, levels, noises=noises, sde=sde)
     factors = split_factors(steps, [1, 3], [1])  # "splits" with one child each
-    tree = tree_rollout(_tree_velocity(), roots, sigmas, levels, factors, split_noise_scale=4.0, sde=sde,
-                        noises=[noises[:, t] for t in range(steps)])
+    tree = tree_rollout(
+        _tree_velocity(),
+        roots,
+        sigmas,
+        levels,
+        factors,
+        split_noise_scale=4.0,
+        sde=sde,
+        noises=[noises[:, t] for t in range(steps)],
+    )
     for t in range(steps + 1):
         assert torch.equal(tree.nodes[t], flat.latents[:, t])
     for t in range(steps):
         assert torch.equal(tree.log_probs[t], flat.log_probs[:, t])
     # the same generator state gives the same draws as the (unchunked) flat rollout
     a = rollout(_velocity, roots, sigmas, levels, generator=torch.Generator().manual_seed(5), sde=sde)
-    b = tree_rollout(_tree_velocity(), roots, sigmas, levels, factors, sde=sde, generator=torch.Generator().manual_seed(5))
+    b = tree_rollout(
+        _tree_velocity(), roots, sigmas, levels, factors, sde=sde, generator=torch.Generator().manual_seed(5)
+    )
     assert torch.equal(a.latents[:, -1], b.leaves) and torch.equal(a.log_probs[:, -1], b.log_probs[-1])
 
 
@@ -60,8 +70,14 @@ def test_nfe_count_matches_the_formula(splits):
     steps, n = 10, 2
     factors = split_factors(steps, splits, [2])
     calls: list[int] = []
-    tree = tree_rollout(_tree_velocity(calls), torch.randn(n, 2, 4, 4), linear_sigmas(steps),
-                        torch.full((steps,), 0.5, dtype=torch.float64), factors, generator=torch.Generator().manual_seed(0))
+    tree = tree_rollout(
+        _tree_velocity(calls),
+        torch.randn(n, 2, 4, 4),
+        linear_sigmas(steps),
+        torch.full((steps,), 0.5, dtype=torch.float64),
+        factors,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(calls) == steps  # the frontier of each depth is one batch
     assert sum(calls) == n * tree_nfe(factors) == n * _closed_form_nfe(splits, steps)
     assert sum(lp.numel() for lp in tree.log_probs) == n * tree_edges(factors)
@@ -77,8 +93,13 @@ def test_uneven_factors_and_bad_schedules():
         with pytest.raises(ValueError, match="sampler.tree"):
             split_factors(10, splits, factors)
     with pytest.raises(ValueError, match="noise level 0"):
-        tree_rollout(_tree_velocity(), torch.randn(1, 2, 4, 4), linear_sigmas(3), torch.zeros(3, dtype=torch.float64),
-                     split_factors(3, [1], [2]))
+        tree_rollout(
+            _tree_velocity(),
+            torch.randn(1, 2, 4, 4),
+            linear_sigmas(3),
+            torch.zeros(3, dtype=torch.float64),
+            split_factors(3, [1], [2]),
+        )
 
 
 @pytest.mark.parametrize("sde", list(SDE_STEPS))
@@ -99,7 +120,9 @@ def test_split_density_is_the_density_of_the_noise_actually_used(sde):
     torch.testing.assert_close(split.log_prob, expected)
     unscaled = torch.distributions.Normal(base.mean, base.std).log_prob(split.sample).mean(dim=(1, 2, 3))
     assert (split.log_prob - unscaled).abs().min() > 0.1  # the public code's (unscaled) value differs
-    rescored = branch_step(step_fn, x, v, sigma, sigma_next, 0.5, scale, prev_sample=split.sample)  # training recomputation
+    rescored = branch_step(
+        step_fn, x, v, sigma, sigma_next, 0.5, scale, prev_sample=split.sample
+    )  # training recomputation
     torch.testing.assert_close(rescored.log_prob, split.log_prob)
 
 
@@ -107,15 +130,25 @@ def test_split_children_in_a_rollout_spread_with_the_scaled_std():
     steps, scale = 4, 4.0
     sigmas, levels = linear_sigmas(steps), torch.full((steps,), 0.7, dtype=torch.float64)
     factors = split_factors(steps, [1], [64])
-    tree = tree_rollout(_tree_velocity(), torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), sigmas, levels,
-                        factors, split_noise_scale=scale, sde="dance", generator=torch.Generator().manual_seed(1))
+    tree = tree_rollout(
+        _tree_velocity(),
+        torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)),
+        sigmas,
+        levels,
+        factors,
+        split_noise_scale=scale,
+        sde="dance",
+        generator=torch.Generator().manual_seed(1),
+    )
     parent = tree.nodes[1].repeat_interleave(64, 0)
     s, s_next = sigmas[1].float().expand(128), sigmas[2].float().expand(128)
     base = get_sde_step("dance")(parent, _velocity(parent, s), s, s_next, 0.7, prev_sample=tree.nodes[2])
     z = (tree.nodes[2] - base.mean) / base.std
     assert abs(float(z.std()) / scale - 1) < 0.02  # the children really carry 4x the std
     normal = torch.distributions.Normal(base.mean.double(), scale * base.std.double())
-    torch.testing.assert_close(tree.log_probs[1].double(), normal.log_prob(tree.nodes[2].double()).mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tree.log_probs[1].double(), normal.log_prob(tree.nodes[2].double()).mean(dim=(1, 2, 3)), atol=1e-5, rtol=1e-5
+    )
     assert tree.noise_scales.tolist() == [1.0, scale, 1.0, 1.0]
     assert torch.equal(tree.parents(1), torch.arange(128) // 64) and torch.equal(tree.trees(2), torch.arange(128) // 64)
 

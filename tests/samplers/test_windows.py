@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.samplers import progressive_window_start, random_window_start, rollout, sde_noise_levels, window_noise_levels
+from flowrl.samplers import (
+    progressive_window_start,
+    random_window_start,
+    rollout,
+    sde_noise_levels,
+    window_noise_levels,
+)
 
 torch.set_num_threads(1)
 
@@ -20,7 +26,13 @@ def test_window_noise_levels_by_hand() -> None:
 
 @pytest.mark.parametrize(
     "args,match",
-    [((10, 0.7, 9, 2), "start"), ((10, 0.7, -1, 2), "start"), ((10, 0.7, 0, 0), "size"), ((10, 0.7, 0, 11), "size"), ((0, 0.7, 0, 1), "num_steps")],
+    [
+        ((10, 0.7, 9, 2), "start"),
+        ((10, 0.7, -1, 2), "start"),
+        ((10, 0.7, 0, 0), "size"),
+        ((10, 0.7, 0, 11), "size"),
+        ((0, 0.7, 0, 1), "num_steps"),
+    ],
 )
 def test_window_noise_levels_bounds(args: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
@@ -30,8 +42,13 @@ def test_window_noise_levels_bounds(args: tuple, match: str) -> None:
 
 def test_window_levels_drive_rollout() -> None:
     levels = window_noise_levels(5, 0.7, 1, 2)
-    traj = rollout(lambda x, s: -x, torch.ones(2, 3), torch.linspace(1, 0, 6, dtype=torch.float64), levels,
-                   generator=torch.Generator().manual_seed(0))
+    traj = rollout(
+        lambda x, s: -x,
+        torch.ones(2, 3),
+        torch.linspace(1, 0, 6, dtype=torch.float64),
+        levels,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.equal(traj.log_probs[:, [0, 3, 4]], torch.zeros(2, 3))
     assert bool((traj.log_probs[:, 1:3] != 0).all())
 

@@ -179,7 +179,12 @@ def build_digits_pipeline(seed: int = 0) -> Any:
         VAE downsampling, patch 2 -> 16 image tokens; 8 CLIP + ``MAX_SEQUENCE_LENGTH`` T5 text
         tokens, all 64-d).
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     torch.manual_seed(seed)
     tokenizer = build_digits_tokenizer()

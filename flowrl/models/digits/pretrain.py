@@ -26,8 +26,15 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .model import DIGITS_DIR, MAX_SEQUENCE_LENGTH, RESOLUTION, build_digits_pipeline, digits_prompt, encode_prompts
-from .model import load_digit_images
+from .model import (
+    DIGITS_DIR,
+    MAX_SEQUENCE_LENGTH,
+    RESOLUTION,
+    build_digits_pipeline,
+    digits_prompt,
+    encode_prompts,
+    load_digit_images,
+)
 
 VAE_STEPS = 400
 FLOW_STEPS = 1500
@@ -39,8 +46,17 @@ PROMPT_DROPOUT = 0.1
 STYLE_PROB = 0.5
 NUM_INFERENCE_STEPS = 10
 LOG_EVERY = 100
-_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
-               "tokenizer_3", "scheduler")
+_COMPONENTS = (
+    "transformer",
+    "vae",
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "tokenizer",
+    "tokenizer_2",
+    "tokenizer_3",
+    "scheduler",
+)
 
 
 def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -71,8 +87,15 @@ def _optimizer(params: list[nn.Parameter], steps: int) -> tuple[torch.optim.Opti
     return opt, sched
 
 
-def train_vae(vae: nn.Module, images: Tensor, *, steps: int, batch_size: int, generator: torch.Generator,
-              log: Callable[[str], None]) -> dict[str, float]:
+def train_vae(
+    vae: nn.Module,
+    images: Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    generator: torch.Generator,
+    log: Callable[[str], None],
+) -> dict[str, float]:
     """Train the VAE as an autoencoder of ``images`` (N, 3, 8, 8) in [-1, 1]; set its latent scaling.
 
     Loss: MSE(decode(z), x) + KL_WEIGHT * KL(q(z|x) || N(0, I)) per latent element, z ~ q(z|x).
@@ -107,8 +130,13 @@ def train_vae(vae: nn.Module, images: Tensor, *, steps: int, batch_size: int, ge
         recon_mse = torch.nn.functional.mse_loss(vae.decode(mean).sample.clamp(-1, 1), images).item()
         shift, scale = mean.mean().item(), 1.0 / mean.std().item()
     vae.register_to_config(scaling_factor=scale, shift_factor=shift)
-    return {"final_loss": smooth, "recon_mse": recon_mse, "scaling_factor": scale, "shift_factor": shift,
-            "seconds": time.perf_counter() - start}
+    return {
+        "final_loss": smooth,
+        "recon_mse": recon_mse,
+        "scaling_factor": scale,
+        "shift_factor": shift,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _training_prompts(labels: Tensor, styles: Sequence[str | None], generator: torch.Generator) -> list[str]:
@@ -121,9 +149,18 @@ def _training_prompts(labels: Tensor, styles: Sequence[str | None], generator: t
     return prompts
 
 
-def train_flow(pipe: Any, latents: Tensor, labels: Tensor, styles: Sequence[str | None], *, steps: int,
-               batch_size: int, generator: torch.Generator, log: Callable[[str], None],
-               logit_normal_mean: float = LOGIT_NORMAL_MEAN) -> dict[str, float]:
+def train_flow(
+    pipe: Any,
+    latents: Tensor,
+    labels: Tensor,
+    styles: Sequence[str | None],
+    *,
+    steps: int,
+    batch_size: int,
+    generator: torch.Generator,
+    log: Callable[[str], None],
+    logit_normal_mean: float = LOGIT_NORMAL_MEAN,
+) -> dict[str, float]:
     """Rectified-flow training of the transformer and text encoders; leaves the EMA weights loaded.
 
     ``x_s = (1 - s) z + s eps`` with logit-normal s (``sigmoid(N(logit_normal_mean, 1))``), target
@@ -137,6 +174,10 @@ def train_flow(pipe: Any, latents: Tensor, labels: Tensor, styles: Sequence[str 
         latents: (N, 4, 8, 8) normalised latents ``(mean - shift) * scale``.
         labels: (N,) digits.
         styles: N style words or None.
+        steps: optimizer steps.
+        batch_size: images per step (drawn from shuffled epochs).
+        generator: CPU RNG for batches, prompt styles/dropout, s and the noise.
+        log: called with a progress line every ``LOG_EVERY`` steps and at the last step.
         logit_normal_mean: mean of the normal inside the sigmoid that draws s.
 
     Returns:
@@ -161,8 +202,13 @@ def train_flow(pipe: Any, latents: Tensor, labels: Tensor, styles: Sequence[str 
         sv = s.view(-1, 1, 1, 1)
         x_s = (1 - sv) * z + sv * eps
         embeds, pooled = encode_prompts(pipe, prompts)
-        pred = pipe.transformer(hidden_states=x_s, timestep=s * 1000, encoder_hidden_states=embeds,
-                                pooled_projections=pooled, return_dict=False)[0]
+        pred = pipe.transformer(
+            hidden_states=x_s,
+            timestep=s * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
         loss = torch.nn.functional.mse_loss(pred, eps - z)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -199,10 +245,18 @@ def _clear_previous(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
 
 
-def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS, flow_steps: int = FLOW_STEPS,
-                    batch_size: int = 128, threads: int = 1, eval_per_class: int = 50,
-                    logit_normal_mean: float = LOGIT_NORMAL_MEAN,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
+def pretrain_digits(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vae_steps: int = VAE_STEPS,
+    flow_steps: int = FLOW_STEPS,
+    batch_size: int = 128,
+    threads: int = 1,
+    eval_per_class: int = 50,
+    logit_normal_mean: float = LOGIT_NORMAL_MEAN,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Train flowrl-digits from scratch and save it as a diffusers folder.
 
     Deterministic for a given seed, thread count and machine: weights, data order, noise and
@@ -234,24 +288,37 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
     generator = torch.Generator().manual_seed(seed)
 
     vae_report = train_vae(pipe.vae, pixels, steps=vae_steps, batch_size=batch_size, generator=generator, log=log)
-    log(f"vae recon MSE {vae_report['recon_mse']:.5f}, scaling {vae_report['scaling_factor']:.4f}, "
-        f"shift {vae_report['shift_factor']:.4f}")
+    log(
+        f"vae recon MSE {vae_report['recon_mse']:.5f}, scaling {vae_report['scaling_factor']:.4f}, "
+        f"shift {vae_report['shift_factor']:.4f}"
+    )
     pipe.vae.requires_grad_(False)
     with torch.no_grad():
         latents = pipe.vae.encode(pixels).latent_dist.mean
     latents = (latents - vae_report["shift_factor"]) * vae_report["scaling_factor"]
 
-    flow_report = train_flow(pipe, latents, labels, styles, steps=flow_steps, batch_size=batch_size,
-                             generator=generator, log=log, logit_normal_mean=logit_normal_mean)
+    flow_report = train_flow(
+        pipe,
+        latents,
+        labels,
+        styles,
+        steps=flow_steps,
+        batch_size=batch_size,
+        generator=generator,
+        log=log,
+        logit_normal_mean=logit_normal_mean,
+    )
 
     eval_report: dict[str, Any] = {}
     if eval_per_class > 0:
         from .evaluation import evaluate_base_model
 
         eval_report = evaluate_base_model(pipe, per_class=eval_per_class, steps=NUM_INFERENCE_STEPS)
-        log(f"eval: accuracy {eval_report['accuracy']:.4f} (bold {eval_report['accuracy_bold']:.4f}, "
+        log(
+            f"eval: accuracy {eval_report['accuracy']:.4f} (bold {eval_report['accuracy_bold']:.4f}, "
             f"thin {eval_report['accuracy_thin']:.4f}); ink bold {eval_report['ink_bold']:.3f} "
-            f"plain {eval_report['ink_plain']:.3f} thin {eval_report['ink_thin']:.3f}")
+            f"plain {eval_report['ink_plain']:.3f} thin {eval_report['ink_thin']:.3f}"
+        )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _clear_previous(out_dir)
@@ -270,10 +337,18 @@ def pretrain_digits(out_dir: Path, *, seed: int = 0, vae_steps: int = VAE_STEPS,
         "eval": eval_report,
     }
     (out_dir / "flowrl.json").write_text(json.dumps(card, indent=2) + "\n")
-    params = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
-              for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")}
-    return {"vae": vae_report, "flow": flow_report, "eval": eval_report, "params": params,
-            "size_bytes": _folder_bytes(out_dir), "seconds": time.perf_counter() - start}
+    params = {
+        name: sum(p.numel() for p in getattr(pipe, name).parameters())
+        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    }
+    return {
+        "vae": vae_report,
+        "flow": flow_report,
+        "eval": eval_report,
+        "params": params,
+        "size_bytes": _folder_bytes(out_dir),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,13 +360,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flow-steps", type=int, default=FLOW_STEPS)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--logit-normal-mean", type=float, default=LOGIT_NORMAL_MEAN,
-                        help="bias of the flow-time sampler towards high noise (1.5: 98.0%% vs 97.2%% accuracy)")
+    parser.add_argument(
+        "--logit-normal-mean",
+        type=float,
+        default=LOGIT_NORMAL_MEAN,
+        help="bias of the flow-time sampler towards high noise (1.5: 98.0%% vs 97.2%% accuracy)",
+    )
     parser.add_argument("--eval-per-class", type=int, default=50, help="SVC eval samples per digit (0: skip)")
     args = parser.parse_args(argv)
-    report = pretrain_digits(args.out, seed=args.seed, vae_steps=args.vae_steps, flow_steps=args.flow_steps,
-                             batch_size=args.batch_size, threads=args.threads, eval_per_class=args.eval_per_class,
-                             logit_normal_mean=args.logit_normal_mean)
+    report = pretrain_digits(
+        args.out,
+        seed=args.seed,
+        vae_steps=args.vae_steps,
+        flow_steps=args.flow_steps,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        eval_per_class=args.eval_per_class,
+        logit_normal_mean=args.logit_normal_mean,
+    )
     print(json.dumps(report, indent=2))
     return 0
 

@@ -41,20 +41,30 @@ def _check_single_process() -> None:
 def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
+    With ``--resume`` and no run folder given (``--output`` or ``output.dir`` in a config file or
+    override), the run continues in the folder the checkpoint belongs to.
+
     Args:
         ns: parsed arguments (``args``, ``output``, ``overwrite``, ``resume``).
 
     Returns:
         The exit code, 0.
     """
-    from .config import load_config
+    from .checkpoint import resume_run_dir
+    from .config import load_config, read_yaml
     from .recipe import Run
 
     _check_single_process()
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
+    run_dir = resume_run_dir(ns.resume) if ns.resume else None
+    dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
+        "dir" in (read_yaml(path).get("output") or {}) for path in config or []
+    )
     if ns.output:
         cfg.output.dir = ns.output
+    elif run_dir is not None and not dir_given:
+        cfg.output.dir = str(run_dir)
     run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
     summary = run.execute()
     start, end = summary["start"], summary["end"]
@@ -242,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     train.add_argument("--output", help="run folder (same as output.dir=...)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
-    train.add_argument("--resume", help="continue from a checkpoint folder (runs/X/checkpoints/iter-N)")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_OR_CHECKPOINT",
+        help="continue a run: a run folder (its latest checkpoint that verifies) or runs/X/checkpoints/iter-N",
+    )
     train.set_defaults(func=cmd_train)
 
     sample = sub.add_parser("sample", help="sample an image grid (optionally with a trained LoRA)")

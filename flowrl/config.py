@@ -208,10 +208,11 @@ class TrainConfig:
 
 @dataclass
 class OutputConfig:
-    """Run outputs (``output``): the run folder and the columns of the before/after sample grid."""
+    """Run outputs (``output``): the run folder, the before/after grid columns and the checkpoints kept."""
 
     dir: str = "runs/digits-bold-thin"
     grid_seeds: int = field(default=4, metadata=_rng(1))  # columns per prompt in the before/after grid
+    keep_checkpoints: int = field(default=3, metadata=_rng(1))  # newest checkpoints/iter-N kept; older ones deleted
 
 
 def _default_rewards() -> dict[str, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -13,6 +14,44 @@ import torch
 from torch import Tensor
 
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left on device; disk quota exceeded
+
+
+class DiskFullError(ValueError):
+    """No space left while writing a run file: one line naming the file, its size and the free space.
+
+    A ``ValueError`` so the CLI reports it as a user error (``flowrl: error: ...``, exit code 2).
+    """
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def disk_full_error(what: str, folder: Path, size: int | None, run_dir: Path | None = None) -> DiskFullError:
+    """The one-line error for a write that ran out of space.
+
+    Args:
+        what: the file being written, as the message names it.
+        folder: a folder on the full filesystem (its free space is reported).
+        size: bytes being written, when known.
+        run_dir: the run folder to resume, when known.
+
+    Returns:
+        The exception to raise (the earlier checkpoints are intact; the message says how to go on).
+    """
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = _human(shutil.disk_usage(folder).free)
+    need = f"{_human(size)} to write, " if size is not None else ""
+    return DiskFullError(
+        f"{what}: no space left on device ({need}{free} free on that filesystem); "
+        f"free space, then continue with `flowrl train --resume {run_dir or 'RUN_DIR'}` (earlier checkpoints intact)"
+    )
 
 
 def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
@@ -35,9 +74,19 @@ def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file and rename, so a crash never leaves a half-written file."""
+    """Write via a temp file and rename, so a crash never leaves a half-written file.
+
+    Raises:
+        DiskFullError: no space left (the temp file is removed, ``path`` is untouched).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno not in DISK_FULL_ERRNOS:
+            raise
+        raise disk_full_error(str(path), path.parent, len(text.encode()), path.parent) from None
     os.replace(tmp, path)
 
 
@@ -46,19 +95,52 @@ def write_json(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def read_metrics(path: Path) -> list[tuple[int, str]]:
+    """The rows of a ``metrics.jsonl`` as (step, line); lines that do not parse (a row cut by a kill) are dropped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append((row["step"], line))
+    return rows
+
+
+def _append_line(path: Path, line: str) -> None:
+    with path.open("a") as f:
+        f.write(line)
+
+
 class MetricsLogger:
     """Append-only JSONL metrics plus TensorBoard scalars.
 
+    On resume the run continues the same records: ``metrics.jsonl`` is cut back to the rows with
+    ``step <= resume_step`` (rewritten atomically; they stay in :attr:`rows`), and TensorBoard
+    writes into the same folder with ``purge_step=resume_step + 1``, so events after the
+    checkpoint are discarded and no step appears twice.
+
     Args:
         run_dir: the run folder (writes ``metrics.jsonl`` and ``tensorboard/``).
+        resume_step: the iteration of the checkpoint a resumed run continues from (None: a fresh run).
     """
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.rows: list[dict[str, float]] = []
+        self.rows: list[dict[str, float]] = [] if resume_step is None else self._cut(resume_step)
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+
+    def _cut(self, step: int) -> list[dict[str, float]]:
+        kept = [line for s, line in read_metrics(self.path) if s <= step]
+        if self.path.exists():
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        return [json.loads(line) for line in kept]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one row (the numeric metrics) to ``metrics.jsonl`` and write the finite ones to TensorBoard.
@@ -66,11 +148,21 @@ class MetricsLogger:
         Args:
             step: the iteration the metrics belong to.
             metrics: name -> value; non-numeric values are dropped.
+
+        Raises:
+            DiskFullError: no space left to append the row.
         """
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        try:
+            _append_line(self.path, line)
+        except OSError as err:
+            if err.errno not in DISK_FULL_ERRNOS:
+                raise
+            raise disk_full_error(
+                f"{self.path} (step {step})", self.path.parent, len(line.encode()), self.path.parent
+            ) from None
         for key, value in row.items():
             if key != "step" and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)

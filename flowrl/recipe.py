@@ -5,7 +5,8 @@ Run folder contents::
     config.yaml                       resolved config
     metrics.jsonl, tensorboard/       per-iteration metrics
     lora/pytorch_lora_weights.safetensors   final LoRA (diffusers ``load_lora_weights`` layout)
-    checkpoints/iter-XXXXXX/          full trainer state (resume)
+    checkpoints/iter-XXXXXX/          full trainer state (resume), verified by its manifest.json;
+                                      the newest output.keep_checkpoints are kept
     reward_curve.png                  train and eval reward against iteration
     grid_before_after.png             fixed prompts x seeds, before | after
     summary.json                      start/end eval figures, wall time
@@ -13,6 +14,8 @@ Run folder contents::
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +23,22 @@ from typing import Any
 import torch
 import yaml
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import Config, to_dict
 from .models.digits import EVAL_REPORTS
-from .outputs import MetricsLogger, prepare_run_dir, save_before_after, save_reward_curve, write_json, write_text_atomic
+from .outputs import (
+    MetricsLogger,
+    prepare_run_dir,
+    read_metrics,
+    save_before_after,
+    save_reward_curve,
+    write_json,
+    write_text_atomic,
+)
 from .policy import build_policy
 from .prompts.files import Prompt
 from .prompts.sets import holdout_split, load_prompts
+from .resume import Resume, check_resume_config, find_resume, prune_checkpoints
 from .runtime import configure_threads
 from .trainer import Trainer
 
@@ -61,7 +73,9 @@ class Run:
     Args:
         cfg: validated config.
         overwrite: replace an existing run folder.
-        resume: a checkpoint folder to continue from.
+        resume: a run folder (its latest checkpoint that verifies) or a checkpoint folder to
+            continue from; its config must match ``cfg`` outside the resumable keys
+            (:data:`flowrl.checkpoint.RESUMABLE_KEYS`).
     """
 
     def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None):
@@ -72,13 +86,20 @@ class Run:
                 f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>"
             )
         self.overwrite = overwrite
+        self.resume = self._find_resume(resume) if resume else None
         self.threads = configure_threads(cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         reward = build_reward(cfg)
         self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), reward, train_prompts, eval_prompts)
-        self.resume_state = load_checkpoint(resume) if resume else None
         self.eval_report = EVAL_REPORTS.get(cfg.model.path)  # model-specific figures, e.g. the embedded style report
+
+    def _find_resume(self, path: str) -> Resume:
+        found = find_resume(path)
+        for warning in found.warnings:
+            print(f"flowrl: warning: {warning}", file=sys.stderr)
+        check_resume_config(found.state.get("config"), to_dict(self.cfg))
+        return found
 
     def _grid(self) -> torch.Tensor:
         prompts, seeds = _grid_inputs(self.trainer.eval_prompts, self.cfg.output.grid_seeds)
@@ -93,15 +114,19 @@ class Run:
     def execute(self) -> dict[str, Any]:
         """Train, writing the run folder; returns the summary dict."""
         cfg, trainer = self.cfg, self.trainer
-        before = self._grid()
-        start_eval = self._evaluate()  # also probes every reward before the folder is touched
-        if self.resume_state is not None:
-            trainer.load_state_dict(self.resume_state)
-        out = prepare_run_dir(self.out, self.overwrite) if self.resume_state is None else self.out
-        out.mkdir(parents=True, exist_ok=True)
+        before = self._grid()  # the base model's grid, on resume too (the LoRA is loaded below)
+        if self.resume is None:
+            start_eval = self._evaluate()  # also probes every reward before the folder is touched
+            out = prepare_run_dir(self.out, self.overwrite)
+        else:
+            start_eval = self._logged_start_eval() or self._evaluate()
+            trainer.load_state_dict(self.resume.state)
+            out = self.out
+            out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        logger = MetricsLogger(out)
-        logger.log(trainer.iteration, start_eval)
+        logger = MetricsLogger(out, resume_step=None if self.resume is None else trainer.iteration)
+        if self.resume is None:  # a resumed run keeps the rows up to its checkpoint and logs no extra row
+            logger.log(trainer.iteration, start_eval)
         t0 = time.perf_counter()
         try:
             end_eval = self._loop(logger, t0)
@@ -110,6 +135,20 @@ class Run:
             trainer.close()
         wall = time.perf_counter() - t0
         return self._finish(out, logger, before, start_eval, end_eval, wall)
+
+    def _logged_start_eval(self) -> dict[str, float]:
+        """The start evaluation a resumed run logged at step 0 (empty when the folder has none)."""
+        for step, line in read_metrics(self.out / "metrics.jsonl"):
+            if step == 0:
+                return {k: v for k, v in json.loads(line).items() if k.startswith("eval/")}
+        return {}
+
+    def _save_checkpoint(self) -> None:
+        """Write ``checkpoints/iter-N`` (state + resolved config); keep the newest ``output.keep_checkpoints``."""
+        it = self.trainer.iteration
+        state = {**self.trainer.state_dict(), "config": to_dict(self.cfg)}
+        save_checkpoint(state, self.out / "checkpoints" / f"iter-{it:06d}")
+        prune_checkpoints(self.out, self.cfg.output.keep_checkpoints, upto=it)
 
     def _loop(self, logger: MetricsLogger, t0: float) -> dict[str, float]:
         from tqdm import tqdm
@@ -134,7 +173,7 @@ class Run:
                 metrics.update(end_eval)
             logger.log(trainer.iteration, metrics)
             if trainer.iteration % cfg.train.save_every == 0 or done:
-                save_checkpoint(trainer.state_dict(), self.out / "checkpoints" / f"iter-{trainer.iteration:06d}")
+                self._save_checkpoint()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", s_per_it=f"{metrics['time/iteration_s']:.2f}")
             bar.update(1)
             if done:

@@ -81,7 +81,9 @@ def test_train_writes_every_output(tiny_folder, tmp_path):
         cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (out / "checkpoints/iter-000003/trainer.json").is_file()
+    assert (out / "checkpoints/iter-000003/manifest.json").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # no extra eval row at the resume step
     sample = flowrl(
         "sample",
         f"model.path={tiny_folder}",

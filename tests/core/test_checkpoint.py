@@ -42,8 +42,12 @@ def test_corrupt_and_incomplete(tmp_path):
     state, _ = _state()
     save_checkpoint(state, tmp_path / "ck")
     (tmp_path / "ck" / "optimizer.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="is corrupt"):
+    with pytest.raises(ValueError, match="optimizer.safetensors is 7 bytes but manifest.json lists"):
         load_checkpoint(tmp_path / "ck")
+    save_checkpoint(state, tmp_path / "ck")  # replaces the folder
     (tmp_path / "ck" / "rng.safetensors").unlink()
-    with pytest.raises(ValueError, match="incomplete .missing rng.safetensors"):
+    with pytest.raises(ValueError, match="ck: rng.safetensors is missing; resume from an earlier checkpoint"):
+        load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="manifest.json is missing .not a finished checkpoint"):
         load_checkpoint(tmp_path / "ck")

@@ -1,0 +1,191 @@
+"""Resuming a run: the latest checkpoint that verifies, pruning old ones, and the config fingerprint.
+
+``flowrl train --resume PATH`` takes a run folder (its newest checkpoint that passes
+:func:`flowrl.checkpoint.load_checkpoint`, falling back with a warning over the ones that do not),
+its ``checkpoints/`` folder or one checkpoint. The config stored in a checkpoint is compared with
+the new one: only :data:`RESUMABLE_KEYS` may differ. docs/reliability.md has the rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .checkpoint import MANIFEST, CheckpointError, load_checkpoint
+from .outputs import RUN_MARKERS
+
+CHECKPOINT_NAME = re.compile(r"iter-(\d+)")
+
+# config keys that may differ on resume: they change neither the training trajectory nor what a
+# logged metric means (docs/reliability.md); a key ending in "." covers its whole section
+RESUMABLE_KEYS = (
+    "train.iterations",
+    "train.time_budget_s",
+    "train.eval_every",
+    "train.save_every",
+    "train.progress",
+    "train.threads",
+    "train.rewards_async",
+    "prompts.cache_dir",
+    "memory.gradient_checkpointing",
+    "memory.offload_encoders",
+    "memory.offload_vae",
+    "memory.free_encoders_when_cached",
+    "output.",
+)
+
+
+class Resume(NamedTuple):
+    """The checkpoint a run resumes from: its folder, its loaded state and the warnings on the way."""
+
+    path: Path
+    state: dict[str, Any]
+    warnings: list[str]
+
+
+def checkpoint_folders(run_dir: str | Path) -> list[Path]:
+    """The ``checkpoints/iter-N`` folders of a run, newest first (``.partial`` folders are skipped).
+
+    Args:
+        run_dir: a run folder.
+
+    Returns:
+        Paths sorted by iteration, descending; empty when there is no ``checkpoints/`` folder.
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_good_checkpoint(run_dir: str | Path) -> Resume:
+    """The newest checkpoint of a run that verifies, falling back over the ones that do not.
+
+    Args:
+        run_dir: a run folder (its ``checkpoints/iter-N`` folders are tried newest first).
+
+    Returns:
+        The chosen folder, its loaded state, and one warning line per newer checkpoint skipped
+        (naming it and why).
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint folder.
+        ValueError: no checkpoint verifies (one line naming the newest and why it failed).
+    """
+    folders = checkpoint_folders(run_dir)
+    if not folders:
+        raise FileNotFoundError(f"--resume {run_dir}: no checkpoints/iter-N folder there; start a new run")
+    warnings: list[str] = []
+    for folder in folders:
+        try:
+            return Resume(folder, load_checkpoint(folder), warnings)
+        except CheckpointError as err:
+            warnings.append(f"checkpoint {folder}: {err.reason}; trying the previous one")
+    first = warnings[0].removesuffix("; trying the previous one")
+    raise ValueError(
+        f"--resume {run_dir}: none of its {len(folders)} checkpoints verifies (newest: {first}); start a new run"
+    )
+
+
+def find_resume(path: str | Path) -> Resume:
+    """The checkpoint ``flowrl train --resume PATH`` continues from.
+
+    Args:
+        path: a run folder (its latest checkpoint that verifies, see :func:`latest_good_checkpoint`),
+            its ``checkpoints/`` folder, or one checkpoint folder (used as is, no fallback).
+
+    Returns:
+        The checkpoint folder, its state and the fallback warnings.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or holds no checkpoint.
+        ValueError: the checkpoint (or every checkpoint of the run) fails verification.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--resume {path}: no such folder; pass a run folder or one of its checkpoints/iter-N")
+    if not (path / MANIFEST).exists():
+        if (path / "checkpoints").is_dir() or any((path / name).exists() for name in RUN_MARKERS):
+            return latest_good_checkpoint(path)
+        if path.name == "checkpoints":
+            return latest_good_checkpoint(path.parent)
+    return Resume(path, load_checkpoint(path), [])
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int, upto: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints at or below iteration ``upto``.
+
+    Checkpoints above ``upto`` (left by a run that was resumed from an earlier one) are kept: the
+    run replaces them when it gets there.
+
+    Args:
+        run_dir: the run folder.
+        keep: how many to keep (``output.keep_checkpoints``, >= 1).
+        upto: the iteration of the checkpoint just finished.
+
+    Returns:
+        The deleted folders.
+    """
+    older = [p for p in checkpoint_folders(run_dir) if int(p.name.removeprefix("iter-")) <= upto][keep:]
+    for folder in older:
+        shutil.rmtree(folder)
+    return older
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
+
+
+def _key_defaults() -> dict[str, Any]:
+    """Default of every dataclass key: a key added to flowrl after a checkpoint was written compares as its default."""
+    from .config import Config, to_dict
+
+    defaults = _flatten(json.loads(json.dumps(to_dict(Config()))))
+    return {k: v for k, v in defaults.items() if not k.startswith(("rewards.", "objective."))}
+
+
+def check_resume_config(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Refuse a resume whose config differs from the checkpoint's in a key outside :data:`RESUMABLE_KEYS`.
+
+    A key the stored config lacks (added to flowrl later) compares as its default; the
+    ``rewards`` and ``objective`` sections compare as they are.
+
+    Args:
+        saved: the config stored in the checkpoint (None for one written without it: no check).
+        current: the new run's config, as :func:`flowrl.config.to_dict` gives it.
+
+    Raises:
+        ValueError: one line naming the first changed key with its old and new value.
+    """
+    if saved is None:
+        return
+    old, new = _key_defaults(), _flatten(json.loads(json.dumps(current)))
+    old.update(_flatten(saved))
+    absent = object()
+    keys = list(new) + [k for k in old if k not in new]
+    changed = [k for k in keys if old.get(k, absent) != new.get(k, absent) and not _resumable(k)]
+    if not changed:
+        return
+    key, more = changed[0], f" ({len(changed) - 1} more keys changed)" if len(changed) > 1 else ""
+
+    def show(values: dict[str, Any]) -> str:
+        return json.dumps(values[key]) if key in values else "(absent)"
+
+    raise ValueError(
+        f"--resume: {key} changed from {show(old)} to {show(new)} since the checkpoint was written{more}; "
+        "resume with the same value or start a new run"
+    )

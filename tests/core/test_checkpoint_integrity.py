@@ -1,0 +1,282 @@
+"""Checkpoints that are checked: manifest, named corruptions, fallback, config fingerprint, pruning, full disk.
+
+docs/reliability.md lists these cases and their messages.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl import checkpoint as ck
+from flowrl.checkpoint import load_checkpoint, save_checkpoint
+from flowrl.cli import main
+from flowrl.config import ConfigError, load_config, to_dict
+from flowrl.outputs import DiskFullError, MetricsLogger
+from flowrl.resume import check_resume_config, latest_good_checkpoint, prune_checkpoints
+
+FILES = ["lora.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json", "adapter-ema.safetensors"]
+SMALL = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=2",
+    "sampler.num_steps=2",
+    "train.iterations=3",
+    "train.save_every=1",
+    "train.eval_every=1",
+    "train.eval_seeds=1",
+    "train.threads=1",
+    "train.progress=false",
+    "output.grid_seeds=1",
+]
+
+
+def _state(iteration: int = 7, lora_dtype: torch.dtype = torch.float32) -> dict:
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(3, 2)
+    opt.step()
+    gen = torch.Generator().manual_seed(5)
+    return {
+        "lora": {"a.lora_A.weight": torch.randn(2, 2).to(lora_dtype)},
+        "adapters": {"ema": {"a.lora_A.weight": torch.randn(2, 2)}},
+        "optimizer": opt.state_dict(),
+        "generator": gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "iteration": iteration,
+        "samples_seen": 10 * iteration,
+        "config": to_dict(load_config()),
+    }
+
+
+def _one_line_error(folder: Path, *fragments: str) -> str:
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(folder)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in (str(folder), *fragments):
+        assert fragment in message, message
+    return message
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    return save_checkpoint(_state(), tmp_path / "run" / "checkpoints" / "iter-000007")
+
+
+def test_manifest_lists_every_file_and_round_trips(tmp_path):
+    state = _state()
+    saved = save_checkpoint(state, tmp_path / "ck")
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["version"] == 1 and sorted(manifest["files"]) == sorted(FILES)
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == (saved / name).stat().st_size and len(entry["sha256"]) == 64
+    back = load_checkpoint(saved)
+    assert back["iteration"] == 7 and back["config"] == json.loads(json.dumps(to_dict(load_config())))
+    assert torch.equal(back["adapters"]["ema"]["a.lora_A.weight"], state["adapters"]["ema"]["a.lora_A.weight"])
+
+
+@pytest.mark.parametrize("name", FILES + ["manifest.json"])
+def test_flipped_byte_is_named(saved, name):
+    path = saved / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    _one_line_error(saved, name)
+
+
+@pytest.mark.parametrize("name", FILES + ["manifest.json"])
+def test_truncated_file_is_named(saved, name):
+    path = saved / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    _one_line_error(saved, name)
+
+
+@pytest.mark.parametrize("name", FILES + ["manifest.json"])
+def test_deleted_file_is_named(saved, name):
+    (saved / name).unlink()
+    message = _one_line_error(saved, name, "missing")
+    if name == "manifest.json":
+        assert "not a finished checkpoint" in message
+
+
+def test_unlisted_file_is_named(saved):
+    shutil.copy(saved / "lora.safetensors", saved / "adapter-old.safetensors")
+    _one_line_error(saved, "adapter-old.safetensors", "not listed")
+
+
+def test_edited_iteration_fails_the_checksum(saved):
+    text = (saved / "trainer.json").read_text()
+    assert '"iteration": 7,' in text
+    (saved / "trainer.json").write_text(text.replace('"iteration": 7,', '"iteration": 9,'))  # same size
+    _one_line_error(saved, "trainer.json", "fails its checksum")
+
+
+def test_float16_lora_is_named(tmp_path):
+    folder = save_checkpoint(_state(lora_dtype=torch.float16), tmp_path / "ck")
+    _one_line_error(folder, "lora.safetensors", "float16", "float32")
+
+
+def test_missing_optimizer_key_is_named(tmp_path):
+    state = _state()
+    del state["optimizer"]["state"][0]["exp_avg"]
+    _one_line_error(save_checkpoint(state, tmp_path / "ck"), "optimizer.safetensors", "'exp_avg'")
+
+
+def test_negative_counter_is_named(tmp_path):
+    _one_line_error(save_checkpoint(_state(iteration=-1), tmp_path / "ck"), "trainer.json", "'iteration'")
+
+
+def test_stale_partial_is_cleaned_and_failed_save_leaves_nothing(tmp_path, monkeypatch):
+    target = tmp_path / "iter-000001"
+    (tmp_path / "iter-000001.partial").mkdir()
+    (tmp_path / "iter-000001.partial" / "trainer.json.tmp").write_text("{")
+    save_checkpoint(_state(1), target)
+    assert sorted(p.name for p in target.iterdir()) == sorted(FILES + ["manifest.json"])
+    assert not (tmp_path / "iter-000001.partial").exists()
+
+    def broken(path, data):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(ck, "_write_bytes", broken)
+    with pytest.raises(RuntimeError):
+        save_checkpoint(_state(2), tmp_path / "iter-000002")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000001"]
+
+
+def test_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    first = save_checkpoint(_state(1), tmp_path / "iter-000001")
+    real = ck._write_bytes
+
+    def full(path, data):
+        if path.name == "optimizer.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ck, "_write_bytes", full)
+    with pytest.raises(DiskFullError) as info:
+        save_checkpoint(_state(2), tmp_path / "iter-000002")
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in ("iter-000002", "optimizer.safetensors", "no space left", "to write", "free"):
+        assert fragment in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000001"]
+    assert load_checkpoint(first)["iteration"] == 1
+
+
+def test_full_disk_on_metrics_names_the_file(tmp_path, monkeypatch):
+    import flowrl.outputs as outputs
+
+    def full(path, line):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    logger = MetricsLogger(tmp_path)
+    monkeypatch.setattr(outputs, "_append_line", full)
+    with pytest.raises(DiskFullError, match=r"metrics\.jsonl \(step 3\): no space left on device \(\d+ B to write"):
+        logger.log(3, {"reward_mean": 1.0})
+    logger.close()
+
+
+def _run_with(tmp_path, count: int) -> Path:
+    for it in range(1, count + 1):
+        save_checkpoint(_state(it), tmp_path / "checkpoints" / f"iter-{it:06d}")
+    return tmp_path
+
+
+def test_latest_good_checkpoint_falls_back_with_a_warning(tmp_path):
+    run = _run_with(tmp_path, 3)
+    (run / "checkpoints" / "iter-000003" / "rng.safetensors").write_bytes(b"junk")
+    (run / "checkpoints" / "iter-000004.partial").mkdir()  # an interrupted save is not a candidate
+    found = latest_good_checkpoint(run)
+    assert found.path.name == "iter-000002" and found.state["iteration"] == 2
+    (warning,) = found.warnings
+    assert "iter-000003" in warning and "rng.safetensors" in warning and "\n" not in warning
+
+
+def test_no_checkpoint_verifies(tmp_path):
+    run = _run_with(tmp_path, 2)
+    for folder in (run / "checkpoints").iterdir():
+        (folder / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="none of its 2 checkpoints verifies .newest: checkpoint .*iter-000002"):
+        latest_good_checkpoint(run)
+    with pytest.raises(FileNotFoundError, match="no checkpoints/iter-N"):
+        latest_good_checkpoint(tmp_path / "empty")
+
+
+def test_prune_keeps_the_newest_and_those_ahead(tmp_path):
+    run = _run_with(tmp_path, 4)
+    prune_checkpoints(run, keep=2, upto=3)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000002", "iter-000003", "iter-000004"]
+
+
+def test_config_fingerprint():
+    saved = to_dict(load_config(None, ["optim.lr=0.003"]))
+    check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "train.iterations=500"])))
+    check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "output.dir=elsewhere"])))
+    check_resume_config(None, to_dict(load_config()))  # an old checkpoint without a stored config
+    older = json.loads(json.dumps(saved))
+    del older["output"]["keep_checkpoints"]  # a key added to flowrl later compares as its default
+    del older["train"]["seed"]
+    check_resume_config(older, to_dict(load_config(None, ["optim.lr=0.003"])))
+    with pytest.raises(ValueError, match=r"train.seed changed from 0 to 1"):
+        check_resume_config(older, to_dict(load_config(None, ["optim.lr=0.003", "train.seed=1"])))
+    with pytest.raises(ValueError, match=r"^--resume: optim.lr changed from 0.003 to 0.01 since the checkpoint"):
+        check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.01"])))
+    added = to_dict(load_config(None, ["optim.lr=0.003", "rewards.jpeg_compressibility.weight=1.0"]))
+    with pytest.raises(ValueError, match=r"rewards.jpeg_compressibility.weight changed from \(absent\) to 1.0"):
+        check_resume_config(saved, added)
+
+
+def test_keep_checkpoints_is_validated():
+    assert load_config().output.keep_checkpoints == 3
+    with pytest.raises(ConfigError, match="'output.keep_checkpoints' must be >= 1; got 0"):
+        load_config(None, ["output.keep_checkpoints=0"])
+
+
+# -- end to end on the embedded model (in-process CLI) ------------------------------------------
+
+
+def _train(capsys, *args: str) -> tuple[int, str]:
+    code = main(["train", *SMALL, *args])
+    return code, capsys.readouterr().err
+
+
+def test_run_falls_back_refuses_changed_config_and_prunes(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(capsys, f"output.dir={out}", "output.keep_checkpoints=2")[0] == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-000002", "iter-000003"]
+    (out / "checkpoints" / "iter-000003" / "lora.safetensors").write_bytes(b"not a tensor file")
+    # no output.dir: the run folder comes from --resume
+    code, err = _train(capsys, "train.iterations=4", "output.keep_checkpoints=2", "--resume", str(out))
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("flowrl: warning:")]
+    assert len(warnings) == 1 and "iter-000003" in warnings[0] and "lora.safetensors" in warnings[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-000003", "iter-000004"]
+    assert load_checkpoint(out / "checkpoints" / "iter-000003")["iteration"] == 3  # rewritten, verifies
+    code, err = _train(capsys, "train.iterations=5", "optim.lr=0.01", "--resume", str(out))
+    assert code == 2 and err.strip().splitlines() == [
+        "flowrl: error: --resume: optim.lr changed from 0.001 to 0.01 since the checkpoint was written; "
+        "resume with the same value or start a new run"
+    ]
+
+
+def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    real = ck._write_bytes
+
+    def full(path, data):
+        if "iter-000002" in str(path) and path.name == "lora.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ck, "_write_bytes", full)
+    code, err = _train(capsys, f"output.dir={out}")
+    assert code == 2 and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("flowrl: error: checkpoint ") and "iter-000002: lora.safetensors" in line and "free" in line
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["iter-000001"]
+    assert load_checkpoint(out / "checkpoints" / "iter-000001")["iteration"] == 1

@@ -15,13 +15,12 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from .clip_embedder import TransformersClipEmbedder, load_transformers_clip
 from .clipscore import CLIP_L_MODEL
 from .model_reward import ModelReward
-from .weights import WeightSource, load_checkpoint, resolve_file, torch_dtype
+from .weights import WeightSource, load_checkpoint, resolve_file
 
 AESTHETIC_HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 AESTHETIC_HEAD_URL = "https://github.com/christophschuhmann/improved-aesthetic-predictor"
@@ -131,14 +130,8 @@ def aesthetic(
         A reward ``(images (B, 3, H, W) in [0, 1], prompts) -> (B,) float32`` (prompts unused).
     """
     head_net = load_aesthetic_head(head, None)  # before CLIP: a missing head fails fast
-    embedder = load_transformers_clip(
-        model,
-        processor or model,
-        model_source=WeightSource("OpenAI CLIP ViT-L/14 (aesthetic backbone)", "rewards.aesthetic.model"),
-        processor_source=WeightSource("OpenAI CLIP ViT-L/14 processor", "rewards.aesthetic.processor"),
-        device=torch.device(device),
-        dtype=torch_dtype(dtype),
-    )
+    names = ("OpenAI CLIP ViT-L/14 (aesthetic backbone)", "OpenAI CLIP ViT-L/14 processor")
+    embedder = load_transformers_clip("aesthetic", model, processor or model, names, device, dtype)
     width = int(embedder.model.config.projection_dim)
     if head_net[0].in_features != width:
         raise ValueError(

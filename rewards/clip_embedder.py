@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .image_preprocess import clip_pixels
-from .weights import WeightSource, resolve_model_folder
+from .weights import WeightSource, resolve_model_folder, torch_dtype
 
 
 class ClipEmbedder:
@@ -158,16 +158,21 @@ def load_clip_processor(spec: str, source: WeightSource) -> tuple[Any, dict[str,
 
 
 def load_transformers_clip(
-    model: str,
-    processor: str,
-    *,
-    model_source: WeightSource,
-    processor_source: WeightSource,
-    device: str | torch.device,
-    dtype: torch.dtype,
+    reward: str, model: str, processor: str, names: tuple[str, str], device: str, dtype: str
 ) -> TransformersClipEmbedder:
-    """Load a CLIP model and its processor into a :class:`TransformersClipEmbedder`."""
-    device = torch.device(device)
+    """Load a reward's CLIP model and its processor into a :class:`TransformersClipEmbedder`.
+
+    Args:
+        reward: the reward's name; errors name its options ``rewards.<reward>.model`` and ``.processor``.
+        model: local ``CLIPModel`` folder or hub id.
+        processor: local CLIP processor folder or hub id.
+        names: (model, processor) as named in messages, e.g. ("PickScore_v1", "PickScore's CLIP-H processor").
+        device: torch device for the model.
+        dtype: "float32", "bfloat16" or "float16" for the model weights.
+    """
+    device, dtype = torch.device(device), torch_dtype(dtype)
+    model_source = WeightSource(names[0], f"rewards.{reward}.model")
+    processor_source = WeightSource(names[1], f"rewards.{reward}.processor")
     resolve_model_folder(model, model_source)  # both folders are checked before anything heavy loads
     tokenizer, geometry = load_clip_processor(processor, processor_source)
     clip = load_clip_model(model, model_source, device, dtype)

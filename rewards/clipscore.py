@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from .clip_embedder import TransformersClipEmbedder, load_transformers_clip
 from .model_reward import ModelReward
-from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults, WeightSource, torch_dtype
+from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults
 
 CLIP_L_MODEL = "openai/clip-vit-large-patch14"
 
@@ -65,14 +64,8 @@ def clipscore(
     Returns:
         A reward ``(images (B, 3, H, W) in [0, 1], prompts) -> (B,) float32`` in [0, w].
     """
-    embedder = load_transformers_clip(
-        model,
-        processor or model,
-        model_source=WeightSource("OpenAI CLIP ViT-L/14", "rewards.clipscore.model"),
-        processor_source=WeightSource("OpenAI CLIP ViT-L/14 processor", "rewards.clipscore.processor"),
-        device=torch.device(device),
-        dtype=torch_dtype(dtype),
-    )
+    names = ("OpenAI CLIP ViT-L/14", "OpenAI CLIP ViT-L/14 processor")
+    embedder = load_transformers_clip("clipscore", model, processor or model, names, device, dtype)
     return ClipScore(embedder, weight, batch_size)
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from .clip_embedder import TransformersClipEmbedder, load_transformers_clip
 from .model_reward import ModelReward
-from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults, WeightSource, torch_dtype
+from .weights import CONFIG_FILES, PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, CachedDefaults
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 CLIP_H_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -73,14 +72,8 @@ def pickscore(
     Returns:
         A reward ``(images (B, 3, H, W) in [0, 1], prompts) -> (B,) float32``.
     """
-    embedder = load_transformers_clip(
-        model,
-        processor,
-        model_source=WeightSource("PickScore_v1", "rewards.pickscore.model"),
-        processor_source=WeightSource("PickScore's CLIP-H processor", "rewards.pickscore.processor"),
-        device=torch.device(device),
-        dtype=torch_dtype(dtype),
-    )
+    names = ("PickScore_v1", "PickScore's CLIP-H processor")
+    embedder = load_transformers_clip("pickscore", model, processor, names, device, dtype)
     return PickScore(embedder, scale, batch_size)
 
 

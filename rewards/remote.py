@@ -230,38 +230,16 @@ def _describe(err: BaseException) -> str:
     return f"{text}" if isinstance(err, (WireError, RemoteRewardError)) else f"{type(err).__name__}: {text}"
 
 
-def remote(
-    url: str,
-    timeout_s: float = 60.0,
-    retries: int = 3,
-    backoff_s: float = 0.5,
-    batch_size: int | None = None,
-    format: str = "safetensors",  # noqa: A002 - the config option's name
-    token: str | None = None,
-    wire_dtype: str = "float32",
-) -> RemoteReward:
+def remote(url: str, **options: Any) -> RemoteReward:
     """A reward scored over HTTP by `flowrl serve-reward` (timeouts, retries with backoff, batch splitting).
 
     Args:
         url: ``http://host:port`` of the server (in a config also ``"remote:http://host:port"``).
-        timeout_s: per-request socket timeout in seconds.
-        retries: extra attempts for a failed request (connection, timeout, garbage reply).
-        backoff_s: first retry delay; doubles on each retry, capped at 30 s.
-        batch_size: images per request; None sends the whole batch at once.
-        format: "safetensors" (exact) or "png" (8-bit, JSON).
-        token: bearer token; default ``$FLOWRL_REWARD_TOKEN`` (keep tokens out of config files).
-        wire_dtype: "float32" (exact) or "uint8" (4x smaller requests, 8-bit pixels).
+        **options: the client options of :class:`RemoteReward`: ``timeout_s``, ``retries``,
+            ``backoff_s``, ``batch_size``, ``format``, ``token`` (default ``$FLOWRL_REWARD_TOKEN``: keep
+            tokens out of config files) and ``wire_dtype``.
 
     Returns:
         A reward ``(images (B, 3, H, W) or clips (B, F, 3, H, W), prompts, **metadata) -> (B,) float32``.
     """
-    return RemoteReward(
-        url,
-        timeout_s=timeout_s,
-        retries=retries,
-        backoff_s=backoff_s,
-        batch_size=batch_size,
-        format=format,
-        token=token,
-        wire_dtype=wire_dtype,
-    )
+    return RemoteReward(url, **options)

@@ -35,10 +35,8 @@ import math
 import torch
 from torch import Tensor
 
-from .broadcast import compute_dtype, expand_like
-from .gaussian import Reduction
-from .sde_finish import finish_step
-from .types import SDEStep
+from .broadcast import compute_dtype
+from .sde_finish import GaussianSDE
 
 
 def cps_std(sigma_next: Tensor, noise_level: Tensor) -> Tensor:
@@ -65,42 +63,24 @@ def cps_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Tensor)
     return (1 - sigma_next) * x0_hat + keep * x1_hat
 
 
-def cps_step(
-    x: Tensor,
-    v: Tensor,
-    sigma: Tensor | float,
-    sigma_next: Tensor | float,
-    noise_level: Tensor | float,
-    *,
-    noise: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    prev_sample: Tensor | None = None,
-    reduce: Reduction = "mean",
-) -> SDEStep:
-    """One CPS step, or the log-prob of a stored step.
+def cps_moments(  # noqa: D417 - x, v, sigma and sigma_next: see MomentsFn
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+) -> tuple[Tensor, Tensor]:
+    """CPS mean (:func:`cps_mean`) and std ``s`` (:func:`cps_std`), not ``s * sqrt(-Delta)``.
 
     Args:
-        x: latent (B, ...) at sigma (rank 3, 4 or 5).
-        v: velocity (B, ...) at (x, sigma).
-        sigma: scalar or (B,), in (0, 1].
-        sigma_next: scalar or (B,), in [0, sigma).
-        noise_level: the ``a`` knob in [0, 1], scalar or (B,); 0 is the deterministic step
-            (equal to Euler), 1 replaces all the noise (Flow-GRPO recommends 0.8).
-        noise: optional standard normal (B, ...) to use instead of drawing one.
-        generator: RNG for drawing the noise when ``noise`` is None.
-        prev_sample: if given, no noise is drawn: the step scores this stored x' instead.
-        reduce: "mean" or "sum" over latent elements for the log-prob.
-
-    Returns:
-        SDEStep with sample, mean (B, ...), std ``s`` (B, 1, ..., 1) and the true Gaussian
-        log_prob (B,), in fp32 (fp64 if x or v is fp64).
+        noise_level: the ``a`` knob in [0, 1]; 0 is the deterministic step (equal to Euler), 1
+            replaces all the noise (Flow-GRPO recommends 0.8).
     """
-    dtype = compute_dtype(x, v)
-    x32, v32 = x.to(dtype), v.to(dtype)
-    sig, sig_next = expand_like(sigma, x32), expand_like(sigma_next, x32)
-    std = cps_std(sig_next, expand_like(noise_level, x32))
-    mean = cps_mean(x32, v32, sig, sig_next, std)
-    return finish_step(x, mean, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+    std = cps_std(sigma_next, noise_level)
+    return cps_mean(x, v, sigma, sigma_next, std), std
+
+
+cps_step = GaussianSDE(cps_moments)
+"""One CPS step, or the log-prob of a stored step (:data:`~flowrl.samplers.types.SDEStepFn`).
+
+The level is the ``a`` knob; the log_prob is the true Gaussian one (see :func:`cps_log_prob_reference`).
+"""
 
 
 def cps_log_prob_reference(sample: Tensor, mean: Tensor) -> Tensor:

@@ -20,47 +20,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .broadcast import compute_dtype, expand_like
 from .flow_sde import flow_sde_mean
-from .gaussian import Reduction
-from .sde_finish import finish_step
-from .types import SDEStep
+from .sde_finish import GaussianSDE
 
 
-def dance_sde_step(
-    x: Tensor,
-    v: Tensor,
-    sigma: Tensor | float,
-    sigma_next: Tensor | float,
-    eta: Tensor | float,
-    *,
-    noise: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    prev_sample: Tensor | None = None,
-    reduce: Reduction = "mean",
-) -> SDEStep:
-    """One Dance-SDE step, or the log-prob of a stored step.
+def dance_sde_moments(  # noqa: D417 - x, v, sigma and sigma_next: see MomentsFn
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, eta: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Dance-SDE mean (:func:`~flowrl.samplers.flow_sde_mean` with ``s = eta``), std ``eta * sqrt(sigma - sigma_next)``.
 
     Args:
-        x: latent (B, ...) at sigma (rank 3, 4 or 5).
-        v: velocity (B, ...) at (x, sigma).
-        sigma: scalar or (B,), in (0, 1].
-        sigma_next: scalar or (B,), in [0, sigma).
-        eta: constant diffusion coefficient, scalar or (B,); 0 reproduces the Euler ODE step
-            (DanceGRPO's scripts use 0.3).
-        noise: optional standard normal (B, ...) to use instead of drawing one.
-        generator: RNG for drawing the noise when ``noise`` is None.
-        prev_sample: if given, no noise is drawn: the step scores this stored x' instead.
-        reduce: "mean" (DanceGRPO) or "sum" over latent elements for the log-prob.
-
-    Returns:
-        SDEStep with sample, mean (B, ...), std ``eta * sqrt(sigma - sigma_next)`` (B, 1, ..., 1)
-        and log_prob (B,), in fp32 (fp64 if x or v is fp64).
+        eta: constant diffusion coefficient; 0 reproduces the Euler ODE step (DanceGRPO's scripts
+            use 0.3).
     """
-    dtype = compute_dtype(x, v)
-    x32, v32 = x.to(dtype), v.to(dtype)
-    sig, sig_next = expand_like(sigma, x32), expand_like(sigma_next, x32)
-    s = expand_like(eta, x32)
-    mean = flow_sde_mean(x32, v32, sig, sig_next, s)
-    std = s * torch.sqrt(sig - sig_next)
-    return finish_step(x, mean, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+    return flow_sde_mean(x, v, sigma, sigma_next, eta), eta * torch.sqrt(sigma - sigma_next)
+
+
+dance_sde_step = GaussianSDE(dance_sde_moments)
+"""One Dance-SDE step, or the log-prob of a stored step (:data:`~flowrl.samplers.types.SDEStepFn`).
+
+The level is ``eta``; ``reduce="mean"`` is DanceGRPO's.
+"""

@@ -19,10 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .broadcast import compute_dtype, expand_like
-from .gaussian import Reduction
-from .sde_finish import finish_step
-from .types import SDEStep
+from .sde_finish import GaussianSDE
 
 
 def flow_sde_diffusion(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor | float) -> Tensor:
@@ -49,40 +46,20 @@ def flow_sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, s: Te
     return x + (v + s**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
 
 
-def flow_sde_step(
-    x: Tensor,
-    v: Tensor,
-    sigma: Tensor | float,
-    sigma_next: Tensor | float,
-    noise_level: Tensor | float,
-    *,
-    noise: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    prev_sample: Tensor | None = None,
-    reduce: Reduction = "mean",
-) -> SDEStep:
-    """One Flow-SDE step, or the log-prob of a stored step.
+def flow_sde_moments(  # noqa: D417 - x, v, sigma and sigma_next: see MomentsFn
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Flow-SDE mean (:func:`flow_sde_mean`) and std ``s * sqrt(sigma - sigma_next)``.
 
     Args:
-        x: latent (B, ...) at sigma (rank 3, 4 or 5).
-        v: velocity (B, ...) at (x, sigma).
-        sigma: scalar or (B,), in (0, 1].
-        sigma_next: scalar or (B,), in [0, sigma).
-        noise_level: the ``a`` knob, scalar or (B,); 0 reproduces the Euler ODE step.
-        noise: optional standard normal (B, ...) to use instead of drawing one.
-        generator: RNG for drawing the noise when ``noise`` is None.
-        prev_sample: if given, no noise is drawn: the step scores this stored x' instead
-            (training-time recomputation of the rollout's log-prob).
-        reduce: "mean" (Flow-GRPO) or "sum" over latent elements for the log-prob.
-
-    Returns:
-        SDEStep with sample, mean, std and log_prob.
+        noise_level: the ``a`` knob; 0 reproduces the Euler ODE step.
     """
-    dtype = compute_dtype(x, v)
-    x32, v32 = x.to(dtype), v.to(dtype)
-    sig, sig_next = expand_like(sigma, x32), expand_like(sigma_next, x32)
-    a = expand_like(noise_level, x32)
-    s = flow_sde_diffusion(sig, sig_next, a)
-    mean = flow_sde_mean(x32, v32, sig, sig_next, s)
-    std = s * torch.sqrt(sig - sig_next)
-    return finish_step(x, mean, std, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce)
+    s = flow_sde_diffusion(sigma, sigma_next, noise_level)
+    return flow_sde_mean(x, v, sigma, sigma_next, s), s * torch.sqrt(sigma - sigma_next)
+
+
+flow_sde_step = GaussianSDE(flow_sde_moments)
+"""One Flow-SDE step, or the log-prob of a stored step (:data:`~flowrl.samplers.types.SDEStepFn`).
+
+The level is the ``a`` knob; ``reduce="mean"`` is Flow-GRPO's.
+"""

@@ -39,9 +39,9 @@ def rollout(
     sigmas: Tensor,
     noise_levels: Tensor,
     *,
+    sde: str = "flow",
     generator: torch.Generator | None = None,
     noises: Tensor | None = None,
-    sde: str = "flow",
 ) -> Trajectory:
     """Sample trajectories with an SDE step (noise level 0 gives exact Euler ODE steps).
 
@@ -50,9 +50,10 @@ def rollout(
         x_init: (B, ...) initial noise at sigmas[0].
         sigmas: (T + 1,) decreasing grid.
         noise_levels: (T,) noise level per step (see :func:`sde_noise_levels`).
+        sde: which step of :data:`flowrl.samplers.SDE_STEPS` ("flow" = Flow-GRPO's Flow-SDE) the
+            levels are for.
         generator: RNG for the step noises when ``noises`` is None.
         noises: optional (B, T, ...) standard normal noises, for exact replay.
-        sde: which step of :data:`flowrl.samplers.SDE_STEPS` ("flow" = Flow-GRPO's Flow-SDE).
 
     Returns:
         Trajectory with latents (B, T + 1, ...) and log_probs (B, T).

@@ -36,10 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .broadcast import compute_dtype, expand_like
-from .gaussian import Reduction
-from .sde_finish import finish_step
-from .types import SDEStep
+from .sde_finish import GaussianSDE
 
 DEFAULT_SIGMA_MAX = 1.0 - 3e-3
 
@@ -69,48 +66,35 @@ def sage_sde_variance(
     return eta**2 * torch.clamp_min(integral, 0.0)
 
 
-def sage_sde_step(
+def sage_sde_moments(  # noqa: D417 - x, v, sigma and sigma_next: see MomentsFn
     x: Tensor,
     v: Tensor,
-    sigma: Tensor | float,
-    sigma_next: Tensor | float,
-    eta: Tensor | float,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    eta: Tensor,
     *,
     sigma_max: float = DEFAULT_SIGMA_MAX,
     score_correction: bool = True,
-    noise: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    prev_sample: Tensor | None = None,
-    reduce: Reduction = "mean",
-) -> SDEStep:
-    """One SAGE-GRPO SDE step, or the log-prob of a stored step.
+) -> tuple[Tensor, Tensor]:
+    """SAGE-GRPO mean and std ``s`` (the square root of :func:`sage_sde_variance`).
 
     Args:
-        x: latent (B, ...) at sigma (rank 3, 4 or 5).
-        v: velocity (B, ...) at (x, sigma).
-        sigma: scalar or (B,), in (0, 1].
-        sigma_next: scalar or (B,), in [0, sigma).
-        eta: diffusion scale, scalar or (B,); 0 reproduces the Euler ODE step (SAGE uses 0.5).
+        eta: diffusion scale; 0 reproduces the Euler ODE step (SAGE uses 0.5).
         sigma_max: clamp for the variance integral, in (0, 1).
         score_correction: add ``s^2 / 2 * score`` to the mean (the marginal-preserving SDE).
             False gives the reference code's ``sde_solver=False`` mode (plain Euler mean plus
             noise), which does not preserve the marginals.
-        noise: optional standard normal (B, ...) to use instead of drawing one.
-        generator: RNG for drawing the noise when ``noise`` is None.
-        prev_sample: if given, no noise is drawn: the step scores this stored x' instead.
-        reduce: "mean" (SAGE-GRPO) or "sum" over latent elements for the log-prob.
-
-    Returns:
-        SDEStep with sample, mean (B, ...), std ``s`` (B, 1, ..., 1) and log_prob (B,), in fp32
-        (fp64 if x or v is fp64).
     """
-    dtype = compute_dtype(x, v)
-    x32, v32 = x.to(dtype), v.to(dtype)
-    sig, sig_next = expand_like(sigma, x32), expand_like(sigma_next, x32)
-    var = sage_sde_variance(sig, sig_next, expand_like(eta, x32), sigma_max)
-    mean = x32 + (sig_next - sig) * v32
+    var = sage_sde_variance(sigma, sigma_next, eta, sigma_max)
+    mean = x + (sigma_next - sigma) * v
     if score_correction:
-        mean = mean - var / (2 * sig) * (x32 + (1 - sig) * v32)
-    return finish_step(
-        x, mean, torch.sqrt(var), noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
-    )
+        mean = mean - var / (2 * sigma) * (x + (1 - sigma) * v)
+    return mean, torch.sqrt(var)
+
+
+sage_sde_step = GaussianSDE(sage_sde_moments)
+"""One SAGE-GRPO SDE step, or the log-prob of a stored step (:data:`~flowrl.samplers.types.SDEStepFn`).
+
+The level is ``eta``; the options ``sigma_max`` and ``score_correction`` go to :func:`sage_sde_moments`;
+``reduce="mean"`` is SAGE-GRPO's.
+"""

@@ -1,26 +1,19 @@
 """Registry of the Gaussian SDE steps that rollouts and GRPO-style objectives can use.
 
-Every step shares one signature::
-
-    step(x, v, sigma, sigma_next, level, *, noise=None, generator=None, prev_sample=None,
-         reduce="mean") -> SDEStep
-
-so a rollout and the training-time log-prob recomputation pick the same step by name, and the
-stored log-prob is always the density the sample was drawn from. ``level`` is each step's own
-noise knob (Flow-SDE ``a``, Dance/SAGE ``eta``, CPS noise level); 0 is the Euler ODE step for all.
+Every step shares one signature, documented once at :data:`SDEStepFn`, so a rollout and the
+training-time log-prob recomputation pick the same step by name, and the stored log-prob is
+always the density the sample was drawn from. ``level`` is each step's own noise knob (Flow-SDE
+``a``, Dance/SAGE ``eta``, CPS noise level); 0 is the Euler ODE step for all. Each step is a
+:class:`~flowrl.samplers.sde_finish.GaussianSDE` over its own moments (mean and std).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from .cps import cps_step
 from .dance_sde import dance_sde_step
 from .flow_sde import flow_sde_step
 from .sage_sde import sage_sde_step
-from .types import SDEStep
-
-SDEStepFn = Callable[..., SDEStep]
+from .types import SDEStepFn
 
 SDE_STEPS: dict[str, SDEStepFn] = {
     "flow": flow_sde_step,  # Flow-GRPO (Liu et al., 2025)

@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
@@ -76,15 +77,11 @@ class AdvantageEstimator:
 
     @classmethod
     def from_config(cls, section: AdvantageConfig) -> AdvantageEstimator:
-        """Build from the config's ``advantage`` section (:class:`flowrl.config.AdvantageConfig`)."""
-        return cls(
-            section.method,
-            std=section.std,
-            eps=section.eps,
-            clip=section.clip,
-            buffer_size=section.buffer_size,
-            min_count=section.min_count,
-        )
+        """Build from the config's ``advantage`` section (:class:`flowrl.config.AdvantageConfig`).
+
+        The section's keys are this class's arguments, one for one.
+        """
+        return cls(**dataclasses.asdict(section))
 
     def __call__(
         self, components: dict[str, Tensor], weights: dict[str, float], group_ids: Tensor, prompts: list[str]

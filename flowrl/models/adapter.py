@@ -11,6 +11,7 @@ to know whether guidance is on.
 
 from __future__ import annotations
 
+import functools
 import gc
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
@@ -144,24 +145,51 @@ def text_encoders(pipe: Any) -> dict[str, nn.Module]:
 class AdapterBase:
     """Defaults shared by the built-in pipeline adapters (SD3, FLUX, Qwen-Image, Wan).
 
-    A subclass sets ``pipe``, ``transformer``, ``dtype``, ``model_id``, ``max_sequence_length``,
-    ``default_resolution``, ``lora_target_modules`` and ``guidance``, and defines
-    ``encode_prompt``, ``velocity``, ``decode``, ``decoder``, ``latent_shape`` and ``save_lora``.
-    The class attributes and methods here are the defaults of the optional members of
-    :class:`ModelAdapter`: an image model, one evaluation per sample, plain CFG, no sigma grid of
-    its own, LoRA loaded by ``pipe.load_lora_weights``.
+    ``__init__`` takes the parts every pipeline has (``pipe``, ``transformer``, ``vae``, ``dtype``)
+    and the two names (Wan sets them itself: its ``transformer`` may hold both experts); a subclass
+    also sets ``default_resolution``, ``lora_target_modules``, ``guidance`` and ``decode_latents``,
+    and defines ``encode_prompt``, ``velocity``, ``latent_shape`` and ``save_lora``. ``decode`` and
+    ``decoder`` run ``decode_latents``. The class attributes and methods here are the defaults of
+    the optional members of :class:`ModelAdapter`: an image model, one evaluation per sample, plain
+    CFG, no sigma grid of its own, LoRA loaded by ``pipe.load_lora_weights``.
+
+    Args:
+        pipe: the loaded diffusers pipeline.
+        max_sequence_length: text tokens per prompt the encoders produce.
+        model_id: name used in the prompt cache's fingerprint and messages.
     """
 
     pipe: Any
     transformer: nn.Module
+    vae: Any
+    decode_latents: Callable[[Any, Tensor], Tensor]
+    """``decode_latents(vae, latents)``: the family's module-level decode function (a staticmethod),
+    e.g. :func:`~flowrl.models.sd3.decode_scaled`; module-level so that :meth:`decoder` pickles."""
     default_num_frames: int | None = None
     evaluations_per_sample: int = 1
     combine_cfg = staticmethod(cfg)
+
+    def __init__(self, pipe: Any, *, max_sequence_length: int, model_id: str):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.model_id = model_id
+        self.max_sequence_length = max_sequence_length
+        self.dtype = self.transformer.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the denoiser runs."""
         return self.transformer.device
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents -> float32 images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], by ``decode_latents``."""
+        return self.decode_latents(self.vae, latents)
+
+    def decoder(self) -> Callable[[Tensor], Tensor]:
+        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
+        return functools.partial(self.decode_latents, self.vae)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> Tensor | None:
         """None: no sigma grid of its own (FLUX and Qwen-Image override this)."""
@@ -190,6 +218,35 @@ class AdapterBase:
         """Reject a frame count in an image adapter's ``latent_shape``."""
         if frames is not None:
             raise ValueError(f"{type(self).__name__} is an image model; got frames={frames} (remove model.num_frames)")
+
+
+def lora_metadata(transformer: nn.Module) -> dict[str, Any]:
+    """The trained adapter's peft config (rank, alpha, targets) as JSON-ready safetensors metadata.
+
+    Sets become sorted lists. Saved with the weights, it lets diffusers restore the same ``alpha / r`` scale.
+    """
+    config = transformer.peft_config["default"].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def save_transformer_lora(
+    pipeline_class: Any, directory: str | Path, transformer: nn.Module, lora_state: dict[str, Tensor]
+) -> Path:
+    """Write a denoiser LoRA with ``pipeline_class.save_lora_weights``, its peft config in the metadata.
+
+    Args:
+        pipeline_class: the diffusers pipeline class whose ``load_lora_weights(directory)`` reads it back.
+        directory: the output folder.
+        transformer: the denoiser the LoRA was trained on (for its peft config).
+        lora_state: ``flowrl.policy.lora.lora_state_dict(transformer)``.
+
+    Returns:
+        The written ``pytorch_lora_weights.safetensors``.
+    """
+    pipeline_class.save_lora_weights(
+        str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=lora_metadata(transformer)
+    )
+    return Path(directory) / "pytorch_lora_weights.safetensors"
 
 
 def is_video(model: ModelAdapter) -> bool:

@@ -21,18 +21,16 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from .adapter import AdapterBase, Cond, freeze_modules
-from .packing import latent_image_ids, pack_latents, packed_latent_shape, unpack_latents
-from .pipeline_schedule import pipeline_sigmas
-from .sd3 import decode_scaled, read_model_card
+from .adapter import Cond, freeze_modules, save_transformer_lora
+from .packing import PackedImageAdapter, latent_image_ids, pack_latents, unpack_latents
+from .sd3 import card_resolution, decode_scaled, read_model_card
 
 FLUX_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 FLUX_MLP_TARGETS = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp")
@@ -49,7 +47,7 @@ def flux_lora_targets(num_single_layers: int) -> tuple[str, ...]:
     return FLUX_ATTENTION_TARGETS + FLUX_MLP_TARGETS + singles
 
 
-class FluxAdapter(AdapterBase):
+class FluxAdapter(PackedImageAdapter):
     """Model adapter over a ``FluxPipeline`` (FLUX.1-dev or FLUX.1-schnell).
 
     Args:
@@ -64,6 +62,9 @@ class FluxAdapter(AdapterBase):
         ValueError: a guidance scale for a model without guidance embeddings.
     """
 
+    family = "FLUX"
+    decode_latents = staticmethod(decode_scaled)
+
     def __init__(
         self,
         pipe: Any,
@@ -73,12 +74,7 @@ class FluxAdapter(AdapterBase):
         resolution: tuple[int, int] | None = None,
         model_id: str = "flux",
     ):
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.model_id = model_id
-        self.max_sequence_length = max_sequence_length
-        self.dtype = self.transformer.dtype
+        super().__init__(pipe, max_sequence_length=max_sequence_length, model_id=model_id)
         self.lora_target_modules = flux_lora_targets(self.transformer.config.num_single_layers)
         size = pipe.default_sample_size * pipe.vae_scale_factor
         self.default_resolution = tuple(resolution) if resolution else (size, size)
@@ -109,7 +105,6 @@ class FluxAdapter(AdapterBase):
         card = read_model_card(path)
         pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device)
         pipe.set_progress_bar_config(disable=True)
-        res = card.get("resolution")
         if guidance_scale is None and pipe.transformer.config.guidance_embeds:
             guidance_scale = card.get("guidance_scale")
         return cls(
@@ -118,7 +113,7 @@ class FluxAdapter(AdapterBase):
             max_sequence_length=int(
                 card.get("max_sequence_length", 512 if pipe.transformer.config.guidance_embeds else 256)
             ),
-            resolution=(res, res) if isinstance(res, int) else res,
+            resolution=card_resolution(card),
             model_id=model_id or Path(path).name,
         )
 
@@ -187,31 +182,6 @@ class FluxAdapter(AdapterBase):
         )[0]
         return unpack_latents(out, h, w)
 
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
-        return decode_scaled(self.vae, latents)
-
-    def decoder(self) -> Callable[[Tensor], Tensor]:
-        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
-        return functools.partial(decode_scaled, self.vae)
-
-    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
-        self._image_only(frames)
-        return packed_latent_shape(
-            "FLUX", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width
-        )
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
-        """The (num_steps + 1,) float64 sigma grid ``FluxPipeline`` uses at this resolution.
-
-        Dynamic shift (dev: mu from the packed image sequence length) or the static shift of the
-        scheduler config (schnell).
-        """
-        _, h, w = self.latent_shape(height, width)
-        return pipeline_sigmas(self.pipe.scheduler.config, num_steps, (h // 2) * (w // 2))
-
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
         """Write a LoRA in the layout ``FluxPipeline.load_lora_weights(directory)`` reads.
 
@@ -220,9 +190,4 @@ class FluxAdapter(AdapterBase):
         """
         from diffusers import FluxPipeline
 
-        config = self.transformer.peft_config["default"].to_dict()
-        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        FluxPipeline.save_lora_weights(
-            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
-        )
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        return save_transformer_lora(FluxPipeline, directory, self.transformer, lora_state)

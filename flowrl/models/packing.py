@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .adapter import AdapterBase
+from .pipeline_schedule import pipeline_sigmas
+
 
 def pack_latents(latents: Tensor) -> Tensor:
     """(B, C, h, w) -> (B, (h/2)(w/2), 4C) tokens, channel-major inside each 2x2 patch.
@@ -73,3 +76,30 @@ def packed_latent_shape(
     if height % (2 * vae_factor) or width % (2 * vae_factor):
         raise ValueError(f"{family} resolution must be a multiple of {2 * vae_factor}; got {height}x{width}")
     return (in_channels // 4, height // vae_factor, width // vae_factor)
+
+
+class PackedImageAdapter(AdapterBase):
+    """Defaults shared by the 2x2-packed image adapters (FLUX, Qwen-Image): latent shape and sigma grid.
+
+    A subclass sets ``family``, the model name in error messages, besides what :class:`AdapterBase`
+    asks for (minus ``latent_shape``).
+    """
+
+    family: str
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
+        self._image_only(frames)
+        return packed_latent_shape(
+            self.family, self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width
+        )
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """The (num_steps + 1,) float64 sigma grid the model's pipeline uses at this resolution.
+
+        :func:`~flowrl.models.pipeline_schedule.pipeline_sigmas` of the scheduler config: a dynamic
+        shift with mu from the packed image sequence length (FLUX.1-dev, Qwen-Image, which also
+        stretches the grid to a terminal sigma) or the config's static shift (FLUX.1-schnell).
+        """
+        _, h, w = self.latent_shape(height, width)
+        return pipeline_sigmas(self.pipe.scheduler.config, num_steps, (h // 2) * (w // 2))

@@ -23,18 +23,16 @@ References:
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from ..samplers.broadcast import compute_dtype
-from .adapter import AdapterBase, Cond, freeze_modules
-from .packing import pack_latents, packed_latent_shape, unpack_latents
-from .pipeline_schedule import pipeline_sigmas
-from .sd3 import read_model_card
+from .adapter import Cond, freeze_modules, save_transformer_lora
+from .packing import PackedImageAdapter, pack_latents, unpack_latents
+from .sd3 import card_resolution, read_model_card
 
 QWEN_IMAGE_LORA_TARGETS = (
     "to_q",
@@ -88,7 +86,7 @@ def decode_qwen_image(vae: Any, latents: Tensor) -> Tensor:
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
-class QwenImageAdapter(AdapterBase):
+class QwenImageAdapter(PackedImageAdapter):
     """Model adapter over a ``QwenImagePipeline``.
 
     Args:
@@ -101,8 +99,10 @@ class QwenImageAdapter(AdapterBase):
         ValueError: a guidance-embedding transformer (not supported).
     """
 
+    family = "Qwen-Image"
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
     guidance = "cfg"  # true CFG (flowrl.policy.guidance.GuidedAdapter) when sampler.guidance_scale != 1
+    decode_latents = staticmethod(decode_qwen_image)
 
     @staticmethod
     def combine_cfg(v_uncond: Tensor, v_cond: Tensor, scale: float) -> Tensor:
@@ -122,12 +122,7 @@ class QwenImageAdapter(AdapterBase):
                 f"{model_id}: guidance-embedding Qwen-Image transformers are not supported; "
                 "use a model without guidance_embeds"
             )
-        self.pipe = pipe
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.model_id = model_id
-        self.max_sequence_length = max_sequence_length
-        self.dtype = self.transformer.dtype
+        super().__init__(pipe, max_sequence_length=max_sequence_length, model_id=model_id)
         size = pipe.default_sample_size * pipe.vae_scale_factor
         self.default_resolution = tuple(resolution) if resolution else (size, size)
         freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder)
@@ -145,11 +140,10 @@ class QwenImageAdapter(AdapterBase):
         card = read_model_card(path)
         pipe = QwenImagePipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device)
         pipe.set_progress_bar_config(disable=True)
-        res = card.get("resolution")
         return cls(
             pipe,
             max_sequence_length=int(card.get("max_sequence_length", 512)),
-            resolution=(res, res) if isinstance(res, int) else res,
+            resolution=card_resolution(card),
             model_id=model_id or Path(path).name,
         )
 
@@ -193,34 +187,8 @@ class QwenImageAdapter(AdapterBase):
         )[0]
         return unpack_latents(out, h, w)
 
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32 (one-frame video VAE)."""
-        return decode_qwen_image(self.vae, latents)
-
-    def decoder(self) -> Callable[[Tensor], Tensor]:
-        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
-        return functools.partial(decode_qwen_image, self.vae)
-
-    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
-        """(C, H / f, W / f) with f the VAE factor; H and W must be multiples of 2f (2x2 packing); no ``frames``."""
-        self._image_only(frames)
-        return packed_latent_shape(
-            "Qwen-Image", self.transformer.config.in_channels, self.pipe.vae_scale_factor, height, width
-        )
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
-        """The (num_steps + 1,) float64 sigma grid ``QwenImagePipeline`` uses (dynamic shift, terminal stretch)."""
-        _, h, w = self.latent_shape(height, width)
-        return pipeline_sigmas(self.pipe.scheduler.config, num_steps, (h // 2) * (w // 2))
-
     def save_lora(self, directory: str | Path, lora_state: dict[str, Tensor]) -> Path:
         """Write a LoRA in the layout ``QwenImagePipeline.load_lora_weights(directory)`` reads."""
         from diffusers import QwenImagePipeline
 
-        config = self.transformer.peft_config["default"].to_dict()
-        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        QwenImagePipeline.save_lora_weights(
-            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
-        )
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        return save_transformer_lora(QwenImagePipeline, directory, self.transformer, lora_state)

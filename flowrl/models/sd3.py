@@ -10,15 +10,14 @@ References:
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from .adapter import AdapterBase, Cond, freeze_modules
+from .adapter import AdapterBase, Cond, freeze_modules, save_transformer_lora
 
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 MODEL_CARD = "flowrl.json"
@@ -33,6 +32,38 @@ def read_model_card(path: str | Path) -> dict[str, Any]:
         return json.loads(card.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"model card {card} is not valid JSON ({err}); fix or delete it") from err
+
+
+def card_resolution(card: dict[str, Any]) -> Sequence[int] | None:
+    """The model card's default ``resolution``: an int becomes (res, res); a pair or None is returned as is."""
+    res = card.get("resolution")
+    return (res, res) if isinstance(res, int) else res
+
+
+def encode_sd3_prompts(
+    pipe: Any, prompts: Sequence[str], max_sequence_length: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Encode prompts through the pipeline's own ``encode_prompt``, without CFG (gradients flow).
+
+    Args:
+        pipe: a ``StableDiffusion3Pipeline``.
+        prompts: B strings (the second and third encoders get the same).
+        max_sequence_length: T5 token length (zeros of this length when there is no T5).
+        device: where the embeddings go (the transformer's device).
+
+    Returns:
+        prompt_embeds (B, L, D) and pooled projections (B, P).
+    """
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompt=list(prompts),
+        prompt_2=None,
+        prompt_3=None,
+        device=device,
+        num_images_per_prompt=1,
+        do_classifier_free_guidance=False,
+        max_sequence_length=max_sequence_length,
+    )
+    return embeds, pooled
 
 
 def _missing_optional_parts(path: str | Path) -> dict[str, None]:
@@ -72,6 +103,7 @@ class SD3Adapter(AdapterBase):
 
     lora_target_modules = SD3_LORA_TARGETS
     guidance = "cfg"  # true CFG (flowrl.policy.guidance.GuidedAdapter) when sampler.guidance_scale != 1
+    decode_latents = staticmethod(decode_scaled)
 
     def __init__(
         self,
@@ -81,12 +113,7 @@ class SD3Adapter(AdapterBase):
         resolution: tuple[int, int] | None = None,
         model_id: str = "sd3",
     ):
-        self.pipe = pipe
-        self.model_id = model_id
-        self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.max_sequence_length = max_sequence_length
-        self.dtype = self.transformer.dtype
+        super().__init__(pipe, max_sequence_length=max_sequence_length, model_id=model_id)
         size = self.transformer.config.sample_size * pipe.vae_scale_factor
         self.default_resolution = tuple(resolution) if resolution else (size, size)
         freeze_modules(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)
@@ -102,11 +129,10 @@ class SD3Adapter(AdapterBase):
         optional = _missing_optional_parts(path)
         pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, **optional).to(device)
         pipe.set_progress_bar_config(disable=True)
-        res = card.get("resolution")
         return cls(
             pipe,
             max_sequence_length=int(card.get("max_sequence_length", 256)),
-            resolution=(res, res) if isinstance(res, int) else res,
+            resolution=card_resolution(card),
             model_id=model_id or Path(path).name,
         )
 
@@ -117,15 +143,7 @@ class SD3Adapter(AdapterBase):
         Returns:
             ``{"encoder_hidden_states": (B, L, D), "pooled_projections": (B, P)}``.
         """
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=list(prompts),
-            prompt_2=None,
-            prompt_3=None,
-            device=self.device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length,
-        )
+        embeds, pooled = encode_sd3_prompts(self.pipe, prompts, self.max_sequence_length, self.device)
         return {"encoder_hidden_states": embeds.to(self.dtype), "pooled_projections": pooled.to(self.dtype)}
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
@@ -138,15 +156,6 @@ class SD3Adapter(AdapterBase):
             return_dict=False,
         )[0]
         return out
-
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1], float32."""
-        return decode_scaled(self.vae, latents)
-
-    def decoder(self) -> Callable[[Tensor], Tensor]:
-        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
-        return functools.partial(decode_scaled, self.vae)
 
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """(C, H / f, W / f) where f is the VAE's downsampling factor (``frames`` must be None: an image model)."""
@@ -165,9 +174,4 @@ class SD3Adapter(AdapterBase):
         """
         from diffusers import StableDiffusion3Pipeline
 
-        config = self.transformer.peft_config["default"].to_dict()
-        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-        StableDiffusion3Pipeline.save_lora_weights(
-            str(directory), transformer_lora_layers=lora_state, transformer_lora_adapter_metadata=config
-        )
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        return save_transformer_lora(StableDiffusion3Pipeline, directory, self.transformer, lora_state)

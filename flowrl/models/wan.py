@@ -26,15 +26,14 @@ References:
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from .adapter import AdapterBase, Cond, freeze_modules, select_cond
-from .sd3 import read_model_card
+from .adapter import AdapterBase, Cond, freeze_modules, lora_metadata, select_cond
+from .sd3 import card_resolution, read_model_card
 from .wan_experts import WanExperts, split_expert_state
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
@@ -78,6 +77,7 @@ class WanAdapter(AdapterBase):
 
     lora_target_modules = WAN_LORA_TARGETS
     guidance = "cfg"
+    decode_latents = staticmethod(decode_wan)
 
     def __init__(
         self,
@@ -143,11 +143,10 @@ class WanAdapter(AdapterBase):
         pipe = pipe.to(device)
         pipe.vae.to(torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        res = card.get("resolution")
         return cls(
             pipe,
             max_sequence_length=int(card.get("max_sequence_length", 512)),
-            resolution=(res, res) if isinstance(res, int) else res,
+            resolution=card_resolution(card),
             num_frames=int(card.get("num_frames", DEFAULT_FRAMES)),
             lora_expert=card.get("lora_expert"),
             shift=card.get("shift"),
@@ -205,15 +204,6 @@ class WanAdapter(AdapterBase):
         out[~high] = v_low.to(v_high.dtype)
         return out
 
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Latents (B, C, F_lat, h, w) -> videos (B, F, 3, H, W) in [0, 1], float32."""
-        return decode_wan(self.vae, latents)
-
-    def decoder(self) -> Callable[[Tensor], Tensor]:
-        """``decode`` as a picklable callable holding only the VAE (for a scoring process)."""
-        return functools.partial(decode_wan, self.vae)
-
     def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """(C, (frames - 1) / t + 1, H / s, W / s) with Wan's VAE factors (t = 4, s = 8 for Wan2.1).
 
@@ -244,8 +234,7 @@ class WanAdapter(AdapterBase):
         """
         from diffusers import WanPipeline
 
-        config = self.transformer.peft_config["default"].to_dict()
-        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        config = lora_metadata(self.transformer)
         written = []
         for expert, weights in self._lora_parts(lora_state).items():
             WanPipeline.save_lora_weights(

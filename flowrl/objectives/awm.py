@@ -90,8 +90,6 @@ class AWM(Objective):
     updates_per_iteration: int = 1
     name: str = "awm"
     rollout = "solver"
-    sampling_adapter = "default"
-    eval_adapter = "default"
 
     def __post_init__(self) -> None:
         if self.updates_per_iteration < 1:

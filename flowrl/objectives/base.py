@@ -8,7 +8,7 @@ AWM) can plug in by planning over clean samples instead.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..policy.lora import adapters_disabled, use_adapter
 from ..samplers.broadcast import batch_view
 from ..samplers.types import Trajectory
+
+if TYPE_CHECKING:  # the tree batch type only; objectives do not import the tree package at run time
+    from ..tree.rollouts import TreeBatch
 
 
 class RolloutBatch(NamedTuple):
@@ -53,7 +56,7 @@ class RolloutBatch(NamedTuple):
     advantages: Tensor
     keep: Tensor
     chunk_size: int
-    tree: Any = None
+    tree: TreeBatch | None = None
 
 
 class Microbatch(NamedTuple):
@@ -78,7 +81,8 @@ class Objective(Protocol):
     """An RL objective plugged into the training loop: everything the loop relies on.
 
     An objective class subclasses this Protocol explicitly and so inherits the no-op defaults of
-    the hooks it does not need; the loop calls every hook unconditionally.
+    the hooks it does not need, and the trainable "default" adapter for sampling and evaluation;
+    the loop calls every hook unconditionally.
 
     Attributes:
         name: registry name.
@@ -91,8 +95,8 @@ class Objective(Protocol):
 
     name: str
     rollout: str
-    sampling_adapter: str
-    eval_adapter: str
+    sampling_adapter: str = "default"
+    eval_adapter: str = "default"
 
     def setup(self, model: ModelAdapter) -> None:
         """Create extra adapters once the trainable LoRA exists (default: none)."""

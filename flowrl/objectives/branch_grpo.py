@@ -48,8 +48,6 @@ class BranchGRPO(Objective):
     updates_per_iteration: int = 1
     name: str = "branch_grpo"
     rollout = "tree"
-    sampling_adapter = "default"
-    eval_adapter = "default"
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[EdgeMicrobatch]]:
         """Every (step, frontier chunk) with a trained edge once, in random order."""

@@ -79,8 +79,6 @@ class FlowGRPO(Objective):
     updates_per_iteration: int = 1
     name: str = "flow_grpo"
     rollout = "sde"
-    sampling_adapter = "default"
-    eval_adapter = "default"
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""

@@ -53,7 +53,7 @@ from ..samplers.tree import branch_step
 from ..samplers.types import SDEStep
 from .base import Microbatch, Objective, RolloutBatch
 from .flow_grpo import clipped_policy_loss, gaussian_mean_kl
-from .planning import chunk_children, plan_transitions, plan_tree_edges
+from .planning import EdgeMicrobatch, chunk_children, plan_transitions, plan_tree_edges
 
 ANCHOR = "anchor"
 ROLLOUT = "rollout"
@@ -183,7 +183,7 @@ def flat_edges(batch: RolloutBatch, mb: Microbatch) -> Edges:
     )
 
 
-def tree_edges(batch: RolloutBatch, mb: Any) -> Edges:
+def tree_edges(batch: RolloutBatch, mb: EdgeMicrobatch) -> Edges:
     """The trained edges below one frontier chunk of a tree step (BranchGRPO's micro-batch)."""
     tb, t, parents = batch.tree, mb.step, mb.index
     tr = tb.rollout
@@ -236,8 +236,6 @@ class SageGRPO(Objective):
     updates_per_iteration: int = 1
     tree: bool = False
     name: str = "sage_grpo"
-    sampling_adapter = "default"
-    eval_adapter = "default"
 
     def __post_init__(self) -> None:
         checks = {

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..rewards import RewardOutput
+from ..rewards import MultiReward, RewardOutput
 from .scoring_process import ScoringProcess, score_chunk
 
 Decode = Callable[[Tensor], Tensor]
@@ -66,9 +66,8 @@ class RolloutScorer:
     itself, so the end of the batch is scored on two cores.
 
     Args:
-        reward: a :class:`~flowrl.rewards.MultiReward` (anything with ``score_parts`` and
-            ``combine``; another callable returning a ``RewardOutput`` is called once on the
-            whole batch at the end).
+        reward: the weighted rewards: every chunk is scored per component
+            (``MultiReward.score_parts``) and the batch combined at the end (``MultiReward.combine``).
         decode: latents (b, ...) -> images (b, 3, H, W) or clips (b, F, 3, H, W) in [0, 1].
         prompts: the B prompts of the batch.
         metadata: per-sample metadata lists of length B.
@@ -81,7 +80,7 @@ class RolloutScorer:
 
     def __init__(
         self,
-        reward: Any,
+        reward: MultiReward,
         decode: Decode,
         prompts: Sequence[str],
         metadata: dict[str, Any] | None = None,
@@ -97,16 +96,15 @@ class RolloutScorer:
         self.prompts, self.metadata = list(prompts), dict(metadata or {})
         self.first_index = first_index
         self.score_chunk_size = score_chunk_size
-        self.by_parts = hasattr(reward, "score_parts") and hasattr(reward, "combine")
         self.worker = worker
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-scoring") if threaded else None
-        self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor] | None]]] = []
+        self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor]]]] = []
         self._inputs: list[Tensor] = []  # each job's latents, for the jobs the caller takes back
 
     def _chunk_args(self, rows: slice) -> tuple[list[str], dict[str, Any]]:
         return self.prompts[rows], {k: _rows(v, rows, len(self.prompts)) for k, v in self.metadata.items()}
 
-    def _score(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor] | None]:
+    def _score(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor]]:
         return score_chunk(self.reward, self.decode, latents, *self._chunk_args(rows), index)
 
     def _raise_failures(self) -> None:
@@ -177,8 +175,6 @@ class RolloutScorer:
                 )
             expected_start = min(stop, samples.shape[0])
         images = torch.cat([out[0] for _, out in done])
-        if not self.by_parts:
-            return images, self.reward(images, self.prompts, **self.metadata)
         parts = [out[1] for _, out in done]
         components = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         last = self.first_index + len(done) - 1

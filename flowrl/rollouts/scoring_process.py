@@ -29,18 +29,19 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from ..rewards import MultiReward
+
 Decode = Callable[[Tensor], Tensor]
 POLL_S = 0.2  # how often a waiting side checks that the other one is still alive
 
 
 def score_chunk(
-    reward: Any, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int
-) -> tuple[Tensor, dict[str, Tensor] | None]:
+    reward: MultiReward, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Decode one chunk and score it with every reward component (no gradient).
 
     Args:
-        reward: a :class:`~flowrl.rewards.MultiReward` (``score_parts``); anything else is only
-            decoded here and called once on the whole batch later.
+        reward: the weighted rewards; each component scores the chunk (``MultiReward.score_parts``).
         decode: latents (b, ...) -> images (b, 3, H, W) or clips (b, F, 3, H, W) in [0, 1].
         latents: (b, ...) clean latents of the chunk.
         prompts: the chunk's b prompts.
@@ -48,12 +49,10 @@ def score_chunk(
         index: run-wide batch index, named in error messages.
 
     Returns:
-        images (b, ...) and the per-component rewards {name: (b,)} (None without ``score_parts``).
+        images (b, ...) and the per-component rewards {name: (b,)}.
     """
     with torch.no_grad():  # grad mode is per thread: set it in every worker
         images = decode(latents)
-        if not (hasattr(reward, "score_parts") and hasattr(reward, "combine")):
-            return images, None
         return images, reward.score_parts(images, list(prompts), metadata, batch_index=index)
 
 
@@ -66,7 +65,7 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _worker_main(reward: Any, decode: Decode, threads: int, jobs: Any, results: Any) -> None:
+def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, results: Any) -> None:
     """Worker loop: ``(key, latents, prompts, metadata, index)`` in, ``(key, ok, payload)`` out; None stops."""
     torch.set_num_threads(threads)
     results.put((None, True, "ready"))
@@ -83,10 +82,9 @@ def _worker_main(reward: Any, decode: Decode, threads: int, jobs: Any, results: 
             results.put((key, True, out))
 
 
-def _unpicklable_part(reward: Any, decode: Decode) -> str | None:
+def _unpicklable_part(reward: MultiReward, decode: Decode) -> str | None:
     """Name what can't be sent to a worker process (a reward component or the decoder), with why."""
-    parts = dict(getattr(reward, "rewards", {}) or {})
-    named = [(f"reward {name!r}", fn) for name, (fn, _) in parts.items()] if parts else [("the reward", reward)]
+    named = [(f"reward {name!r}", fn) for name, (fn, _) in reward.rewards.items()] or [("the reward", reward)]
     for what, obj in [*named, ("the model's decoder", decode)]:
         try:
             ForkingPickler.dumps(obj)
@@ -110,7 +108,7 @@ class ScoringProcess:
     """
 
     def __init__(
-        self, reward: Any, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0
+        self, reward: MultiReward, decode: Decode, *, threads: int | None = None, start_timeout_s: float = 300.0
     ) -> None:
         ctx = mp.get_context("spawn")
         self._jobs, self._results = ctx.Queue(), ctx.Queue()

@@ -12,7 +12,7 @@ Group = one tree per prompt: ``prompts.group_size`` must equal the number of lea
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -145,6 +145,18 @@ def tree_levels(spec: TreeSpec, window_levels: Tensor | None, noise_level: float
     return levels
 
 
+def pruning_options(tree_cfg: TreeConfig) -> dict[str, Any]:
+    """The pruning keywords of :func:`~flowrl.tree.pruning.train_masks` from the ``sampler.tree`` section."""
+    return {
+        "depth_prune": tree_cfg.depth_prune,
+        "slide_every": tree_cfg.depth_prune_slide_every,
+        "stop_depth": tree_cfg.depth_prune_stop,
+        "width_keep": tree_cfg.width_keep,
+        "width_mode": tree_cfg.width_mode,
+        "prune_until": tree_cfg.prune_until,
+    }
+
+
 def edge_advantages(
     tree: TreeRollout,
     rewards: Tensor,
@@ -172,17 +184,7 @@ def edge_advantages(
     node_rewards = fuse_rewards(rewards.double(), tree_widths(spec.factors), tree.log_probs, n, tree_cfg.fusion)
     advantages = depthwise_advantages(node_rewards, n, clip=clip)
     masks = train_masks(
-        advantages,
-        spec.factors,
-        tree.noise_levels,
-        n,
-        iteration=iteration,
-        depth_prune=tree_cfg.depth_prune,
-        slide_every=tree_cfg.depth_prune_slide_every,
-        stop_depth=tree_cfg.depth_prune_stop,
-        width_keep=tree_cfg.width_keep,
-        width_mode=tree_cfg.width_mode,
-        prune_until=tree_cfg.prune_until,
+        advantages, spec.factors, tree.noise_levels, n, iteration=iteration, **pruning_options(tree_cfg)
     )
     masks = [m.cpu() for m in masks]  # index bookkeeping stays on the CPU (CUDA tensors take CPU indices)
     return TreeBatch(tree, advantages, masks, node_rewards, cond, chunk_size)

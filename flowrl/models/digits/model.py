@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..sd3 import encode_sd3_prompts
+
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "assets" / "flowrl-digits"
 RESOLUTION = 8
 MAX_SEQUENCE_LENGTH = 6
@@ -278,13 +280,4 @@ def encode_prompts(pipe: Any, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
     Returns:
         prompt_embeds (B, TOKENIZER_MAX_LENGTH + MAX_SEQUENCE_LENGTH, 64), pooled (B, 64).
     """
-    embeds, _, pooled, _ = pipe.encode_prompt(
-        prompt=list(prompts),
-        prompt_2=None,
-        prompt_3=None,
-        device=pipe.transformer.device,
-        num_images_per_prompt=1,
-        do_classifier_free_guidance=False,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-    )
-    return embeds, pooled
+    return encode_sd3_prompts(pipe, prompts, MAX_SEQUENCE_LENGTH, pipe.transformer.device)

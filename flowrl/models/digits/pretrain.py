@@ -367,17 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         help="bias of the flow-time sampler towards high noise (1.5: 98.0%% vs 97.2%% accuracy)",
     )
     parser.add_argument("--eval-per-class", type=int, default=50, help="SVC eval samples per digit (0: skip)")
-    args = parser.parse_args(argv)
-    report = pretrain_digits(
-        args.out,
-        seed=args.seed,
-        vae_steps=args.vae_steps,
-        flow_steps=args.flow_steps,
-        batch_size=args.batch_size,
-        threads=args.threads,
-        eval_per_class=args.eval_per_class,
-        logit_normal_mean=args.logit_normal_mean,
-    )
+    options = vars(parser.parse_args(argv))  # every option is a keyword of pretrain_digits
+    report = pretrain_digits(options.pop("out"), **options)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -312,13 +312,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``, accepting config files and ``key=value`` overrides anywhere on the line.
+
+    argparse stops filling a ``nargs="*"`` positional at the first option, so ``flowrl train
+    --output DIR lr=...`` would leave the override unrecognised; such leftovers join ``args``.
+
+    Args:
+        parser: the parser from :func:`build_parser`.
+        argv: the arguments after ``flowrl``.
+
+    Returns:
+        The parsed namespace.
+    """
+    ns, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(ns, "args") or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowrl`` console script."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["pretrain-digits"]:  # its own parser owns every option, --help included
         ns = argparse.Namespace(func=cmd_pretrain_digits, args=argv[1:])
     else:
-        ns = build_parser().parse_args(argv)
+        ns = parse_command_line(build_parser(), argv)
     try:
         return ns.func(ns)
     except USER_ERRORS as err:

@@ -185,3 +185,16 @@ def test_two_iterations_on_the_embedded_model(tmp_path):
     for key in ("eval/reward_mean", "eval/accuracy", "eval/ink_bold", "eval/ink_thin", "eval/ink_gap"):
         assert key in summary["start"] and key in summary["end"], key
     assert summary["start"]["eval/accuracy"] >= 0.9  # the shipped base model reads as the prompted digit
+
+
+def test_overrides_are_accepted_anywhere_on_the_command_line():
+    from flowrl.cli import build_parser, parse_command_line
+
+    ns = parse_command_line(
+        build_parser(), ["train", "--output", "runs/x", "optim.lr=0.01", "--overwrite", "train.iterations=2"]
+    )
+    assert ns.args == ["optim.lr=0.01", "train.iterations=2"] and ns.output == "runs/x" and ns.overwrite
+    ns = parse_command_line(build_parser(), ["sample", "--seeds", "2", "sampler.num_steps=3"])
+    assert ns.args == ["sampler.num_steps=3"] and ns.seeds == 2
+    with pytest.raises(SystemExit):
+        parse_command_line(build_parser(), ["train", "--output", "runs/x", "--no-such-flag"])

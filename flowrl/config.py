@@ -187,7 +187,7 @@ class TrainConfig:
     """Training loop (``train``): iterations and time budget, seed, threads, eval/save cadence, async scoring."""
 
     iterations: int = field(default=70, metadata=_rng(1))
-    time_budget_s: float | None = None  # stop early after this many seconds of training
+    time_budget_s: float | None = field(default=None, metadata=_rng(0, lo_open=True))  # stop early after this many s
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2
     eval_every: int = field(default=10, metadata=_rng(1))
@@ -365,13 +365,33 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """Build a mapping, raising on a duplicated key.
+
+        Raises:
+            yaml.constructor.ConstructorError: the key and the line of its second occurrence.
+        """
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicated key {key!r}; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; one-line ConfigError for a missing file or bad YAML."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""

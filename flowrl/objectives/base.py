@@ -140,6 +140,24 @@ class Objective(Protocol):
             )
 
 
+def check_ranges(checks: dict[str, bool], values: Any, where: str) -> None:
+    """Raise a one-line error for the first ``objective.<key>`` whose range check failed.
+
+    Args:
+        checks: key -> whether its value is in range.
+        values: the objective (read for the offending value).
+        where: the file documenting the ranges, named in the message.
+
+    Raises:
+        ValueError: naming the key and its value.
+    """
+    for key, ok in checks.items():
+        if not ok:
+            raise ValueError(
+                f"objective.{key} is out of range ({getattr(values, key)!r}); see the objective's docstring"
+            )
+
+
 def chunk_indices(batch_size: int, chunk_size: int) -> list[Tensor]:
     """Consecutive index chunks of the rollout batch: [0..c), [c..2c), ..."""
     return [torch.arange(i, min(i + chunk_size, batch_size)) for i in range(0, batch_size, chunk_size)]

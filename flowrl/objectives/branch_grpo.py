@@ -28,7 +28,7 @@ from ..models.adapter import ModelAdapter, select_cond
 from ..policy.lora import adapters_disabled
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
-from .base import Objective, RolloutBatch
+from .base import Objective, RolloutBatch, check_ranges
 from .flow_grpo import clipped_policy_loss, gaussian_mean_kl, kl_scale
 from .planning import EdgeMicrobatch, chunk_children, plan_tree_edges
 
@@ -48,6 +48,14 @@ class BranchGRPO(Objective):
     updates_per_iteration: int = 1
     name: str = "branch_grpo"
     rollout = "tree"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "clip_range": self.clip_range > 0,
+            "kl_beta": self.kl_beta >= 0,
+            "updates_per_iteration": self.updates_per_iteration >= 1,
+        }
+        check_ranges(checks, self, "flowrl/objectives/branch_grpo.py")
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[EdgeMicrobatch]]:
         """Every (step, frontier chunk) with a trained edge once, in random order."""

@@ -23,7 +23,7 @@ from ..policy.lora import adapters_disabled
 from ..samplers.flow_sde import flow_sde_diffusion
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.types import SDEStep
-from .base import Microbatch, Objective, RolloutBatch
+from .base import Microbatch, Objective, RolloutBatch, check_ranges
 from .planning import plan_transitions
 
 
@@ -79,6 +79,14 @@ class FlowGRPO(Objective):
     updates_per_iteration: int = 1
     name: str = "flow_grpo"
     rollout = "sde"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "clip_range": self.clip_range > 0,
+            "kl_beta": self.kl_beta >= 0,
+            "updates_per_iteration": self.updates_per_iteration >= 1,
+        }
+        check_ranges(checks, self, "flowrl/objectives/flow_grpo.py")
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""

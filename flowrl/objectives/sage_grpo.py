@@ -51,7 +51,7 @@ from ..policy.lora import adapters_disabled, add_frozen_copy, soft_update, use_a
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
 from ..samplers.types import SDEStep
-from .base import Microbatch, Objective, RolloutBatch
+from .base import Microbatch, Objective, RolloutBatch, check_ranges
 from .flow_grpo import clipped_policy_loss, gaussian_mean_kl
 from .planning import EdgeMicrobatch, chunk_children, plan_transitions, plan_tree_edges
 
@@ -247,11 +247,7 @@ class SageGRPO(Objective):
             "kl_rate": 0 <= self.kl_rate < 1,
             "updates_per_iteration": self.updates_per_iteration >= 1,
         }
-        for key, ok in checks.items():
-            if not ok:
-                raise ValueError(
-                    f"objective.{key} is out of range ({getattr(self, key)!r}); see flowrl/objectives/sage_grpo.py"
-                )
+        check_ranges(checks, self, "flowrl/objectives/sage_grpo.py")
         if not 0 <= self.kl_min <= self.kl_init <= self.kl_max:
             raise ValueError(
                 f"objective needs 0 <= kl_min <= kl_init <= kl_max; got {self.kl_min}, {self.kl_init}, {self.kl_max}"

@@ -14,7 +14,6 @@ Run folder contents::
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from .models.digits import EVAL_REPORTS
 from .outputs import (
     MetricsLogger,
     prepare_run_dir,
-    read_metrics,
     save_before_after,
     save_reward_curve,
     write_json,
@@ -67,6 +65,14 @@ def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[
     return [p for p in chosen for _ in range(seeds)], [GRID_SEED_BASE + j for _ in chosen for j in range(seeds)]
 
 
+def logged_start_eval(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The ``eval/*`` figures a run logged at step 0 (empty when its metrics hold no such row)."""
+    for row in rows:
+        if row["step"] == 0:
+            return {k: v for k, v in row.items() if k.startswith("eval/")}
+    return {}
+
+
 class Run:
     """One training run, set up and validated before anything is written.
 
@@ -75,7 +81,7 @@ class Run:
         overwrite: replace an existing run folder.
         resume: a run folder (its latest checkpoint that verifies) or a checkpoint folder to
             continue from; its config must match ``cfg`` outside the resumable keys
-            (:data:`flowrl.checkpoint.RESUMABLE_KEYS`).
+            (:data:`flowrl.resume.RESUMABLE_KEYS`).
     """
 
     def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None):
@@ -113,20 +119,19 @@ class Run:
 
     def execute(self) -> dict[str, Any]:
         """Train, writing the run folder; returns the summary dict."""
-        cfg, trainer = self.cfg, self.trainer
+        trainer = self.trainer
         before = self._grid()  # the base model's grid, on resume too (the LoRA is loaded below)
         if self.resume is None:
             start_eval = self._evaluate()  # also probes every reward before the folder is touched
             out = prepare_run_dir(self.out, self.overwrite)
-        else:
-            start_eval = self._logged_start_eval() or self._evaluate()
-            trainer.load_state_dict(self.resume.state)
+            logger = self._open_logger(out, resume_step=None)
+            logger.log(trainer.iteration, start_eval)
+        else:  # the run keeps its rows up to the checkpoint and logs no extra row
             out = self.out
             out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        logger = MetricsLogger(out, resume_step=None if self.resume is None else trainer.iteration)
-        if self.resume is None:  # a resumed run keeps the rows up to its checkpoint and logs no extra row
-            logger.log(trainer.iteration, start_eval)
+            logger = self._open_logger(out, resume_step=int(self.resume.state["iteration"]))
+            start_eval = logged_start_eval(logger.rows) or self._evaluate()
+            trainer.load_state_dict(self.resume.state)
         t0 = time.perf_counter()
         try:
             end_eval = self._loop(logger, t0)
@@ -136,12 +141,10 @@ class Run:
         wall = time.perf_counter() - t0
         return self._finish(out, logger, before, start_eval, end_eval, wall)
 
-    def _logged_start_eval(self) -> dict[str, float]:
-        """The start evaluation a resumed run logged at step 0 (empty when the folder has none)."""
-        for step, line in read_metrics(self.out / "metrics.jsonl"):
-            if step == 0:
-                return {k: v for k, v in json.loads(line).items() if k.startswith("eval/")}
-        return {}
+    def _open_logger(self, out: Path, resume_step: int | None) -> MetricsLogger:
+        """Write the resolved config and open the metrics (cut back to ``resume_step`` on resume)."""
+        write_text_atomic(out / "config.yaml", yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        return MetricsLogger(out, resume_step=resume_step)
 
     def _save_checkpoint(self) -> None:
         """Write ``checkpoints/iter-N`` (state + resolved config); keep the newest ``output.keep_checkpoints``."""

@@ -6,7 +6,8 @@ Layout of a checkpoint folder::
     optimizer.safetensors   optimizer tensors, keys "state.<param>.<name>"
     rng.safetensors         "generator" and "torch_rng" byte states
     trainer.json            counters, optimizer param groups, the objective's scalar state, the
-                            per-prompt advantage history and the resolved run config
+                            per-prompt advantage history, the update guard's counters and the
+                            resolved run config
     adapter-<name>.safetensors   extra LoRA adapters (e.g. DiffusionNFT's "old" and "ema")
     manifest.json           written last: format version, and per file its size and sha256
 
@@ -80,6 +81,7 @@ def _encode(state: dict[str, Any]) -> dict[str, bytes]:
         "optimizer": opt_meta,
         "objective": state.get("objective", {}),  # JSON scalars of the objective (e.g. SAGE-GRPO's adaptive beta)
         "advantage": state.get("advantage", {}),  # per-prompt reward history (advantage.method: per_prompt)
+        "guard": state.get("guard", {}),  # skipped-update counters (flowrl.guards.UpdateGuard)
     }
     if state.get("config") is not None:
         meta["config"] = state["config"]  # the resolved config, compared on resume
@@ -350,6 +352,7 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "nfe": meta.get("nfe", 0),
         "objective": meta.get("objective", {}),
         "advantage": meta.get("advantage", {}),
+        "guard": meta.get("guard", {}),
         "config": meta.get("config"),
     }
 

@@ -204,6 +204,12 @@ class TrainConfig:
     # rows per decode + score call; null = sampler.chunk_size. Smaller pieces let the trainer score the
     # last chunk together with the worker (async modes), which shortens the part of scoring that can't overlap
     score_chunk_size: int | None = field(default=None, metadata=_rng(1))
+    # update guards: an update whose rewards, advantages, loss, gradients or new LoRA weights are non-finite or
+    # exploding is skipped (weights and optimizer state restored) and counted; the run stops after this many
+    # consecutive skips, naming the first bad quantity
+    max_skipped_updates: int = field(default=3, metadata=_rng(1))
+    max_abs_reward: float = field(default=1e6, metadata=_rng(0, lo_open=True))  # |total reward| above it: exploding
+    max_lora_weight: float = field(default=1e3, metadata=_rng(0, lo_open=True))  # |LoRA weight| above it: exploding
 
 
 @dataclass

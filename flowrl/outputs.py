@@ -110,6 +110,11 @@ def read_metrics(path: Path) -> list[tuple[int, str]]:
     return rows
 
 
+def json_row(row: dict[str, float]) -> dict[str, float | None]:
+    """A metrics row as strict JSON allows it: non-finite values (inf, NaN) become ``null``."""
+    return {k: v if math.isfinite(v) else None for k, v in row.items()}
+
+
 def _append_line(path: Path, line: str) -> None:
     with path.open("a") as f:
         f.write(line)
@@ -154,7 +159,7 @@ class MetricsLogger:
         """
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.rows.append(row)
-        line = json.dumps(row) + "\n"
+        line = json.dumps(json_row(row), allow_nan=False) + "\n"
         try:
             _append_line(self.path, line)
         except OSError as err:
@@ -181,8 +186,8 @@ def save_reward_curve(rows: Sequence[dict[str, float]], path: Path, title: str =
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    train = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
-    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    train = [(r["step"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
     if train:
         ax.plot(*zip(*train), label="train reward (SDE rollouts)", alpha=0.7)
     if evals:

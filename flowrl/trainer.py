@@ -8,6 +8,7 @@ Its whole state (LoRA weights, optimizer, RNGs, counters) round-trips through
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor
 from .advantages import AdvantageEstimator
 from .advantages.group import AdvantageStats
 from .config import Config
+from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .policy import Policy
 from .policy.lora import adapter_names, load_lora_state, lora_state_dict, use_adapter
@@ -89,6 +91,7 @@ class Trainer:
         self.iteration = 0
         self.samples_seen = 0
         self._scoring_process: ScoringProcess | None = None
+        self.guard = UpdateGuard(cfg.train.max_skipped_updates)
 
     def scorer(self, prompts: PromptBatch) -> RolloutScorer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
@@ -178,39 +181,90 @@ class Trainer:
 
     def _update(self, batch: RolloutBatch) -> dict[str, float]:
         totals: dict[str, float] = {}
-        count = 0
+        count = skipped = 0
         first_ratio = None
         update_stats: dict[str, float] = {}
         for group in self.objective.plan(batch, self.generator):
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in group:
-                loss, stats = self.objective.loss(self.model, batch, mb)
-                if not torch.isfinite(loss):
-                    raise ValueError(
-                        f"non-finite loss at iteration {self.iteration} (objective {self.objective.name}); "
-                        "lower optim.lr or check the rewards for extreme values"
-                    )
-                (loss / len(group)).backward()
-                first_ratio = stats.get("ratio") if first_ratio is None else first_ratio
-                for k, v in {"loss": float(loss.detach()), **stats}.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                count += 1
+            snapshot = StepSnapshot(self.params, self.optimizer)
+            fault, group_totals, ratio = self._accumulate(batch, group)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+            fault = fault or tensor_fault("the gradient norm", grad_norm)
+            fault = fault or self._step()
+            if fault is not None:  # undo: no checkpoint ever holds weights that failed the check
+                self.optimizer.zero_grad(set_to_none=True)
+                snapshot.restore()
+                skipped += 1
+                self.guard.skip(fault, self.iteration + 1)
+                continue
+            self.guard.ok()
+            first_ratio = ratio if first_ratio is None else first_ratio
+            for k, v in group_totals.items():
+                totals[k] = totals.get(k, 0.0) + v
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(group)
-            self.optimizer.step()
+            count += len(group)
             update_stats = self.objective.after_update(self.model)
         out = {k: v / max(count, 1) for k, v in totals.items()}
         out.update(update_stats)
+        out["skipped_updates"] = float(skipped)
         if first_ratio is not None:
             out["first_ratio"] = first_ratio
         return out
 
+    def _step(self) -> str | None:
+        """Apply the optimizer step; a fault when it overflows or leaves bad weights (the caller undoes it)."""
+        try:
+            self.optimizer.step()
+        except RuntimeError as err:
+            if "overflow" not in str(err):
+                raise
+            return f"the optimizer step overflowed at optim.lr={self.cfg.optim.lr:g} ({err})"
+        return weight_fault(self.params, self.cfg.train.max_lora_weight)
+
+    def _accumulate(self, batch: RolloutBatch, group: list) -> tuple[str | None, dict[str, float], float | None]:
+        """Backward every micro-batch of one optimizer step; (fault, summed stats, first ratio)."""
+        totals: dict[str, float] = {}
+        first_ratio = None
+        for mb in group:
+            loss, stats = self.objective.loss(self.model, batch, mb)
+            fault = tensor_fault(f"the {self.objective.name} loss", loss)
+            if fault is not None:
+                return fault, {}, None
+            (loss / len(group)).backward()
+            first_ratio = stats.get("ratio") if first_ratio is None else first_ratio
+            for k, v in {"loss": float(loss.detach()), **stats}.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return None, totals, first_ratio
+
+    def _batch_fault(self, batch: RolloutBatch, info: dict[str, Tensor]) -> str | None:
+        """What makes this iteration's rewards or advantages unusable, or None."""
+        components = {k.removeprefix("reward/"): v for k, v in info.items() if k.startswith("reward/")}
+        return reward_fault(batch.rewards, components, self.cfg.train.max_abs_reward) or tensor_fault(
+            "the advantages", batch.advantages
+        )
+
     def train_step(self) -> dict[str, float]:
-        """One iteration; returns scalar metrics."""
+        """One iteration; returns scalar metrics.
+
+        The update is skipped (and counted by :attr:`guard`) when the rewards or advantages are
+        bad, or per optimizer step when a loss, the gradient norm or the new weights are.
+        """
         start = time.perf_counter()
         batch, info = self.collect()
         t_sample = time.perf_counter() - start
-        stats = self.update(batch)
+        fault = self._batch_fault(batch, info)
+        if fault is not None:
+            self.guard.skip(fault, self.iteration + 1)
+            stats = {"skipped_updates": 1.0}
+        elif not bool(batch.keep.any()):
+            print(
+                f"flowrl: warning: iteration {self.iteration + 1}: every prompt group was dropped (constant rewards "
+                "within each group, or no applicable reward); nothing to train on this iteration",
+                file=sys.stderr,
+            )
+            stats = {"skipped_updates": 0.0}
+        else:
+            stats = self.update(batch)
         self.iteration += 1
         stats.update(self.objective.after_iteration(self.model, self.iteration))
         self.samples_seen += len(batch.prompts)
@@ -220,6 +274,7 @@ class Trainer:
             "reward_std": float(batch.rewards.std(unbiased=False)),
             **{k: float(v.float().nanmean()) if v.numel() > 1 else float(v) for k, v in info.items()},
             **{f"train/{k}": v for k, v in stats.items()},
+            "guard/skipped_total": float(self.guard.total),
             "nfe": float(self.model.nfe),
             "prompt_cache/hits": float(self.prompt_cache.hits),
             "prompt_cache/misses": float(self.prompt_cache.misses),
@@ -285,6 +340,7 @@ class Trainer:
             "nfe": self.model.nfe,
             "objective": self.objective.state_dict(),
             "advantage": self.advantage.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -298,7 +354,6 @@ class Trainer:
         self.iteration = int(state["iteration"])
         self.samples_seen = int(state["samples_seen"])
         self.model.nfe = int(state.get("nfe", 0))
-        self.objective.load_state_dict(state.get("objective", {}))
-        self.advantage.load_state_dict(
-            state.get("advantage", {})
-        )  # per-prompt reward history  # scalar state, e.g. SAGE-GRPO's beta
+        self.objective.load_state_dict(state.get("objective", {}))  # scalar state, e.g. SAGE-GRPO's beta
+        self.advantage.load_state_dict(state.get("advantage", {}))  # per-prompt reward history
+        self.guard.load_state_dict(state.get("guard", {}))

@@ -1,0 +1,249 @@
+"""Update guards fire: bad rewards, losses, gradients or weights skip the update, are counted, and stop the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowrl.checkpoint import load_checkpoint
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.guards import UpdateGuard, UpdateGuardError, reward_fault, tensor_fault, weight_fault
+from flowrl.policy import build_policy
+from flowrl.prompts.sets import load_prompts
+from flowrl.rewards import build_multi_reward
+from flowrl.rewards.combine import MultiReward
+from flowrl.trainer import Trainer
+
+FAST = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=3",
+    "sampler.num_steps=3",
+    "sampler.chunk_size=3",
+    "train.eval_seeds=1",
+    "optim.lr=0.01",
+]
+
+SMALL_RUN = [
+    "prompts.per_iteration=2",
+    "prompts.group_size=2",
+    "sampler.num_steps=2",
+    "train.save_every=1",
+    "train.eval_every=1",
+    "train.eval_seeds=1",
+    "train.threads=1",
+    "train.progress=false",
+    "output.grid_seeds=1",
+]
+
+
+def _trainer(model, reward=None, *extra: str) -> Trainer:
+    cfg = load_config(None, FAST + list(extra))
+    prompts = load_prompts("digits-styles")
+    reward = reward or build_multi_reward(cfg.rewards)
+    return Trainer(cfg, build_policy(cfg, model=model, trainable=True), reward, prompts, prompts[:2])
+
+
+def _lora(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.transformer.named_parameters() if "lora_" in n}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the checks themselves ------------------------------------------------------------------
+
+
+def test_reward_fault_names_the_reward_and_the_bound():
+    total = torch.tensor([1.0, 3e38, 0.5])
+    fault = reward_fault(total, {"ink": torch.tensor([1.0, 3e38, 0.5]), "ok": torch.zeros(3)}, 1e6)
+    assert "'ink' returned 3e+38" in fault and "train.max_abs_reward=1e+06" in fault and "'ok'" not in fault
+    assert reward_fault(torch.tensor([1.0, -2.0]), {"ink": torch.tensor([1.0, float("nan")])}, 1e6) is None
+    assert "weighted reward total" in reward_fault(torch.tensor([float("inf")]), {"a": torch.tensor([1.0])}, 1e6)
+
+
+def test_tensor_and_weight_faults():
+    assert tensor_fault("the loss", torch.tensor(1.0)) is None
+    assert tensor_fault("the loss", torch.tensor(float("nan"))) == "the loss is not finite (1 of 1 values)"
+    params = [torch.zeros(3), torch.tensor([1.0, -2.0])]
+    assert weight_fault(params, 10.0) is None
+    assert "2 > train.max_lora_weight=1" in weight_fault(params, 1.0)
+    assert weight_fault([torch.tensor([float("inf")])], 10.0) == "the updated LoRA weights are not finite"
+
+
+def test_guard_stops_after_k_consecutive_and_names_the_first_fault():
+    guard = UpdateGuard(3)
+    guard.skip("A", 1)
+    guard.ok()  # a good step ends the streak
+    guard.skip("B", 3)
+    guard.skip("C", 4)
+    first = "3 consecutive skipped updates; the first bad quantity: B at iteration 3"
+    with pytest.raises(UpdateGuardError, match=first):
+        guard.skip("D", 5)
+    assert guard.total == 4
+    twin = UpdateGuard(3)
+    twin.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert twin.state_dict() == guard.state_dict()
+
+
+# -- the trainer ----------------------------------------------------------------------------
+
+
+def test_exploding_learning_rate_is_undone_and_stops_the_run(tiny_sd3):
+    trainer = _trainer(tiny_sd3, None, "optim.lr=1e10", "train.max_skipped_updates=2")
+    before = _lora(trainer)
+    metrics = trainer.train_step()  # lr 1e10: the step writes |w| ~ 1e10 -> undone
+    assert metrics["train/skipped_updates"] == 1.0 and metrics["guard/skipped_total"] == 1.0
+    assert _equal(_lora(trainer), before)
+    assert all(not v for v in trainer.optimizer.state.values())  # Adam's moments restored too (none yet)
+    with pytest.raises(UpdateGuardError, match="first bad quantity: the updated LoRA weights reach"):
+        trainer.train_step()
+    assert _equal(_lora(trainer), before)
+
+
+def test_adam_overflow_lr_is_caught(tiny_sd3):
+    trainer = _trainer(tiny_sd3, None, "optim.lr=3e38", "train.max_skipped_updates=1")
+    before = _lora(trainer)
+    with pytest.raises(UpdateGuardError, match="optimizer step overflowed at optim.lr=3e"):
+        trainer.train_step()
+    assert _equal(_lora(trainer), before)
+
+
+def test_huge_reward_skips_the_update(tiny_sd3):
+    def huge(images, prompts, **_):
+        return torch.linspace(0, 3e38, images.shape[0])
+
+    reward = MultiReward({"huge": (huge, 1.0)})
+    trainer = _trainer(tiny_sd3, reward, "train.max_skipped_updates=2")
+    before = _lora(trainer)
+    metrics = trainer.train_step()
+    assert metrics["train/skipped_updates"] == 1.0 and _equal(_lora(trainer), before)
+    with pytest.raises(UpdateGuardError, match=r"reward 'huge' returned 3e\+38 .*at iteration 1"):
+        trainer.train_step()
+
+
+def test_one_bad_iteration_is_skipped_and_training_goes_on(tiny_sd3):
+    calls = {"n": 0}
+
+    def flaky(images, prompts, **_):
+        calls["n"] += 1
+        scores = torch.linspace(0, 1, images.shape[0])
+        return scores * 1e9 if calls["n"] == 1 else scores
+
+    reward = MultiReward({"flaky": (flaky, 1.0)})
+    trainer = _trainer(tiny_sd3, reward, "train.max_skipped_updates=2")
+    before = _lora(trainer)
+    assert trainer.train_step()["train/skipped_updates"] == 1.0
+    assert _equal(_lora(trainer), before)
+    second = trainer.train_step()
+    assert second["train/skipped_updates"] == 0.0 and not _equal(_lora(trainer), before)
+    assert trainer.guard.consecutive == 0 and trainer.guard.total == 1
+
+
+def test_nan_loss_is_skipped_not_raised(tiny_sd3, monkeypatch):
+    trainer = _trainer(tiny_sd3, None, "train.max_skipped_updates=5")
+    real_loss = trainer.objective.loss
+
+    def nan_loss(model, batch, mb):
+        loss, stats = real_loss(model, batch, mb)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(trainer.objective, "loss", nan_loss)
+    before = _lora(trainer)
+    metrics = trainer.train_step()
+    assert metrics["train/skipped_updates"] >= 1.0 and _equal(_lora(trainer), before)
+    assert "flow_grpo loss is not finite" in trainer.guard.first_fault
+
+
+def test_healthy_training_never_skips(tiny_sd3):
+    trainer = _trainer(tiny_sd3)
+    for _ in range(2):
+        metrics = trainer.train_step()
+        assert metrics["train/skipped_updates"] == 0.0
+    assert trainer.guard.total == 0
+
+
+def test_every_group_dropped_says_so(tiny_sd3, capsys):
+    def constant(images, prompts, **_):
+        return torch.ones(images.shape[0])
+
+    trainer = _trainer(tiny_sd3, MultiReward({"constant": (constant, 1.0)}))
+    before = _lora(trainer)
+    trainer.train_step()
+    err = capsys.readouterr().err
+    assert "iteration 1: every prompt group was dropped" in err and len(err.strip().splitlines()) == 1
+    assert _equal(_lora(trainer), before) and trainer.guard.total == 0
+
+
+# -- through the CLI: one line, and no checkpoint holds bad weights ------------------------
+
+
+def test_cli_exploding_run_stops_with_one_line_and_good_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        ["train", *SMALL_RUN, "train.iterations=6", "optim.lr=1e10", "train.max_skipped_updates=2", f"output.dir={out}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("flowrl: error: stopped after 2 consecutive skipped updates")
+    assert "the updated LoRA weights reach" in err[0] and "at iteration 1" in err[0]
+    checkpoints = sorted((out / "checkpoints").glob("iter-*"))
+    assert [c.name for c in checkpoints] == ["iter-000001"]  # the skip at iteration 2 raised before saving
+    state = load_checkpoint(checkpoints[0])
+    assert all(torch.isfinite(w).all() and w.abs().max() < 1e3 for w in state["lora"].values())
+    assert state["guard"] == {"consecutive": 1, "total": 1, "first_fault": state["guard"]["first_fault"]}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["train/skipped_updates"] == 1.0
+
+
+def test_cli_huge_plugin_reward_writes_strict_json(tmp_path, monkeypatch, capsys):
+    plugin = tmp_path / "plugins" / "huge_reward.py"
+    plugin.parent.mkdir()
+    plugin.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def factory():
+                def huge(images, prompts, **_):
+                    return torch.tensor([3e38, 1.0]).repeat(images.shape[0])[: images.shape[0]]
+                return huge
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(plugin.parent))
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            *SMALL_RUN,
+            "train.iterations=3",
+            "rewards={huge: {reward: 'huge_reward:factory'}}",
+            "train.max_skipped_updates=3",
+            f"output.dir={out}",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("flowrl: error: stopped after 3 consecutive skipped updates")
+    assert "reward 'huge' returned 3e+38" in err[-1]
+    text = (out / "metrics.jsonl").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    rows = [json.loads(line) for line in text.splitlines()]  # strict JSON: non-finite values are null
+    assert all(v is None or math.isfinite(v) for row in rows for v in row.values())
+    lora = load_file(str(out / "checkpoints" / "iter-000002" / "lora.safetensors"))
+    assert all(torch.isfinite(w).all() for w in lora.values())
+
+
+def test_summary_of_guard_metrics_is_logged(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL_RUN, "train.iterations=1", f"output.dir={out}"]) == 0
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
+    assert row["guard/skipped_total"] == 0.0 and row["train/skipped_updates"] == 0.0
+    assert Path(out / "summary.json").is_file()

@@ -24,6 +24,7 @@ CHECKPOINT_NAME = re.compile(r"iter-(\d+)")
 RESUMABLE_KEYS = (
     "train.iterations",
     "train.time_budget_s",
+    "train.max_skipped_updates",
     "train.eval_every",
     "train.save_every",
     "train.progress",

@@ -218,7 +218,7 @@ class Trainer:
         except RuntimeError as err:
             if "overflow" not in str(err):
                 raise
-            return f"the optimizer step overflowed at optim.lr={self.cfg.optim.lr:g} ({err})"
+            return f"the optimizer step overflowed at lr {self.optimizer.param_groups[0]['lr']:g} ({err})"
         return weight_fault(self.params, self.cfg.train.max_lora_weight)
 
     def _accumulate(self, batch: RolloutBatch, group: list) -> tuple[str | None, dict[str, float], float | None]:

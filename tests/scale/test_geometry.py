@@ -1,0 +1,85 @@
+"""Group geometry over processes, and the accelerate launch that silently starts one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.distributed import derive_geometry, silent_single_process, single_process_message
+
+
+@pytest.mark.parametrize("placement", ["contiguous", "spread"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_partition_the_global_batch(placement, world):
+    ranks = [derive_geometry(4, 4, 3, world, r, placement) for r in range(world)]
+    owned = torch.cat([g.indices() for g in ranks])
+    assert sorted(owned.tolist()) == list(range(16))  # every sample once, on exactly one rank
+    assert all(len(g.indices()) == g.local_samples == 16 // world for g in ranks)
+
+
+def test_contiguous_keeps_groups_whole_and_spread_splits_them():
+    contiguous = derive_geometry(4, 3, 3, 2, 1, "contiguous")
+    assert contiguous.indices().tolist() == [6, 7, 8, 9, 10, 11]  # groups 2 and 3
+    spread = derive_geometry(2, 4, 2, 2, 1, "spread")
+    assert spread.indices().tolist() == [2, 3, 6, 7]  # the second half of each group
+    assert not contiguous.needs_reward_gather("group") and contiguous.needs_reward_gather("global")
+    assert spread.needs_reward_gather("group") and not derive_geometry(4, 3, 3, 1, 0).needs_reward_gather("global")
+    assert spread.local_chunks == 2 and derive_geometry(4, 3, 4, 2, 0).local_chunks == 2
+
+
+def test_impossible_combinations_name_the_numbers():
+    with pytest.raises(
+        ValueError, match=r"prompts.per_iteration=5 .* over 2 processes; use a multiple of 2 \(e.g. 4 or 6\)"
+    ):
+        derive_geometry(5, 4, 4, 2, 0)
+    with pytest.raises(ValueError, match=r"prompts.group_size=6 .* over 4 processes .* \(e.g. 4 or 8\)"):
+        derive_geometry(4, 6, 4, 4, 0, "spread")
+    with pytest.raises(ValueError, match="placement must be one of contiguous, spread"):
+        derive_geometry(4, 4, 4, 2, 0, "round_robin")
+    with pytest.raises(ValueError, match="rank 2 is not in a launch of 2"):
+        derive_geometry(4, 4, 4, 2, 2)
+
+
+def test_silent_single_process_is_detected_from_the_launcher_argv():
+    cpu = {"ACCELERATE_USE_CPU": "True"}
+    assert silent_single_process(cpu, ["accelerate", "launch", "--cpu", "--num_processes", "2", "x.py"]) == 2
+    assert silent_single_process(cpu, ["accelerate", "launch", "--cpu", "--num-processes=4", "x.py"]) == 4
+    assert silent_single_process(cpu, ["accelerate", "launch", "--cpu", "--num_processes", "1"]) == 0
+    assert silent_single_process(cpu, ["accelerate", "launch", "--num_processes"]) == 0
+    assert silent_single_process({**cpu, "WORLD_SIZE": "2"}, ["--num_processes", "2"]) == 0  # really 2
+    assert silent_single_process({}, ["--num_processes", "2"]) == 0
+    assert "--multi_gpu --num_processes 2" in single_process_message(2)
+
+
+def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
+    script = tmp_path / "probe.py"
+    script.write_text("from flowrl.distributed import silent_single_process\nprint('asked', silent_single_process())\n")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [
+            str(accelerate),
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout  # one process, 2 asked for

@@ -12,6 +12,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .rewards.server import RewardServer
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 
@@ -29,12 +33,22 @@ def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
 
 
 def _check_single_process() -> None:
-    """Flowrl trains in one process; refuse a multi-process launch instead of training N copies."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
+    """Refuse a launch that did not start what was asked for, before any work.
+
+    ``accelerate launch --cpu --num_processes N`` silently starts ONE process
+    (:func:`flowrl.distributed.silent_single_process`); ``WORLD_SIZE`` > 1 without a launcher's
+    rendezvous (``MASTER_ADDR``) cannot form a process group.
+    """
+    from .distributed import launch_world_size, silent_single_process, single_process_message
+
+    asked = silent_single_process()
+    if asked:
+        raise ValueError(single_process_message(asked))
+    world = launch_world_size()
+    if world > 1 and not os.environ.get("MASTER_ADDR"):
         raise ValueError(
-            f"flowrl trains on one process per run (WORLD_SIZE={world}); launch with "
-            "`accelerate launch --num_processes 1 -m flowrl train ...` (multi-GPU data parallel is not implemented)"
+            f"WORLD_SIZE={world} but no launcher set MASTER_ADDR; start several processes with "
+            f"`accelerate launch --num_processes {world} -m flowrl train ...` (docs/scale-out.md)"
         )
 
 
@@ -57,6 +71,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     _check_single_process()
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
+    if ns.check:
+        from .resources import check_report
+
+        print(check_report(cfg))
+        return 0
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in config or []
@@ -67,6 +86,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.output.dir = str(run_dir)
     run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
     summary = run.execute()
+    if not run.is_main:  # rank 0 reports for the whole launch
+        return 0
     start, end = summary["start"], summary["end"]
     print(
         f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s; "
@@ -92,11 +113,13 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .outputs import image_grid, save_png
     from .policy import build_policy
     from .prompts.sets import load_prompts
+    from .resources import check_machine
     from .rollouts.chunked import sample_images
     from .runtime import configure_threads
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
+    check_machine(cfg, training=False)
     configure_threads(cfg.train.threads)
     policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
@@ -152,17 +175,17 @@ def cmd_reward_new(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve_reward(ns: argparse.Namespace) -> int:
-    """``flowrl serve-reward``: serve one reward over HTTP until Ctrl-C or the idle timeout.
+    """``flowrl serve-reward``: serve one reward over HTTP until SIGINT, SIGTERM or the idle timeout.
 
     Args:
-        ns: parsed arguments (``name``, ``options``, ``host``, ``port``, ``token``, ``max_body_mb``, ``log``,
-            ``idle_exit``).
+        ns: parsed arguments (``name``, ``options``, ``host``, ``port``, ``token``, ``max_body_mb``,
+            ``max_image_pixels``, ``max_request_pixels``, ``log``, ``idle_exit``).
 
     Returns:
         The exit code, 0.
 
     Raises:
-        ValueError: the server cannot bind to ``host:port``.
+        ValueError: the server cannot bind to ``host:port``, or a limit is not a positive number.
     """
     from .config import parse_overrides
     from .rewards import build_reward
@@ -180,6 +203,8 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
             port=ns.port,
             token=token,
             max_body_mb=ns.max_body_mb,
+            max_image_pixels=ns.max_image_pixels,
+            max_request_pixels=ns.max_request_pixels,
             log=ns.log,
             idle_exit_s=ns.idle_exit,
         )
@@ -192,15 +217,46 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
         f"token {'required' if token else 'off'}); Ctrl-C stops",
         flush=True,
     )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    _serve_until_signal(server)
     if server.stopped_idle:
         print(f"no request for {ns.idle_exit:g} s; stopped", flush=True)
     return 0
+
+
+def _serve_until_signal(server: RewardServer) -> None:
+    """Serve on a thread until SIGINT/SIGTERM or the idle exit, then stop cleanly (``RewardServer.stop``).
+
+    The signal handler only sets a flag (it may run while this thread holds a lock); this thread polls
+    it. A second signal during the drain falls back to the default action (Ctrl-C: KeyboardInterrupt).
+    When a reward is still scoring after the grace period the process ends with ``os._exit``: running
+    interpreter finalization while a thread is inside torch's C++ code aborts the process.
+    """
+    import signal
+    import time
+
+    stop: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        while not stop and server.serving:
+            time.sleep(0.05)
+        if not server.stop():
+            print(
+                f"flowrl: error: reward {server.name!r} was still scoring when the shutdown grace period ended; "
+                "exited without waiting for it",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
@@ -253,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", help="run folder (same as output.dir=...)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     train.add_argument(
+        "--check", action="store_true", help="check the config against this machine (devices, memory) and exit"
+    )
+    train.add_argument(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
         help="continue a run: a run folder (its latest checkpoint that verifies) or runs/X/checkpoints/iter-N",
@@ -288,6 +347,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8765, help="TCP port (0 = any free port)")
     serve.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: $FLOWRL_REWARD_TOKEN)")
     serve.add_argument("--max-body-mb", type=float, default=1024.0, help="largest request accepted")
+    serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=4096 * 4096,
+        help="largest image or frame, height x width, read from the header before decoding (default 4096x4096)",
+    )
+    serve.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=8192 * 8192,
+        help="most pixels of all images of one request, checked before decoding (default 8192x8192)",
+    )
     serve.add_argument("--log", action="store_true", help="print one line per request")
     serve.add_argument(
         "--idle-exit", type=float, metavar="SECONDS", help="stop after SECONDS without a request (default: never)"
@@ -334,12 +405,47 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``flowrl`` console script."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["pretrain-digits"]:  # its own parser owns every option, --help included
-        ns = argparse.Namespace(func=cmd_pretrain_digits, args=argv[1:])
-    else:
-        ns = parse_command_line(build_parser(), argv)
+    """Entry point of the ``flowrl`` console script.
+
+    Args:
+        argv: the arguments after ``flowrl``; None reads ``sys.argv``, and then ``flowrl train`` runs
+            under :mod:`flowrl.supervisor` (a crash of the training process still ends in one line).
+            An explicit ``argv`` always runs in this process.
+
+    Returns:
+        The exit code: 0, 2 for a user error, 130 for Ctrl-C (supervised: the training process's code).
+    """
+    from .supervisor import SUPERVISED_ENV, report_outcome, setup_child, should_supervise, supervise
+
+    if argv is None:
+        argv = sys.argv[1:]
+        if should_supervise(argv, os.environ):
+            return supervise(argv)
+    if os.environ.get(SUPERVISED_ENV):
+        setup_child()
+    try:
+        code = _run(argv)
+    except SystemExit:
+        raise  # a plugin's sys.exit(): not an outcome this process reported (argparse's are, in _run)
+    except BaseException:
+        report_outcome()  # Python prints the traceback
+        raise
+    report_outcome()
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    """Parse ``argv`` and run the command; user errors become one ``flowrl: error:`` line."""
+    try:
+        if argv[:1] == ["pretrain-digits"]:  # its own parser owns every option, --help included
+            ns = argparse.Namespace(func=cmd_pretrain_digits, args=argv[1:])
+        else:
+            ns = parse_command_line(build_parser(), argv)
+    except SystemExit:
+        from .supervisor import report_outcome
+
+        report_outcome()  # argparse printed the usage or the help
+        raise
     try:
         return ns.func(ns)
     except USER_ERRORS as err:

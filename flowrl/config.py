@@ -22,8 +22,18 @@ class ConfigError(ValueError):
     """A bad config key or value (one line: key, file, what is allowed)."""
 
 
-def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> dict[str, Any]:
-    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, note: str = "") -> dict[str, Any]:
+    """Field metadata: the allowed range ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), applied to each item of a list.
+
+    ``note`` is appended to the error message (why the bound exists, what is typical).
+    """
+    return {"lo": lo, "hi": hi, "lo_open": lo_open, "note": note}
+
+
+MAX_SIDE = 16384  # pixels per side of model.resolution; no supported model goes near it
+MAX_STEPS = 1000  # sampler.num_steps, train.eval_steps; flow models sample in 1..100 steps
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 @dataclass
@@ -32,13 +42,15 @@ class ModelConfig:
 
     path: str = "flowrl-digits"  # "flowrl-digits" (embedded) or a local diffusers folder
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    resolution: int | list[int] | None = None  # an int (square) or [height, width]; None = the model's default
+    device: str = "cpu"  # cpu, cuda, cuda:N or mps (checked against the machine by flowrl.resources.check_machine)
+    resolution: int | list[int] | None = field(
+        default=None, metadata=_rng(1, MAX_SIDE, note="pixels per side")
+    )  # an int (square) or [height, width]; None = the model's default
     num_frames: int | None = field(
-        default=None, metadata=_rng(1)
+        default=None, metadata=_rng(1, 1025)
     )  # video models (Wan: 4k + 1); None = the model's default
     distilled_guidance: float | None = field(
-        default=None, metadata=_rng(0)
+        default=None, metadata=_rng(0, 100)
     )  # FLUX.1-dev guidance embedding; None = model default (3.5); null for schnell
 
 
@@ -48,8 +60,8 @@ class PromptConfig:
 
     train: str = "digits-styles"  # built-in set, a .txt/.jsonl/.csv/.json file, or a folder (its train.* file)
     eval: str = "digits-styles"  # same; a folder gives its test.* file
-    per_iteration: int = field(default=20, metadata=_rng(1))  # distinct prompts per iteration
-    group_size: int = field(default=8, metadata=_rng(1))  # samples per prompt (GRPO group K; 1 with per_prompt)
+    per_iteration: int = field(default=20, metadata=_rng(1, 100_000))  # distinct prompts per iteration
+    group_size: int = field(default=8, metadata=_rng(1, 10_000))  # samples per prompt (GRPO group K; 1 with per_prompt)
     test_fraction: float | None = field(
         default=None, metadata=_rng(0, 1, lo_open=True)
     )  # hold out this share of prompts.train (by prompt hash) as the eval set
@@ -61,47 +73,59 @@ class PromptConfig:
 class TreeConfig:
     """Branching tree rollouts (BranchGRPO; flowrl/tree/rollouts.py, docs/trees.md)."""
 
-    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # steps where every node branches
-    factors: list[int] = field(default_factory=lambda: [2])  # children per split: one value, or one per split
+    split_steps: list[int] = field(
+        default_factory=lambda: [0, 3, 6, 9], metadata=_rng(0, MAX_STEPS - 1)
+    )  # steps where every node branches
+    factors: list[int] = field(
+        default_factory=lambda: [2], metadata=_rng(1, 1024)
+    )  # children per split: one value, or one per split
     split_noise_scale: float = field(
         default=4.0, metadata=_rng(0, lo_open=True)
     )  # std multiplier at splits (stored density matches)
     fusion: Literal["mean", "softmax"] = "mean"  # inner-node reward: mean of leaves | softmax over child log-probs
-    depth_prune: list[int] = field(default_factory=list)  # child depths not trained (backward only)
+    depth_prune: list[int] = field(default_factory=list, metadata=_rng(0, MAX_STEPS))  # child depths not trained
     depth_prune_slide_every: int = field(
         default=0, metadata=_rng(0)
     )  # slide the window 1 depth rootward every N iterations
-    depth_prune_stop: int | None = None  # the window stops sliding at this depth (None = last split step)
+    depth_prune_stop: int | None = field(
+        default=None, metadata=_rng(0, MAX_STEPS)
+    )  # the window stops sliding at this depth (None = last split step)
     width_keep: float = field(default=1.0, metadata=_rng(0, 1, lo_open=True))  # share of last-segment edges trained
     width_mode: Literal["best_worst", "per_branch"] = (
         "best_worst"  # per tree: best + worst halves | per last-split node: best children
     )
-    prune_until: int | None = None  # prune only in the first N iterations (None = always)
+    # prune only in the first N iterations (None = always)
+    prune_until: int | None = field(default=None, metadata=_rng(0))
 
 
 @dataclass
 class SamplerConfig:
     """Rollout sampling (``sampler``): sigma schedule, SDE/solver, guidance, SDE windows and tree rollouts."""
 
-    num_steps: int = field(default=10, metadata=_rng(1))
+    num_steps: int = field(default=10, metadata=_rng(1, MAX_STEPS))
     schedule: Literal["linear", "shift", "dynamic_shift", "model"] = (
         "linear"  # "model": the pipeline's own grid (FLUX, Qwen-Image)
     )
     shift: float = field(default=1.0, metadata=_rng(0, lo_open=True))
-    noise_level: float = field(default=0.7, metadata=_rng(0))
-    guidance_scale: float = field(default=1.0, metadata=_rng(0))  # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass
+    noise_level: float = field(default=0.7, metadata=_rng(0, 100))  # sampler.sde: cps needs <= 1
+    # true CFG weight w (SD3, Wan); 1.0 = no CFG, one pass
+    guidance_scale: float = field(default=1.0, metadata=_rng(0, 100))
     sde: Literal["flow", "dance", "cps", "sage"] = "flow"  # SDE step of GRPO-style rollouts (flowrl.samplers.SDE_STEPS)
     # SDE windows for Flow-GRPO (MixGRPO / Flow-GRPO-Fast) and trees (BranchGRPO's mixed ODE/SDE tree, splits stay SDE):
     # noise, storage and training only inside
     window: Literal["none", "random", "progressive", "fixed"] = "none"
-    window_size: int = field(default=2, metadata=_rng(1))
-    window_start: int = field(default=0, metadata=_rng(0))  # "fixed"
-    window_range: list[int] = field(default_factory=lambda: [0, 9])  # "random": window inside [lo, hi)
+    window_size: int = field(default=2, metadata=_rng(1, MAX_STEPS))
+    window_start: int = field(default=0, metadata=_rng(0, MAX_STEPS))  # "fixed"
+    window_range: list[int] = field(
+        default_factory=lambda: [0, 9], metadata=_rng(0, MAX_STEPS)
+    )  # "random": window inside [lo, hi)
     window_shift_every: int = field(default=25, metadata=_rng(1))  # "progressive"
     # rollouts of solver-based objectives (DiffusionNFT, AWM); Flow-GRPO always uses the Flow-SDE
     solver: Literal["euler", "heun", "dpmpp_2m", "sde_window", "tree"] = "dpmpp_2m"  # "tree": leaves of sampler.tree
-    sde_window: list[float] = field(default_factory=lambda: [0.3, 0.9])  # sigma range with noise, for "sde_window"
-    chunk_size: int = field(default=40, metadata=_rng(1))  # rollout micro-batch (also the train micro-batch)
+    sde_window: list[float] = field(
+        default_factory=lambda: [0.3, 0.9], metadata=_rng(0, 1, note="sigmas lie in [0, 1]")
+    )  # sigma range with noise, for "sde_window"
+    chunk_size: int = field(default=40, metadata=_rng(1, 100_000))  # rollout micro-batch (also the train micro-batch)
     tree: TreeConfig = field(default_factory=TreeConfig)  # tree rollouts: BranchGRPO, or solver "tree"
 
 
@@ -115,7 +139,8 @@ class AdvantageConfig:
     clip: float = field(default=5.0, metadata=_rng(0, lo_open=True))
     eps: float = field(default=1e-4, metadata=_rng(0))
     buffer_size: int = field(default=16, metadata=_rng(1))  # per_prompt: last rewards kept per prompt
-    min_count: int = field(default=16, metadata=_rng(1))  # per_prompt: rewards before a prompt's own history is used
+    # per_prompt: rewards before a prompt's own history is used
+    min_count: int = field(default=16, metadata=_rng(1))
 
 
 def validate_advantage(section: AdvantageConfig, group_size: int, where: str) -> None:
@@ -165,7 +190,9 @@ class MemoryConfig:
 class LoraConfig:
     """LoRA adapter of the trained denoiser (``lora``): rank, alpha and target modules."""
 
-    rank: int = field(default=8, metadata=_rng(1))
+    rank: int = field(
+        default=8, metadata=_rng(1, 1024, note="LoRA ranks of 4-128 are usual; above 1024 it is no longer low-rank")
+    )
     alpha: float = field(default=16.0, metadata=_rng(0, lo_open=True))
     targets: list[str] | None = None  # None = the model adapter's defaults
 
@@ -174,11 +201,11 @@ class LoraConfig:
 class OptimConfig:
     """AdamW optimizer of the LoRA weights (``optim``), with gradient-norm clipping."""
 
-    lr: float = field(default=1e-3, metadata=_rng(0, lo_open=True))
-    weight_decay: float = field(default=1e-4, metadata=_rng(0))
-    beta1: float = field(default=0.9, metadata=_rng(0, 1))
+    lr: float = field(default=1e-3, metadata=_rng(0, 1, lo_open=True))
+    weight_decay: float = field(default=1e-4, metadata=_rng(0, 1))  # decoupled: each step scales weights by 1 - lr * wd
+    beta1: float = field(default=0.9, metadata=_rng(0, 1))  # < 1 as well (checked with the section)
     beta2: float = field(default=0.999, metadata=_rng(0, 1))
-    eps: float = field(default=1e-8, metadata=_rng(0, lo_open=True))
+    eps: float = field(default=1e-8, metadata=_rng(0, 1, lo_open=True))
     max_grad_norm: float = field(default=1.0, metadata=_rng(0, lo_open=True))
 
 
@@ -188,12 +215,13 @@ class TrainConfig:
 
     iterations: int = field(default=70, metadata=_rng(1))
     time_budget_s: float | None = field(default=None, metadata=_rng(0, lo_open=True))  # stop early after this many s
-    seed: int = 0
-    threads: int | None = None  # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2
+    seed: int = field(default=0, metadata=_rng(0, MAX_SEED))
+    # torch intra-op threads; None = 1 on <= 2 cores, else cores // 2 (at most 4 x the cores, checked on the machine)
+    threads: int | None = field(default=None, metadata=_rng(1, 1024))
     eval_every: int = field(default=10, metadata=_rng(1))
-    eval_seeds: int = field(default=4, metadata=_rng(1))  # held-out seeds per eval prompt
+    eval_seeds: int = field(default=4, metadata=_rng(1, 10_000))  # held-out seeds per eval prompt
     eval_steps: int | None = field(
-        default=None, metadata=_rng(1)
+        default=None, metadata=_rng(1, MAX_STEPS)
     )  # Euler ODE steps of evaluation; None = sampler.num_steps
     save_every: int = field(default=50, metadata=_rng(1))
     progress: bool = True
@@ -203,13 +231,16 @@ class TrainConfig:
     rewards_async: bool | Literal["thread", "process"] = False
     # rows per decode + score call; null = sampler.chunk_size. Smaller pieces let the trainer score the
     # last chunk together with the worker (async modes), which shortens the part of scoring that can't overlap
-    score_chunk_size: int | None = field(default=None, metadata=_rng(1))
+    score_chunk_size: int | None = field(default=None, metadata=_rng(1, 100_000))
     # update guards: an update whose rewards, advantages, loss, gradients or new LoRA weights are non-finite or
     # exploding is skipped (weights and optimizer state restored) and counted; the run stops after this many
     # consecutive skips, naming the first bad quantity
     max_skipped_updates: int = field(default=3, metadata=_rng(1))
     max_abs_reward: float = field(default=1e6, metadata=_rng(0, lo_open=True))  # |total reward| above it: exploding
     max_lora_weight: float = field(default=1e3, metadata=_rng(0, lo_open=True))  # |LoRA weight| above it: exploding
+    # several processes (accelerate launch): which samples of the global batch each rank owns (flowrl/distributed.py):
+    # contiguous = whole prompt groups per rank | spread = every group split over the ranks
+    placement: Literal["contiguous", "spread"] = "contiguous"
 
 
 @dataclass
@@ -217,7 +248,7 @@ class OutputConfig:
     """Run outputs (``output``): the run folder, the before/after grid columns and the checkpoints kept."""
 
     dir: str = "runs/digits-bold-thin"
-    grid_seeds: int = field(default=4, metadata=_rng(1))  # columns per prompt in the before/after grid
+    grid_seeds: int = field(default=4, metadata=_rng(1, 256))  # columns per prompt in the before/after grid
     keep_checkpoints: int = field(default=3, metadata=_rng(1))  # newest checkpoints/iter-N kept; older ones deleted
 
 
@@ -291,19 +322,33 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{where}: '{key}' must be {_type_name(tp)}; got {value!r}")
+    what = "a finite number" if tp is float and isinstance(value, float) else _type_name(tp)
+    raise ConfigError(f"{where}: '{key}' must be {what}; got {value!r}")
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _in_range(value: Any, meta: dict[str, Any]) -> bool:
+    lo, hi = meta["lo"], meta["hi"]
+    bad_lo = lo is not None and (value <= lo if meta["lo_open"] else value < lo)
+    return not (bad_lo or (hi is not None and value > hi))
 
 
 def _check_range(value: Any, meta: dict[str, Any], key: str, where: str) -> None:
+    """Raise unless ``value`` (each item of a list) lies in the field's ``_rng`` range; None passes."""
     if value is None or "lo" not in meta:
         return
-    lo, hi, lo_open = meta["lo"], meta["hi"], meta["lo_open"]
-    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
-    bad_hi = hi is not None and value > hi
-    if bad_lo or bad_hi:
-        low = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        high = "" if hi is None else f"<= {hi}"
-        raise ConfigError(f"{where}: '{key}' must be {' and '.join(p for p in (low, high) if p)}; got {value!r}")
+    items = value if isinstance(value, list) else [value]
+    if all(_in_range(v, meta) for v in items):
+        return
+    lo, hi = meta["lo"], meta["hi"]
+    low = "" if lo is None else (f"> {_num(lo)}" if meta["lo_open"] else f">= {_num(lo)}")
+    high = "" if hi is None else f"<= {_num(hi)}"
+    what = "items must be" if isinstance(value, list) else "must be"
+    note = f" ({meta['note']})" if meta.get("note") else ""
+    raise ConfigError(f"{where}: '{key}' {what} {' and '.join(p for p in (low, high) if p)}{note}; got {value!r}")
 
 
 def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
@@ -416,9 +461,98 @@ def validate_rewards(rewards: dict[str, Any], where: str) -> None:
     for name, opts in rewards.items():
         if not isinstance(opts, dict):
             raise ConfigError(f"{where}: 'rewards.{name}' must be a mapping like {{weight: 1.0}}; got {opts!r}")
+        if "weight" in opts:
+            opts["weight"] = _as_float(opts["weight"])
         weight = opts.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ConfigError(f"{where}: 'rewards.{name}.weight' must be a finite number; got {weight!r}")
+        _check_reward_weight(str(name), weight, where)
+        if "device" in opts:
+            check_device_string(opts["device"], f"rewards.{name}.device", where)
+
+
+def _as_float(value: Any) -> Any:
+    """A number written as a string ("1e-3": YAML 1.1 reads it as one) as float; anything else unchanged."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _check_reward_weight(name: str, weight: float, where: str) -> None:
+    """The reward library's own bound on ``|weight|`` (:func:`flowrl.rewards.combine.check_weight`)."""
+    from .rewards.combine import check_weight
+
+    try:
+        check_weight(name, weight)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def check_device_string(device: Any, key: str, where: str) -> None:
+    """Refuse a device string torch cannot parse, or one of a kind flowrl does not run on.
+
+    Only the spelling is checked here; whether the device exists is a property of the machine,
+    checked by :func:`flowrl.resources.check_machine` (a config stays loadable anywhere).
+
+    Raises:
+        ConfigError: one line naming the key and the accepted forms.
+    """
+    import torch
+
+    accepted = "use cpu, cuda, cuda:N or mps"
+    if not isinstance(device, str):
+        raise ConfigError(f"{where}: '{key}' must be a device string; got {device!r}; {accepted}")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{where}: '{key}' is not a device torch knows: {device!r}; {accepted}") from None
+    if kind not in DEVICE_TYPES:
+        raise ConfigError(f"{where}: '{key}' names a {kind!r} device, which flowrl does not run on; {accepted}")
+
+
+def validate_sections(cfg: Config, where: str) -> None:
+    """Cross-key checks of the ``model``, ``sampler`` and ``optim`` sections (per-key ranges are checked on load).
+
+    Raises:
+        ConfigError: the first bad combination, naming its keys and the fix.
+    """
+    check_device_string(cfg.model.device, "model.device", where)
+    paths = {"model.path": cfg.model.path, "prompts.train": cfg.prompts.train, "prompts.eval": cfg.prompts.eval}
+    paths.update({"prompts.cache_dir": cfg.prompts.cache_dir, "output.dir": cfg.output.dir})
+    for key, value in paths.items():
+        _check_path_string(value, key, where)
+    for key in ("beta1", "beta2"):
+        beta = getattr(cfg.optim, key)
+        if beta >= 1:
+            raise ConfigError(f"{where}: 'optim.{key}' must be < 1 (AdamW divides by 1 - beta); got {beta}")
+    _check_sampler(cfg.sampler, where)
+
+
+def _check_path_string(value: str | None, key: str, where: str) -> None:
+    """Refuse a path no filesystem takes: a NUL byte, or a name longer than 255 bytes (the usual NAME_MAX)."""
+    if value is None:
+        return
+    if "\x00" in value:
+        raise ConfigError(f"{where}: '{key}' holds a NUL character; remove it")
+    if any(len(part.encode()) > 255 for part in Path(value).parts):
+        raise ConfigError(f"{where}: '{key}' has a file or folder name longer than 255 bytes; use a shorter name")
+
+
+def _check_sampler(s: SamplerConfig, where: str) -> None:
+    if s.sde == "cps" and s.noise_level > 1:
+        raise ConfigError(f"{where}: 'sampler.noise_level' must be <= 1 with sampler.sde=cps; got {s.noise_level}")
+    pairs = {"sde_window": s.sde_window, "window_range": s.window_range}
+    for key, pair in pairs.items():
+        if len(pair) != 2 or pair[0] > pair[1]:
+            raise ConfigError(f"{where}: 'sampler.{key}' must be [lo, hi] with lo <= hi; got {pair}")
+    if s.window != "none" and s.window_size > s.num_steps:
+        raise ConfigError(
+            f"{where}: 'sampler.window_size' ({s.window_size}) must be <= sampler.num_steps ({s.num_steps}); "
+            "lower window_size or raise num_steps"
+        )
 
 
 def _read_layers(paths: list[str | Path]) -> dict[str, Any]:
@@ -464,6 +598,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
         where = f"{where} + command line"
     cfg = _build(Config, data, "", where)
     validate_rewards(cfg.rewards, where)
+    validate_sections(cfg, where)
     validate_advantage(cfg.advantage, cfg.prompts.group_size, where)
     cfg.objective = validate_objective(cfg.objective, where)
     return cfg

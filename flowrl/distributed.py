@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +78,12 @@ class Geometry:
         within = torch.arange(r * share, (r + 1) * share)
         return (torch.arange(self.prompts)[:, None] * self.group_size + within[None, :]).flatten()
 
+    def owned_mask(self) -> Tensor:
+        """(B,) bool: True on the rows of the global batch this rank owns."""
+        mask = torch.zeros(self.global_samples, dtype=torch.bool)
+        mask[self.indices()] = True
+        return mask
+
     def needs_reward_gather(self, std: str) -> bool:
         """Whether advantages need the other ranks' rewards (``advantage.std``: global | group | none)."""
         return self.world_size > 1 and (self.placement == "spread" or std == "global")
@@ -117,6 +123,36 @@ def derive_geometry(
             f"use a multiple of {world_size} (e.g. {_multiples(group_size, world_size)}) or placement contiguous"
         )
     return Geometry(world_size, rank, placement, prompts, group_size, chunk_size)  # type: ignore[arg-type]
+
+
+def check_rollout_split(geometry: Geometry, rollout_kind: str) -> None:
+    """Check that a rollout kind can be split over the ranks as ``geometry`` says.
+
+    Trees (kinds ``tree`` and ``tree_leaves``) are whole prompt groups, so they need contiguous
+    placement. Flat micro-batches (every kind but ``tree``, whose micro-batches are tree frontier
+    chunks) must each lie on one rank, so the rollout and the update see the batch geometry of a
+    one-process run: ``sampler.chunk_size`` must divide the samples a rank holds in a row.
+
+    Raises:
+        ValueError: an impossible combination, naming the numbers to change.
+    """
+    g = geometry
+    if g.world_size == 1:
+        return
+    if rollout_kind in ("tree", "tree_leaves") and g.placement != "contiguous":
+        raise ValueError(
+            f"tree rollouts keep each prompt's tree on one rank; set train.placement=contiguous (got {g.placement})"
+        )
+    if rollout_kind == "tree":
+        return
+    run = g.local_samples if g.placement == "contiguous" else g.group_size // g.world_size
+    if run % g.chunk_size:
+        fits = max(d for d in range(1, g.chunk_size + 1) if run % d == 0)
+        raise ValueError(
+            f"sampler.chunk_size={g.chunk_size} must divide the {run} samples each rank holds in a row "
+            f"(prompts.per_iteration={g.prompts} x prompts.group_size={g.group_size} over {g.world_size} processes, "
+            f"{g.placement} placement); use sampler.chunk_size={fits} or change the batch"
+        )
 
 
 def _multiples(value: int, of: int) -> str:
@@ -168,3 +204,126 @@ def _parent_cmdline() -> list[str]:
     except OSError:  # not Linux, or the parent is gone
         return []
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+class Collective:
+    """This process's place in the launch and the few collectives training needs.
+
+    On one process every collective is the identity. On several it wraps an
+    ``accelerate.Accelerator`` (its process group: gloo on CPU, NCCL on GPUs) and uses accelerate's
+    operations (``gather``, ``reduce``, ``gather_object``, ``wait_for_everyone``).
+
+    Args:
+        accelerator: the run's ``Accelerator``; None for one process.
+    """
+
+    def __init__(self, accelerator: Any = None) -> None:
+        self.accelerator = accelerator
+        self.rank = 0 if accelerator is None else int(accelerator.process_index)
+        self.world_size = 1 if accelerator is None else int(accelerator.num_processes)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs, evaluates and writes the run folder."""
+        return self.rank == 0
+
+    def gather(self, local: Tensor) -> Tensor:
+        """Every rank's ``local`` (b, ...) concatenated in rank order: (W * b, ...), on ``local``'s device."""
+        if self.accelerator is None:
+            return local
+        return self.accelerator.gather(local.contiguous().to(self.accelerator.device)).to(local.device)
+
+    def sum(self, value: Tensor) -> Tensor:
+        """The sum over ranks of ``value`` (same shape on every rank), on ``value``'s device."""
+        if self.accelerator is None:
+            return value
+        return self.accelerator.reduce(value.to(self.accelerator.device), reduction="sum").to(value.device)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank."""
+        return bool(self.sum(torch.tensor([float(flag)])).item() > 0)
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's picklable ``value``, in rank order."""
+        if self.accelerator is None:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """Leave the process group (several processes; no-op on one)."""
+        if self.accelerator is not None:
+            self.accelerator.end_training()
+
+
+def launch_world_size(environ: dict[str, str] | None = None) -> int:
+    """Processes in this launch (``WORLD_SIZE``, 1 when not launched by a distributed launcher)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("WORLD_SIZE", "1") or 1)
+
+
+def join_launch() -> Collective:
+    """The :class:`Collective` of this launch: an ``accelerate.Accelerator`` when ``WORLD_SIZE`` > 1."""
+    if launch_world_size() == 1:
+        return Collective()
+    from accelerate import Accelerator
+
+    return Collective(Accelerator())
+
+
+def gather_rows(collective: Collective, geometry: Geometry, local: Tensor) -> Tensor:
+    """Every rank's owned rows (b, ...) put back in global order: (B, ...), the same on every rank."""
+    parts = collective.gather(local)
+    if geometry.placement == "contiguous" or geometry.world_size == 1:
+        return parts
+    order = torch.cat([geometry.indices(r) for r in range(geometry.world_size)]).to(parts.device)
+    out = torch.empty_like(parts)
+    out[order] = parts
+    return out
+
+
+def sum_gradients(params: Sequence[Tensor], collective: Collective) -> None:
+    """Replace every parameter's gradient by its sum over the ranks (one flat all-reduce).
+
+    A gradient that is None on every rank stays None (AdamW then skips the parameter, as on one
+    process); one that is None on some ranks counts as zeros there.
+    """
+    if collective.world_size == 1 or not params:
+        return
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    has = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+    flat = collective.sum(torch.cat([has.double(), *(g.reshape(-1).double() for g in grads)]))
+    offset = len(params)
+    for i, p in enumerate(params):
+        n = p.numel()
+        p.grad = None if flat[i] == 0 else flat[offset : offset + n].reshape(p.shape).to(grads[i].dtype)
+        offset += n
+
+
+def agree_fault(collective: Collective, fault: str | None) -> str | None:
+    """The first rank's update fault, on every rank: a bad loss on any rank skips the step on all of them."""
+    if collective.world_size == 1:
+        return fault
+    faults = [f for f in collective.gather_objects(fault) if f is not None]
+    return faults[0] if faults else None
+
+
+def merge_totals(
+    collective: Collective, totals: dict[str, float], first: tuple[int, float] | None
+) -> tuple[dict[str, float], tuple[int, float] | None]:
+    """Sum the ranks' per-micro-batch statistics; keep the (plan position, value) that comes first in the plan."""
+    if collective.world_size == 1:
+        return totals, first
+    merged: dict[str, float] = {}
+    firsts = []
+    for part, part_first in collective.gather_objects((totals, first)):
+        for k, v in part.items():
+            merged[k] = merged.get(k, 0.0) + v
+        firsts += [tuple(part_first)] if part_first is not None else []
+    return merged, min(firsts) if firsts else None

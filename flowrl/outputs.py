@@ -138,7 +138,10 @@ class MetricsLogger:
 
         self.path = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, float]] = [] if resume_step is None else self._cut(resume_step)
-        purge = None if resume_step is None else resume_step + 1
+        # a fresh run writes a SessionLog.START too (purge_step=0 purges nothing): TensorBoard's
+        # server-side reader (`tensorboard --load_fast=false`) takes a run's first START as the
+        # session's start and purges only at later ones, so the first resume's purge needs it
+        purge = 0 if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def _cut(self, step: int) -> list[dict[str, float]]:

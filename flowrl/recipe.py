@@ -24,6 +24,7 @@ import yaml
 
 from .checkpoint import save_checkpoint
 from .config import Config, to_dict
+from .distributed import Collective, Geometry, check_rollout_split, derive_geometry, join_launch
 from .models.digits import EVAL_REPORTS
 from .outputs import (
     MetricsLogger,
@@ -36,9 +37,11 @@ from .outputs import (
 from .policy import build_policy
 from .prompts.files import Prompt
 from .prompts.sets import holdout_split, load_prompts
+from .resources import check_machine
 from .resume import Resume, check_resume_config, find_resume, prune_checkpoints
+from .rollouts.collect import rollout_kind
 from .runtime import configure_threads
-from .trainer import Trainer
+from .trainer import Trainer, build_objective
 
 GRID_SEED_BASE = 2_000_000
 GRID_MAX_PROMPTS = 20
@@ -60,15 +63,28 @@ def load_run_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
     return load_prompts(p.train, split="train"), load_prompts(p.eval, split="test")
 
 
+def batch_geometry(cfg: Config, collective: Collective) -> Geometry:
+    """The rows of the global batch this process owns (``train.placement``), checked against the rollout kind.
+
+    Raises:
+        ValueError: the batch does not split over the processes (the message names the numbers).
+    """
+    p, c = cfg.prompts, collective
+    chunk = cfg.sampler.chunk_size
+    geometry = derive_geometry(p.per_iteration, p.group_size, chunk, c.world_size, c.rank, cfg.train.placement)
+    check_rollout_split(geometry, rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver))
+    return geometry
+
+
 def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[int]]:
     chosen = prompts[:GRID_MAX_PROMPTS]
     return [p for p in chosen for _ in range(seeds)], [GRID_SEED_BASE + j for _ in chosen for j in range(seeds)]
 
 
-def logged_start_eval(rows: list[dict[str, float]]) -> dict[str, float]:
-    """The ``eval/*`` figures a run logged at step 0 (empty when its metrics hold no such row)."""
+def logged_eval(rows: list[dict[str, float]], step: int) -> dict[str, float]:
+    """The ``eval/*`` figures a run logged at ``step`` (empty when its metrics hold no such row)."""
     for row in rows:
-        if row["step"] == 0:
+        if row["step"] == step:
             return {k: v for k, v in row.items() if k.startswith("eval/")}
     return {}
 
@@ -82,10 +98,28 @@ class Run:
         resume: a run folder (its latest checkpoint that verifies) or a checkpoint folder to
             continue from; its config must match ``cfg`` outside the resumable keys
             (:data:`flowrl.resume.RESUMABLE_KEYS`).
+        collective: the launch this process is part of; default :func:`flowrl.distributed.join_launch`
+            (an ``accelerate.Accelerator`` under ``accelerate launch`` with several processes).
+
+    On several processes every rank trains on its rows of the global batch (``docs/scale-out.md``);
+    only rank 0 evaluates, logs and writes the run folder, and every rank resumes from its checkpoints.
     """
 
-    def __init__(self, cfg: Config, *, overwrite: bool = False, resume: str | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        overwrite: bool = False,
+        resume: str | None = None,
+        collective: Collective | None = None,
+    ):
         self.cfg = cfg
+        self.collective = collective or join_launch()
+        self.is_main = self.collective.is_main
+        if self.collective.world_size > 1 and cfg.model.device == "cuda":  # one GPU per rank
+            cfg.model.device = str(self.collective.accelerator.device)
+        batch_geometry(cfg, self.collective)  # an impossible split fails before the model loads
+        check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
         self.out = Path(cfg.output.dir)
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
             raise FileExistsError(
@@ -97,8 +131,10 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         reward = build_reward(cfg)
-        self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), reward, train_prompts, eval_prompts)
+        policy = build_policy(cfg, trainable=True)
+        self.trainer = Trainer(cfg, policy, reward, train_prompts, eval_prompts, collective=self.collective)
         self.eval_report = EVAL_REPORTS.get(cfg.model.path)  # model-specific figures, e.g. the embedded style report
+        self.collective.barrier()  # every rank checked the folder before rank 0 writes to it
 
     def _find_resume(self, path: str) -> Resume:
         found = find_resume(path)
@@ -118,28 +154,46 @@ class Run:
         return metrics
 
     def execute(self) -> dict[str, Any]:
-        """Train, writing the run folder; returns the summary dict."""
+        """Train, writing the run folder (rank 0); returns the summary dict (rank 0's; other ranks: no figures)."""
         trainer = self.trainer
-        before = self._grid()  # the base model's grid, on resume too (the LoRA is loaded below)
+        try:
+            logger, before, start_eval = self._start() if self.is_main else (None, None, {})
+            if self.resume is not None:
+                trainer.load_state_dict(self.resume.state)
+            t0 = time.perf_counter()
+            try:
+                end_eval = self._loop(logger, t0)
+                if not end_eval and logger is not None:
+                    # a run resumed from its final checkpoint trains no step: its end figures are the ones
+                    # logged at that step (or evaluated now, when that step logged none)
+                    end_eval = logged_eval(logger.rows, trainer.iteration) or self._evaluate()
+            finally:
+                if logger is not None:
+                    logger.close()
+                trainer.close()
+            wall = time.perf_counter() - t0
+            if not self.is_main:
+                self.collective.barrier()  # rank 0 writes the final outputs
+                return {"iterations": trainer.iteration, "samples_seen": trainer.samples_seen, "start": {}, "end": {}}
+            summary = self._finish(self.out, logger, before, start_eval, end_eval, wall)
+            self.collective.barrier()
+            return summary
+        finally:
+            self.collective.close()
+
+    def _start(self) -> tuple[MetricsLogger, torch.Tensor, dict[str, float]]:
+        """Rank 0: the base model's grid, the run folder and its metrics, and the start evaluation."""
+        before = self._grid()  # the base model's grid, on resume too (the LoRA is loaded after this)
         if self.resume is None:
             start_eval = self._evaluate()  # also probes every reward before the folder is touched
             out = prepare_run_dir(self.out, self.overwrite)
             logger = self._open_logger(out, resume_step=None)
-            logger.log(trainer.iteration, start_eval)
+            logger.log(self.trainer.iteration, start_eval)
         else:  # the run keeps its rows up to the checkpoint and logs no extra row
-            out = self.out
-            out.mkdir(parents=True, exist_ok=True)
-            logger = self._open_logger(out, resume_step=int(self.resume.state["iteration"]))
-            start_eval = logged_start_eval(logger.rows) or self._evaluate()
-            trainer.load_state_dict(self.resume.state)
-        t0 = time.perf_counter()
-        try:
-            end_eval = self._loop(logger, t0)
-        finally:
-            logger.close()
-            trainer.close()
-        wall = time.perf_counter() - t0
-        return self._finish(out, logger, before, start_eval, end_eval, wall)
+            self.out.mkdir(parents=True, exist_ok=True)
+            logger = self._open_logger(self.out, resume_step=int(self.resume.state["iteration"]))
+            start_eval = logged_eval(logger.rows, 0) or self._evaluate()
+        return logger, before, start_eval
 
     def _open_logger(self, out: Path, resume_step: int | None) -> MetricsLogger:
         """Write the resolved config and open the metrics (cut back to ``resume_step`` on resume)."""
@@ -153,7 +207,7 @@ class Run:
         save_checkpoint(state, self.out / "checkpoints" / f"iter-{it:06d}")
         prune_checkpoints(self.out, self.cfg.output.keep_checkpoints, upto=it)
 
-    def _loop(self, logger: MetricsLogger, t0: float) -> dict[str, float]:
+    def _loop(self, logger: MetricsLogger | None, t0: float) -> dict[str, float]:
         from tqdm import tqdm
 
         cfg, trainer = self.cfg, self.trainer
@@ -161,7 +215,7 @@ class Run:
         bar = tqdm(
             total=cfg.train.iterations,
             initial=trainer.iteration,
-            disable=not cfg.train.progress,
+            disable=not (cfg.train.progress and self.is_main),
             unit="it",
             dynamic_ncols=True,
         )
@@ -171,6 +225,11 @@ class Run:
             done = trainer.iteration >= cfg.train.iterations or (
                 budget is not None and time.perf_counter() - t0 >= budget
             )
+            done = self.collective.any(done) if self.collective.world_size > 1 else done  # every rank stops together
+            if logger is None:  # another rank: rank 0 evaluates, logs and checkpoints
+                if done:
+                    break
+                continue
             if trainer.iteration % cfg.train.eval_every == 0 or done:
                 end_eval = self._evaluate()
                 metrics.update(end_eval)

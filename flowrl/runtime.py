@@ -13,15 +13,36 @@ def default_threads() -> int:
     return 1 if cores <= 2 else max(1, cores // 2)
 
 
-def configure_threads(threads: int | None) -> int:
-    """Set torch's intra-op thread count and return it.
+THREADS_PER_CORE = 4
+"""``train.threads`` may oversubscribe the cores at most this many times over."""
+
+
+def check_threads(threads: int | None) -> int:
+    """The thread count ``train.threads`` asks for on this machine (None = :func:`default_threads`).
 
     Raises:
-        ValueError: for a non-positive count.
+        ValueError: a non-positive count, or more than :data:`THREADS_PER_CORE` x the cores (torch
+            would start that many threads per operation until the host's limits are hit).
     """
     n = default_threads() if threads is None else threads
     if n < 1:
         raise ValueError(f"train.threads must be >= 1 (or null for the default); got {threads}")
+    cores = os.cpu_count() or 1
+    if n > THREADS_PER_CORE * cores:
+        raise ValueError(
+            f"train.threads={threads} but this machine has {cores} CPU cores; "
+            f"use at most {THREADS_PER_CORE * cores}, or train.threads=null for the default ({default_threads()})"
+        )
+    return n
+
+
+def configure_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count and return it.
+
+    Raises:
+        ValueError: for a non-positive count or one far above the machine's cores (:func:`check_threads`).
+    """
+    n = check_threads(threads)
     torch.set_num_threads(n)
     return n
 

@@ -18,8 +18,18 @@ from torch import Tensor
 from .advantages import AdvantageEstimator
 from .advantages.group import AdvantageStats
 from .config import Config
+from .distributed import (
+    Collective,
+    agree_fault,
+    check_rollout_split,
+    derive_geometry,
+    gather_rows,
+    merge_totals,
+    sum_gradients,
+)
 from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
 from .objectives import OBJECTIVES, Objective, RolloutBatch
+from .objectives.planning import owned_microbatch
 from .policy import Policy
 from .policy.lora import adapter_names, load_lora_state, lora_state_dict, use_adapter
 from .policy.memory import trainable_attention
@@ -51,13 +61,22 @@ class Trainer:
         reward: the weighted rewards (``(total (B,), components)`` per batch).
         train_prompts: prompts to sample groups from.
         eval_prompts: prompts for held-out-seed evaluation.
+        collective: this process's place in a launch (:func:`flowrl.distributed.join_launch`); None =
+            one process. Each rank trains on the rows it owns (``train.placement``), gradients summed.
 
     Raises:
-        ValueError: the policy has no trainable LoRA parameters.
+        ValueError: no trainable LoRA parameters, or the batch does not split over the processes.
     """
 
     def __init__(
-        self, cfg: Config, policy: Policy, reward: MultiReward, train_prompts: list[Prompt], eval_prompts: list[Prompt]
+        self,
+        cfg: Config,
+        policy: Policy,
+        reward: MultiReward,
+        train_prompts: list[Prompt],
+        eval_prompts: list[Prompt],
+        *,
+        collective: Collective | None = None,
     ):
         if not policy.params:
             raise ValueError(
@@ -87,6 +106,13 @@ class Trainer:
             sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         )
         self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
+        self.collective = collective or Collective()
+        c, p = self.collective, cfg.prompts
+        self.geometry = derive_geometry(
+            p.per_iteration, p.group_size, s.chunk_size, c.world_size, c.rank, cfg.train.placement
+        )
+        check_rollout_split(self.geometry, self.rollout_kind)
+        self.owned = self.geometry.owned_mask() if self.collective.world_size > 1 else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
@@ -157,6 +183,8 @@ class Trainer:
             advantage_clip=self.cfg.advantage.clip,
             tree=self.tree,
             solver_levels=self.solver_levels,
+            owned=self.owned,
+            gather_rows=lambda local: gather_rows(self.collective, self.geometry, local),
         )
 
     def advantages(
@@ -181,16 +209,20 @@ class Trainer:
 
     def _update(self, batch: RolloutBatch) -> dict[str, float]:
         totals: dict[str, float] = {}
-        count = skipped = 0
-        first_ratio = None
+        count = skipped = position = 0
+        first: tuple[int, float] | None = None  # (position in the plan, ratio) of the first trained micro-batch
         update_stats: dict[str, float] = {}
         for group in self.objective.plan(batch, self.generator):
+            mine = [(position + i, m) for i, mb in enumerate(group) if (m := owned_microbatch(mb, batch, self.owned))]
+            position += len(group)
             self.optimizer.zero_grad(set_to_none=True)
             snapshot = StepSnapshot(self.params, self.optimizer)
-            fault, group_totals, ratio = self._accumulate(batch, group)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
-            fault = fault or tensor_fault("the gradient norm", grad_norm)
-            fault = fault or self._step()
+            fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
+            fault = agree_fault(self.collective, fault)
+            if fault is None:
+                sum_gradients(self.params, self.collective)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+                fault = tensor_fault("the gradient norm", grad_norm) or self._step()
             if fault is not None:  # undo: no checkpoint ever holds weights that failed the check
                 self.optimizer.zero_grad(set_to_none=True)
                 snapshot.restore()
@@ -198,17 +230,22 @@ class Trainer:
                 self.guard.skip(fault, self.iteration + 1)
                 continue
             self.guard.ok()
-            first_ratio = ratio if first_ratio is None else first_ratio
+            first = ratio if first is None else first
             for k, v in group_totals.items():
                 totals[k] = totals.get(k, 0.0) + v
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(group)
+            totals["grad_norm"] = (
+                totals.get("grad_norm", 0.0) + float(grad_norm) * len(group) / self.collective.world_size
+            )
             count += len(group)
+            if self.collective.world_size > 1:
+                self.objective.sync_step(self.collective.sum, len(group))
             update_stats = self.objective.after_update(self.model)
+        totals, first = merge_totals(self.collective, totals, first)
         out = {k: v / max(count, 1) for k, v in totals.items()}
         out.update(update_stats)
         out["skipped_updates"] = float(skipped)
-        if first_ratio is not None:
-            out["first_ratio"] = first_ratio
+        if first is not None:
+            out["first_ratio"] = first[1]
         return out
 
     def _step(self) -> str | None:
@@ -221,20 +258,26 @@ class Trainer:
             return f"the optimizer step overflowed at lr {self.optimizer.param_groups[0]['lr']:g} ({err})"
         return weight_fault(self.params, self.cfg.train.max_lora_weight)
 
-    def _accumulate(self, batch: RolloutBatch, group: list) -> tuple[str | None, dict[str, float], float | None]:
-        """Backward every micro-batch of one optimizer step; (fault, summed stats, first ratio)."""
+    def _accumulate(
+        self, batch: RolloutBatch, mine: list[tuple[int, Any]], size: int
+    ) -> tuple[str | None, dict[str, float], tuple[int, float] | None]:
+        """Backward this rank's micro-batches of one optimizer step of ``size`` micro-batches in all.
+
+        Returns (fault, summed stats, (plan position, ratio) of the first micro-batch).
+        """
         totals: dict[str, float] = {}
-        first_ratio = None
-        for mb in group:
+        first = None
+        for pos, mb in mine:
             loss, stats = self.objective.loss(self.model, batch, mb)
             fault = tensor_fault(f"the {self.objective.name} loss", loss)
             if fault is not None:
                 return fault, {}, None
-            (loss / len(group)).backward()
-            first_ratio = stats.get("ratio") if first_ratio is None else first_ratio
+            (loss / size).backward()
+            if first is None and "ratio" in stats:
+                first = (pos, stats["ratio"])
             for k, v in {"loss": float(loss.detach()), **stats}.items():
                 totals[k] = totals.get(k, 0.0) + v
-        return None, totals, first_ratio
+        return None, totals, first
 
     def _batch_fault(self, batch: RolloutBatch, info: dict[str, Tensor]) -> str | None:
         """What makes this iteration's rewards or advantages unusable, or None."""
@@ -249,7 +292,7 @@ class Trainer:
         The update is skipped (and counted by :attr:`guard`) when the rewards or advantages are
         bad, or per optimizer step when a loss, the gradient norm or the new weights are.
         """
-        start = time.perf_counter()
+        start, nfe = time.perf_counter(), self.model.nfe
         batch, info = self.collect()
         t_sample = time.perf_counter() - start
         fault = self._batch_fault(batch, info)
@@ -267,6 +310,8 @@ class Trainer:
             stats = self.update(batch)
         self.iteration += 1
         stats.update(self.objective.after_iteration(self.model, self.iteration))
+        if self.collective.world_size > 1:  # every rank counts the model evaluations of all ranks
+            self.model.nfe = nfe + int(self.collective.sum(torch.tensor([self.model.nfe - nfe])).item())
         self.samples_seen += len(batch.prompts)
         metrics = {
             "iteration": float(self.iteration),

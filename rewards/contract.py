@@ -14,11 +14,25 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from .deadline import DeadlineExceeded, call_with_deadline
+
 _RANGE_TOL = 1e-3
 
 
 class RewardError(ValueError):
     """A reward failed or returned something that breaks the reward contract."""
+
+
+class RewardTimeout(RewardError):
+    """A reward call did not return within its deadline (``timeout_s``)."""
+
+
+def timeout_message(name: str, timeout_s: float, batch_index: int | str | None = None) -> str:
+    """The one line for a reward that missed its deadline: names the reward, the deadline and the fix."""
+    return (
+        f"{_where(name, batch_index)} did not return within its deadline of {timeout_s:g} s; "
+        f"fix the reward if it hangs, or raise rewards.{name}.timeout_s if it is just slow"
+    )
 
 
 @runtime_checkable
@@ -159,6 +173,7 @@ def score_reward(
     *,
     batch_index: int | str | None = None,
     allow_all_nan: bool = False,
+    timeout_s: float | None = None,
 ) -> Tensor:
     """Call a reward, wrapping its failures, and check its output.
 
@@ -170,15 +185,23 @@ def score_reward(
         metadata: per-sample extras passed as keyword arguments.
         batch_index: optional batch index for error messages.
         allow_all_nan: see :func:`check_reward_output`.
+        timeout_s: deadline of the call in seconds (:func:`~flowrl.rewards.deadline.call_with_deadline`);
+            None calls ``fn`` directly (a reward that bounds its own time, e.g. a remote one).
 
     Returns:
         Scores (B,) float32.
 
     Raises:
+        RewardTimeout: the call did not return within ``timeout_s``.
         RewardError: the reward raised (chained with ``from``) or broke the contract.
     """
     try:
-        output = fn(images, prompts, **dict(metadata or {}))
+        if timeout_s is None:
+            output = fn(images, prompts, **dict(metadata or {}))
+        else:
+            output = call_with_deadline(fn, timeout_s, (images, prompts), dict(metadata or {}), name=name)
+    except DeadlineExceeded:
+        raise RewardTimeout(timeout_message(name, float(timeout_s or 0), batch_index)) from None
     except RewardError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure inside a reward is re-raised with its name

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from .combine import MultiReward, check_weight
 from .contract import RewardError, RewardFn
+from .deadline import DEFAULT_TIMEOUT_S, check_timeout
 
 ENTRY_POINT_GROUP = "flowrl.rewards"
 BUILTIN_SOURCE = "flowrl"
@@ -224,7 +225,10 @@ def build_multi_reward(spec: Mapping[str, Mapping[str, Any] | None]) -> MultiRew
     """Build the weighted :class:`~flowrl.rewards.combine.MultiReward` of a config ``rewards:`` section.
 
     Args:
-        spec: ``{name: {"weight": float, **factory_options}}``. ``weight`` defaults to 1.0. An
+        spec: ``{name: {"weight": float, "timeout_s": float, **factory_options}}``. ``weight`` defaults
+            to 1.0. ``timeout_s`` is the deadline of one call of the reward (default
+            :data:`~flowrl.rewards.deadline.DEFAULT_TIMEOUT_S`); a remote reward (a factory with
+            ``bounds_own_time = True``) receives it instead as the deadline of each HTTP attempt. An
             optional ``"reward"`` key names the factory when the entry's key is only a label, e.g.
             ``{"ink_bold": {"reward": "ink", "target": "bold", "weight": 0.5}}``.
 
@@ -232,12 +236,13 @@ def build_multi_reward(spec: Mapping[str, Mapping[str, Any] | None]) -> MultiRew
         The MultiReward whose components are keyed by the spec's names.
 
     Raises:
-        ValueError: empty spec, an entry that is not a mapping, or a non-finite weight.
+        ValueError: empty spec, an entry that is not a mapping, a non-finite weight or a timeout that
+            is not a finite number > 0.
         RewardError: a reward failed to build.
     """
     if not isinstance(spec, Mapping) or not spec:
         raise ValueError(f"rewards spec must be a non-empty mapping {{name: {{weight: 1.0, ...}}}}; got {spec!r}")
-    rewards: dict[str, tuple[RewardFn, float]] = {}
+    rewards: dict[str, tuple[RewardFn, float, float | None]] = {}
     for label, entry in spec.items():
         if entry is None:
             entry = {}
@@ -246,8 +251,24 @@ def build_multi_reward(spec: Mapping[str, Mapping[str, Any] | None]) -> MultiRew
         options = dict(entry)
         weight = check_weight(str(label), options.pop("weight", 1.0))
         factory_name = options.pop("reward", label)
-        rewards[str(label)] = (build_reward(factory_name, **options), weight)
+        timeout = _deadline(str(label), factory_name, options)
+        rewards[str(label)] = (build_reward(factory_name, **options), weight, timeout)
     return MultiReward(rewards)
+
+
+def _deadline(label: str, factory_name: object, options: dict[str, Any]) -> float | None:
+    """Pop the common option ``timeout_s``: the call's deadline, or None for a reward that bounds its own time.
+
+    A factory with ``bounds_own_time = True`` (the remote reward) gets ``timeout_s`` back in ``options``.
+    """
+    given = "timeout_s" in options
+    timeout = check_timeout(label, options.pop("timeout_s")) if given else DEFAULT_TIMEOUT_S
+    factory = resolve_factory(factory_name)  # type: ignore[arg-type]
+    if not getattr(getattr(factory, "func", factory), "bounds_own_time", False):
+        return timeout
+    if given:
+        options["timeout_s"] = timeout
+    return None
 
 
 def _describe(factory: Any) -> str:

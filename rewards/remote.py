@@ -6,12 +6,16 @@ A config names a served reward either by its URL or with a label::
       "remote:http://127.0.0.1:8765": {weight: 1.0, timeout_s: 60, retries: 3, batch_size: 16}
       judge: {reward: remote, url: "http://10.0.0.5:8765", weight: 0.5}   # token from FLOWRL_REWARD_TOKEN
 
-Each call splits the batch into requests of at most ``batch_size`` images. A request that fails
-(connection refused, timeout, HTTP 502/503/504, a reply that is not a score tensor, the wrong
-number of scores) is retried ``retries`` times with exponential backoff ``backoff_s * 2**attempt`` (capped at 30 s);
-a 4xx or a 500 (the reward itself failed: deterministic) is not retried. When the retries are
-spent the call raises :class:`RemoteRewardError` with one line naming the server, the request
-and the cause; the trainer adds the reward name and the batch index.
+Each call splits the batch into requests of at most ``batch_size`` images. ``timeout_s`` is the
+deadline of one HTTP attempt *as a whole* (connect, upload, the server's scoring, the whole reply),
+not of each socket read: a server that trickles a byte every few seconds is cut off at the
+deadline. A request that fails (connection refused, deadline passed, HTTP 502/503/504, a reply that
+is not a score tensor, the wrong number of scores) is retried ``retries`` times, each attempt with a
+fresh deadline of ``timeout_s``, after an exponential backoff ``backoff_s * 2**attempt`` (capped at
+30 s); a 4xx or a 500 (the reward itself failed: deterministic) is not retried. So one request
+ends within ``(retries + 1) * timeout_s`` plus the backoffs. When the retries are spent the call
+raises :class:`RemoteRewardError` with one line naming the server, the request and the cause; the
+trainer adds the reward name and the batch index.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ import json
 import math
 import os
 import socket
+import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -60,7 +63,7 @@ class RemoteReward:
 
     Args:
         url: ``http://host:port`` of the server.
-        timeout_s: per-request socket timeout (connect and each read).
+        timeout_s: deadline of each HTTP attempt as a whole (connect, upload, scoring, whole reply).
         retries: extra attempts per request after the first.
         backoff_s: wait before the first retry; doubles each retry (capped at 30 s).
         batch_size: images per request (None: the whole batch in one request).
@@ -68,6 +71,8 @@ class RemoteReward:
         token: bearer token; default: the ``FLOWRL_REWARD_TOKEN`` environment variable.
         wire_dtype: safetensors pixels as "float32" (exact) or "uint8" (4x smaller, 8-bit).
     """
+
+    bounds_own_time = True  # every attempt has a deadline: MultiReward adds none of its own
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class RemoteReward:
         if format not in FORMATS:
             raise ValueError(f"remote reward option format must be one of {FORMATS}; got {format!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self._scheme, self._netloc, self._path = parts.scheme, parts.netloc, parts.path.rstrip("/")
         self.timeout_s = float(_positive("timeout_s", timeout_s))
         self.retries = int(_positive("retries", retries, integer=True, zero=True))
         self.backoff_s = float(_positive("backoff_s", backoff_s, zero=True))
@@ -96,27 +102,28 @@ class RemoteReward:
         self.format, self.wire_dtype = format, wire_dtype
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.allows_nan = False  # set from each reply (the server's reward declares it)
-        # talk to the server directly, never through an http_proxy from the environment
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # -- transport -------------------------------------------------------------------------------
 
     def _request(self, path: str, body: bytes | None = None, content_type: str | None = None) -> tuple[bytes, str]:
-        """One HTTP exchange; returns (body, content type) or raises (_Fatal for non-retryable)."""
+        """One HTTP exchange within ``timeout_s``; returns (body, content type) or raises (_Fatal: don't retry).
+
+        Talks to the server directly (http.client: never through an http_proxy from the environment).
+        """
         headers = {"Content-Type": content_type} if content_type else {}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(
-            self.url + path, data=body, headers=headers, method="POST" if body is not None else "GET"
+        deadline = time.monotonic() + self.timeout_s
+        method = "POST" if body is not None else "GET"
+        status, reply, reply_type = _exchange(
+            self._scheme, self._netloc, method, self._path + path, body, headers, deadline
         )
-        try:
-            with self._opener.open(request, timeout=self.timeout_s) as reply:
-                return reply.read(), reply.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as err:
-            detail = _error_detail(err)
-            if err.code in _RETRY_STATUS:
-                raise RemoteRewardError(f"HTTP {err.code}: {detail}") from None
-            raise _Fatal(f"HTTP {err.code}: {detail}") from None
+        if 200 <= status < 300:
+            return reply, reply_type
+        detail = _error_detail(reply, status)
+        if status in _RETRY_STATUS:
+            raise RemoteRewardError(f"HTTP {status}: {detail}")
+        raise _Fatal(f"HTTP {status}: {detail}")
 
     def _with_retries(self, what: str, attempt_fn: Any) -> Any:
         """Run ``attempt_fn`` up to 1 + retries times; one-line RemoteRewardError at the end."""
@@ -126,7 +133,7 @@ class RemoteReward:
             except _Fatal as err:
                 raise RemoteRewardError(f"server {self.url} rejected {what}: {err}") from None
             except (OSError, http.client.HTTPException, RemoteRewardError, WireError) as err:
-                cause = _describe(err)
+                cause = _describe(err, self.timeout_s)
                 if attempt == self.retries:
                     tries = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
                     raise RemoteRewardError(f"server {self.url} failed {what} after {tries}: {cause}") from None
@@ -191,40 +198,84 @@ def _slice(value: Any, part: slice, total: int) -> Any:
     return value
 
 
-def _error_detail(err: urllib.error.HTTPError) -> str:
+class _Deadline(TimeoutError):
+    """An HTTP attempt passed its deadline."""
+
+
+def _cut(conn: http.client.HTTPConnection, fired: threading.Event) -> None:
+    """The deadline passed: shut ``conn``'s socket down, so whatever waits on it returns at once."""
+    fired.set()
+    sock = conn.sock
+    if sock is not None:
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's, under TLS too
+        except OSError:
+            pass
+
+
+def _exchange(
+    scheme: str, netloc: str, method: str, path: str, body: bytes | None, headers: dict[str, str], deadline: float
+) -> tuple[int, bytes, str]:
+    """One request and its whole reply before ``deadline`` (``time.monotonic()``), or :class:`_Deadline`.
+
+    Connecting is bounded by the socket timeout (the time left); after that a timer shuts the socket
+    down at the deadline, so a server that sends a byte every few seconds cannot stretch the attempt.
+    """
+    kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    conn = kind(netloc, timeout=max(deadline - time.monotonic(), 1e-3))
+    fired = threading.Event()
+    timer = threading.Timer(0, _cut, (conn, fired))
     try:
-        text = err.read(2000)
-        message = json.loads(text).get("error")
+        conn.connect()
+        timer.interval = max(deadline - time.monotonic(), 0.0)
+        timer.daemon = True
+        timer.start()
+        conn.request(method, path or "/", body=body, headers=headers)
+        reply = conn.getresponse()
+        data = reply.read()
+        if fired.is_set():  # the cut may end a read early without an error: never trust that reply
+            raise _Deadline()
+        return reply.status, data, reply.getheader("Content-Type", "")
+    except (OSError, http.client.HTTPException):
+        if fired.is_set() or time.monotonic() >= deadline:
+            raise _Deadline() from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def _error_detail(body: bytes, status: int) -> str:
+    try:
+        message = json.loads(body[:2000]).get("error")
         if message:
             return str(message).splitlines()[0]
     except Exception:  # noqa: BLE001 - the error body is best effort
         pass
-    return str(err.reason)
+    return http.client.responses.get(status, "error")
 
 
 def _json_reply(body: bytes, content_type: str) -> dict[str, Any]:
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise WireError(f"reply is not JSON: {body[:120]!r}") from None
     if not isinstance(data, dict):
         raise WireError(f"reply is not a JSON object: {body[:120]!r}")
     return data
 
 
-def _describe(err: BaseException) -> str:
+def _describe(err: BaseException, timeout_s: float) -> str:
     if isinstance(err, (socket.timeout, TimeoutError)):
-        return "timed out (raise timeout_s if the reward is slow)"
-    if isinstance(err, urllib.error.URLError):
-        reason = err.reason
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            return "timed out (raise timeout_s if the reward is slow)"
-        if isinstance(reason, ConnectionRefusedError):
-            return "connection refused (is `flowrl serve-reward` running there?)"
-        return f"unreachable ({reason})"
+        return (
+            f"timed out (no whole reply within timeout_s={timeout_s:g} s, which bounds each attempt; "
+            "raise timeout_s if the reward is just slow)"
+        )
     if isinstance(err, ConnectionRefusedError):
         return "connection refused (is `flowrl serve-reward` running there?)"
-    if isinstance(err, http.client.HTTPException):
+    if isinstance(err, socket.gaierror):
+        return f"unreachable ({err})"
+    if isinstance(err, http.client.HTTPException) and not isinstance(err, ConnectionError):
         return f"reply is not HTTP ({type(err).__name__})"
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{text}" if isinstance(err, (WireError, RemoteRewardError)) else f"{type(err).__name__}: {text}"
@@ -243,3 +294,6 @@ def remote(url: str, **options: Any) -> RemoteReward:
         A reward ``(images (B, 3, H, W) or clips (B, F, 3, H, W), prompts, **metadata) -> (B,) float32``.
     """
     return RemoteReward(url, **options)
+
+
+remote.bounds_own_time = True  # type: ignore[attr-defined] # build_multi_reward hands it timeout_s per attempt

@@ -4,14 +4,24 @@ Endpoints:
 
 - ``POST /score``: a batch in the :mod:`~flowrl.rewards.wire` format (safetensors, or JSON with
   PNG images); replies with the (B,) float32 scores in the same format. Status 400 for a
-  malformed request, 401 for a missing or wrong token, 413 for a body over the limit, 500 when
-  the reward raises or breaks the contract (the JSON error names the reward).
+  malformed request (bad JSON, too deeply nested, wrong types or shapes, bad base64), 401 for a
+  missing or wrong token, 411 without a Content-Length, 413 for a body or images over the limits
+  (image sizes are read from the safetensors header or the PNG's IHDR before anything is
+  decoded), 503 while the server shuts down, 500 only when the reward itself raises or breaks
+  the contract (the JSON error names the reward). Every error body is ``{"error": "one line"}``.
 - ``GET /health``: ``{"status": "ok", "reward": NAME}`` (never needs the token).
 - ``GET /info``: name, ``allows_nan``, wire formats and versions, requests served.
 
 The server binds to 127.0.0.1 unless told otherwise; any non-loopback address needs a token,
 which clients send as ``Authorization: Bearer TOKEN``. Batches are scored one at a time (the
 reward may hold a GPU); health and info answer while a batch is being scored.
+
+Shutting down (:meth:`RewardServer.stop`, which ``flowrl serve-reward`` calls on SIGINT or SIGTERM)
+stops accepting connections, answers 503 to requests that have not started scoring, waits for the
+batch being scored (at most ``SHUTDOWN_GRACE_S``), then closes every connection and joins every
+handler thread. The interpreter therefore never exits while a handler thread runs torch code: at
+exit, Python ends daemon threads with a forced unwind, which aborts the process
+("terminate called without an active exception") when it crosses torch's C++ frames.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from .wire import (
     JSON,
     SAFETENSORS,
     WIRE_VERSION,
+    PixelLimits,
+    TooLarge,
     WireError,
     decode_batch,
     decode_batch_png,
@@ -41,6 +53,13 @@ from .wire import (
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 TOKEN_ENV = "FLOWRL_REWARD_TOKEN"
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # per image or frame (height x width)
+DEFAULT_MAX_REQUEST_PIXELS = 8192 * 8192  # per request: 768 MiB as float32 RGB
+SHUTDOWN_GRACE_S = 30.0  # how long stop() waits for the batch being scored
+
+
+class ShuttingDown(Exception):
+    """The server stopped taking work; the request is answered 503."""
 
 
 def is_loopback(host: str) -> bool:
@@ -66,7 +85,31 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-class _ThreadingHTTPServer6(ThreadingHTTPServer):
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of pixels >= 1; got {value!r}")
+    return value
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """Threading HTTP server that records each connection and its handler thread (to close and join them)."""
+
+    daemon_threads = True
+    block_on_close = False  # stop() joins the handlers itself, within a bound
+
+    def __init__(self, address: tuple, handler: type[BaseHTTPRequestHandler], owner: "RewardServer") -> None:
+        self.owner = owner
+        super().__init__(address, handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self.owner._track(request, add=True)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.owner._track(request, add=False)
+
+
+class _HTTPServer6(_HTTPServer):
     address_family = socket.AF_INET6
 
 
@@ -80,6 +123,8 @@ class RewardServer:
         port: TCP port; 0 picks a free one (see :attr:`url`).
         token: shared secret required as ``Authorization: Bearer TOKEN`` on /score and /info.
         max_body_mb: largest request body accepted.
+        max_image_pixels: largest image (or frame) accepted, height x width, checked before decoding.
+        max_request_pixels: most pixels of all images of one request, checked before decoding.
         idle_exit_s: stop serving after this many seconds without a request (None: never);
             lets a server started by a job or a test end on its own.
         log: print one line per request to stderr.
@@ -94,6 +139,8 @@ class RewardServer:
         port: int = DEFAULT_PORT,
         token: str | None = None,
         max_body_mb: float = 1024.0,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
         log: bool = False,
         idle_exit_s: float | None = None,
     ) -> None:
@@ -102,17 +149,23 @@ class RewardServer:
             raise TypeError(f"RewardServer needs a callable reward; got {type(reward).__name__}")
         self.reward, self.name, self.token, self.log = reward, name, token or None, log
         self.max_body = int(max_body_mb * 1024 * 1024)
+        self.limits = PixelLimits(
+            _positive_int("--max-image-pixels", max_image_pixels),
+            _positive_int("--max-request-pixels", max_request_pixels),
+        )
         self.requests = 0
         self.idle_exit_s = idle_exit_s
         self.last_request = time.monotonic()
         self.stopped_idle = False
         self.batches = 0
         self._score_lock = threading.Lock()
+        self._state = threading.Condition()  # guards the fields below
+        self._draining, self._in_flight = False, 0
+        self._connections: dict[Any, threading.Thread] = {}
         self._thread: threading.Thread | None = None
-        server_class = _ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer
-        self.httpd = server_class((host, port), _make_handler(self))
-        self.httpd.daemon_threads = True
-        self.httpd.block_on_close = False  # stop() must not wait for a slow reward
+        self._served = threading.Event()  # serve_forever ran (so httpd.shutdown() can't block)
+        server_class = _HTTPServer6 if ":" in host else _HTTPServer
+        self.httpd = server_class((host, port), _make_handler(self), self)
 
     @property
     def url(self) -> str:
@@ -138,20 +191,27 @@ class RewardServer:
         """Decode a request, score it, encode the reply (in the request's format).
 
         Raises:
+            TooLarge: images over :attr:`limits` (HTTP 413).
             WireError: malformed request (HTTP 400).
+            ShuttingDown: the server began to stop before this batch's turn came (HTTP 503).
             RewardError: the reward raised or broke the contract (HTTP 500).
         """
         as_json = content_type == JSON
-        images, prompts, metadata = (decode_batch_png if as_json else decode_batch)(body)
+        images, prompts, metadata = (decode_batch_png if as_json else decode_batch)(body, self.limits)
         try:
             check_images(images, video=True)
         except (TypeError, ValueError) as err:
             raise WireError(str(err)) from None
         if len(prompts) != images.shape[0]:
             raise WireError(f"got {len(prompts)} prompts for {images.shape[0]} images; send one prompt per image")
-        with self._score_lock:
+        while not self._score_lock.acquire(timeout=0.05):  # waiting in line: give way to a shutdown
+            if self._draining:
+                raise ShuttingDown()
+        try:
             scores = score_reward(self.name, self.reward, images, prompts, metadata, allow_all_nan=True)
             self.batches += 1
+        finally:
+            self._score_lock.release()
         allows_nan = reward_allows_nan(self.reward)
         if as_json:
             return encode_scores_json(scores, allows_nan), JSON
@@ -159,6 +219,7 @@ class RewardServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`, Ctrl-C in the caller, or ``idle_exit_s`` without requests."""
+        self._served.set()
         if self.idle_exit_s is not None:
             threading.Thread(target=self._watch_idle, name="reward-server-idle", daemon=True).start()
         self.httpd.serve_forever(poll_interval=0.1)
@@ -166,7 +227,7 @@ class RewardServer:
     def _watch_idle(self) -> None:
         while True:
             idle = time.monotonic() - self.last_request
-            if idle >= self.idle_exit_s and not self._score_lock.locked():
+            if idle >= self.idle_exit_s and self._in_flight == 0:
                 self.stopped_idle = True
                 self.httpd.shutdown()
                 return
@@ -178,13 +239,62 @@ class RewardServer:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
+    @property
+    def serving(self) -> bool:
+        """Whether the server thread of :meth:`start` still accepts connections."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _track(self, connection: Any, *, add: bool) -> None:
+        with self._state:
+            if add:
+                self._connections[connection] = threading.current_thread()
+            else:
+                self._connections.pop(connection, None)
+
+    def begin_request(self) -> bool:
+        """Count a request as in flight; False once the server is stopping (answer 503)."""
+        with self._state:
+            if self._draining:
+                return False
+            self._in_flight += 1
+            return True
+
+    def end_request(self) -> None:
+        """The in-flight request counted by :meth:`begin_request` is answered."""
+        with self._state:
+            self._in_flight -= 1
+            self._state.notify_all()
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> bool:
+        """Stop cleanly: no new connections, 503 for waiting requests, in-flight batches finished, threads joined.
+
+        Args:
+            grace_s: how long to wait for the batch being scored.
+
+        Returns:
+            True when every handler thread ended; False when a reward was still scoring after ``grace_s``
+            (the caller must then not run interpreter finalization: see the module docstring).
+        """
+        with self._state:
+            self._draining = True
+        if self._served.is_set():
+            self.httpd.shutdown()  # the accept loop ends within its poll interval
         if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join(timeout=5)
+            self._thread.join()
             self._thread = None
-        self.httpd.server_close()
+        self.httpd.server_close()  # the listening socket: new connections are refused
+        with self._state:
+            finished = self._state.wait_for(lambda: self._in_flight == 0, timeout=grace_s)
+            open_connections = dict(self._connections)
+        for connection in open_connections:  # idle keep-alive or a stalled upload: wake its thread up
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if finished:
+            for thread in open_connections.values():
+                thread.join(timeout=5.0)
+        return finished and not any(t.is_alive() for t in open_connections.values())
 
     def __enter__(self) -> "RewardServer":
         return self.start()
@@ -253,10 +363,23 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             if content_type not in (SAFETENSORS, JSON):
                 self._error(400, f"Content-Type {content_type!r} not supported; send {SAFETENSORS} or {JSON}")
                 return
+            if not server.begin_request():
+                self._error(503, "the reward server is shutting down; retry on another server")
+                return
+            try:
+                self._score(body, content_type)
+            finally:
+                server.end_request()
+
+        def _score(self, body: bytes, content_type: str) -> None:
             try:
                 reply, reply_type = server.score(body, content_type)
+            except TooLarge as err:
+                self._error(413, f"request too large for reward {server.name!r}: {err}")
             except WireError as err:
                 self._error(400, f"bad request for reward {server.name!r}: {err}")
+            except ShuttingDown:
+                self._error(503, "the reward server is shutting down; retry on another server")
             except RewardError as err:
                 self._error(500, str(err).splitlines()[0])
             except Exception as err:  # noqa: BLE001 - the server must answer, whatever the reward does

@@ -12,6 +12,11 @@ Two encodings of a scoring request, chosen by the request's Content-Type:
   ``{"scores": [...], "allows_nan": bool}`` with ``null`` for NaN.
 
 Errors come back as JSON ``{"error": "one line"}`` with a 4xx/5xx status.
+
+Decoding is bounded before any pixel is unpacked: the declared size of every image (the
+safetensors header's shape; a PNG's IHDR width and height) is checked against
+:class:`PixelLimits`, so a small body that claims 9000x9000 images is refused with
+:class:`TooLarge` (HTTP 413) instead of filling the server's memory.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import io
 import json
 import math
 import struct
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -31,8 +36,64 @@ JSON = "application/json"
 WIRE_VERSION = "1"
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 class WireError(ValueError):
     """A request or reply body that does not follow the wire format."""
+
+
+class TooLarge(WireError):
+    """A request whose images, once decoded, would exceed the server's :class:`PixelLimits`."""
+
+
+class PixelLimits(NamedTuple):
+    """Most pixels (height x width, per frame) a server decodes; None = no limit.
+
+    Attributes:
+        per_image: pixels of one image or one frame of a clip (``--max-image-pixels``).
+        per_request: pixels of every image and frame of one request (``--max-request-pixels``).
+    """
+
+    per_image: int | None = None
+    per_request: int | None = None
+
+
+def check_pixels(sizes: Sequence[tuple[int, int]], limits: PixelLimits | None) -> None:
+    """Refuse a request whose declared image sizes exceed ``limits``, before anything is decoded.
+
+    Args:
+        sizes: (height, width) of every image (every frame of every clip) in the request.
+        limits: the server's limits (None: no limit).
+
+    Raises:
+        TooLarge: an image, or the request as a whole, holds too many pixels.
+    """
+    if limits is None:
+        return
+    if limits.per_image is not None:
+        for i, (h, w) in enumerate(sizes):
+            if h * w > limits.per_image:
+                raise TooLarge(
+                    f"image {i} is {w}x{h} ({h * w} pixels), over the server's limit of {limits.per_image} "
+                    "per image (--max-image-pixels); send smaller images"
+                )
+    total = sum(h * w for h, w in sizes)
+    if limits.per_request is not None and total > limits.per_request:
+        raise TooLarge(
+            f"request holds {len(sizes)} images of {total} pixels in all, over the server's limit of "
+            f"{limits.per_request} per request (--max-request-pixels); send smaller batches (batch_size)"
+        )
+
+
+def _loads(text: bytes | str, what: str) -> Any:
+    """``json.loads`` with every failure (bad UTF-8, bad JSON, nesting too deep) as one WireError."""
+    try:
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(f"{what} is not JSON ({err})") from None
+    except RecursionError:
+        raise WireError(f"{what} is JSON nested too deeply; send flat lists and objects") from None
 
 
 def _json_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -56,19 +117,35 @@ def _header(body: bytes) -> dict[str, Any]:
     (size,) = struct.unpack("<Q", body[:8])
     if size > len(body) - 8:
         raise WireError(f"body is not a safetensors file (its header length {size} exceeds the {len(body)}-byte body)")
-    try:
-        header = json.loads(body[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(f"body is not a safetensors file (header is not JSON: {err})") from None
+    header = _loads(body[8 : 8 + size], "the safetensors header")
     if not isinstance(header, dict):
         raise WireError("body is not a safetensors file (header is not a JSON object)")
     return header
 
 
-def _load(body: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
+def _declared_sizes(header: dict[str, Any]) -> list[tuple[int, int]]:
+    """(height, width) of every image and frame that the header's ``images`` tensor declares."""
+    entry = header.get("images")
+    if not isinstance(entry, dict):
+        raise WireError(f"request holds tensors {sorted(k for k in header if k != '__metadata__')}; expected 'images'")
+    shape, dtype = entry.get("shape"), entry.get("dtype")
+    if dtype not in ("F32", "U8"):
+        raise WireError(f"images must be float32 in [0, 1] or uint8; got safetensors dtype {dtype!r}")
+    ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    if not ok or len(shape) not in (4, 5) or shape[-3] != 3:
+        raise WireError(f"images must have shape (B, 3, H, W) or (B, F, 3, H, W); got {shape!r}")
+    return [(shape[-2], shape[-1])] * math.prod(shape[:-3])
+
+
+def _load(body: bytes, limits: PixelLimits | None = None) -> tuple[dict[str, Tensor], dict[str, str]]:
     from safetensors.torch import load
 
-    meta = _header(body).get("__metadata__") or {}
+    header = _header(body)
+    if limits is not None:
+        check_pixels(_declared_sizes(header), limits)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise WireError("the safetensors __metadata__ must be an object of strings")
     try:
         tensors = load(body)
     except Exception as err:  # noqa: BLE001 - any parse failure is a malformed body
@@ -115,20 +192,22 @@ def encode_batch(
     return save({"images": pixels.contiguous()}, metadata=header)
 
 
-def decode_batch(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]]:
+def decode_batch(body: bytes, limits: PixelLimits | None = None) -> tuple[Tensor, list[str], dict[str, Any]]:
     """Inverse of :func:`encode_batch`: (images float32, prompts, metadata).
 
+    Args:
+        body: the request body.
+        limits: refuse images larger than this, from the header, before loading any tensor.
+
     Raises:
+        TooLarge: the declared images exceed ``limits``.
         WireError: the body is not a request in this format.
     """
-    tensors, meta = _load(body)
+    tensors, meta = _load(body, limits)
     if "images" not in tensors:
         raise WireError(f"request holds tensors {sorted(tensors)}; expected one named 'images'")
-    try:
-        prompts = json.loads(meta.get("prompts", "null"))
-        metadata = json.loads(meta.get("metadata", "{}"))
-    except json.JSONDecodeError as err:
-        raise WireError(f"request metadata is not JSON ({err})") from None
+    prompts = _loads(str(meta.get("prompts", "null")), "request 'prompts'")
+    metadata = _loads(str(meta.get("metadata", "{}")), "request 'metadata'")
     return _images_to_float(tensors["images"]), _check_prompts(prompts), _check_metadata(metadata)
 
 
@@ -173,6 +252,24 @@ def _png(image: Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def png_size(text: Any) -> tuple[int, int]:
+    """(height, width) of a base64 PNG from its IHDR chunk, decoding only its first 24 bytes.
+
+    Raises:
+        WireError: ``text`` is not a base64 string starting like a PNG.
+    """
+    if not isinstance(text, str):
+        raise WireError("each image must be a base64 PNG string (a clip: a list of them)")
+    try:
+        head = base64.b64decode(text[:32], validate=True)
+    except ValueError:
+        raise WireError("an image is not base64 (send each PNG base64-encoded)") from None
+    if len(head) < 24 or head[:8] != PNG_SIGNATURE or head[12:16] != b"IHDR":
+        raise WireError("an image is not a PNG (send each image as a base64 PNG)")
+    width, height = struct.unpack(">II", head[16:24])
+    return height, width
+
+
 def _unpng(text: Any) -> Tensor:
     from PIL import Image
 
@@ -207,18 +304,31 @@ def encode_batch_png(images: Tensor, prompts: Sequence[str], metadata: dict[str,
     return json.dumps(body).encode()
 
 
-def decode_batch_png(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]]:
+def _png_sizes(items: list[Any]) -> list[tuple[int, int]]:
+    """(height, width) of every PNG in a request's ``images`` (strings, or non-empty lists of them)."""
+    sizes = []
+    for item in items:
+        if isinstance(item, list) and not item:
+            raise WireError("a clip in 'images' is an empty list; send at least one base64 PNG frame")
+        sizes.extend(png_size(frame) for frame in (item if isinstance(item, list) else [item]))
+    return sizes
+
+
+def decode_batch_png(body: bytes, limits: PixelLimits | None = None) -> tuple[Tensor, list[str], dict[str, Any]]:
     """Inverse of :func:`encode_batch_png`: (images float32 in [0, 1], prompts, metadata).
 
+    Args:
+        body: the UTF-8 JSON request body.
+        limits: refuse images larger than this, from each PNG's IHDR, before decoding any.
+
     Raises:
+        TooLarge: the declared images exceed ``limits``.
         WireError: malformed JSON, images of different sizes, or an image that is not a PNG.
     """
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(f"request is not JSON ({err})") from None
+    data = _loads(body, "request")
     if not isinstance(data, dict) or not isinstance(data.get("images"), list) or not data["images"]:
         raise WireError("JSON request must be an object with a non-empty 'images' list of base64 PNGs")
+    check_pixels(_png_sizes(data["images"]), limits)
     try:
         items = [
             torch.stack([_unpng(f) for f in item]) if isinstance(item, list) else _unpng(item)
@@ -245,6 +355,6 @@ def decode_scores_json(body: bytes) -> tuple[Tensor, bool]:
     try:
         data = json.loads(body)
         values = [math.nan if v is None else float(v) for v in data["scores"]]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError, ValueError) as err:
         raise WireError(f"reply is not a JSON object with a 'scores' list of numbers ({type(err).__name__})") from None
     return torch.tensor(values, dtype=torch.float32), bool(data.get("allows_nan", False))

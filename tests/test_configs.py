@@ -90,11 +90,12 @@ def test_stacked_configs_merge_in_order_and_errors_name_the_file(tmp_path):
         load_config([a, bad])
 
 
-def test_train_refuses_a_multi_process_launch(monkeypatch, capsys):
+def test_train_refuses_world_size_without_a_launcher(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert main(["train", "configs/grpo/digits.yaml"]) == 2
     err = capsys.readouterr().err
-    assert "flowrl trains on one process per run (WORLD_SIZE=2)" in err and "--num_processes 1" in err
+    assert "WORLD_SIZE=2 but no launcher set MASTER_ADDR" in err and "accelerate launch --num_processes 2" in err
 
 
 @pytest.mark.slow

@@ -26,7 +26,16 @@ from torch import Tensor
 
 from ..models.adapter import ModelAdapter
 from ..policy.lora import add_frozen_copy, soft_update
-from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
+from .base import (
+    Microbatch,
+    Objective,
+    RolloutBatch,
+    check_ranges,
+    chunk_indices,
+    noised_microbatch,
+    split_even,
+    velocity_penalty,
+)
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -94,6 +103,17 @@ class AWM(Objective):
     def __post_init__(self) -> None:
         if self.updates_per_iteration < 1:
             raise ValueError(f"objective.updates_per_iteration must be >= 1; got {self.updates_per_iteration}")
+        checks = {
+            "power": self.power is None or self.power > 0,
+            "kl_beta": self.kl_beta >= 0,
+            "ema_beta": self.ema_beta >= 0,
+            "adv_clip": self.adv_clip > 0,
+            "num_timesteps": 1 <= self.num_timesteps <= 1000,
+            "timestep_fraction": 0 < self.timestep_fraction <= 1,
+            "ema_decay_rate": self.ema_decay_rate >= 0,
+            "ema_decay_max": 0 <= self.ema_decay_max <= 1,
+        }
+        check_ranges(checks, self, "flowrl/objectives/awm.py")
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "ema" adapter (the trust-region anchor)."""

@@ -8,7 +8,7 @@ AWM) can plug in by planning over clean samples instead.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -112,6 +112,13 @@ class Objective(Protocol):
     def after_update(self, model: ModelAdapter) -> dict[str, float]:
         """Called after every optimizer step; returns stats to log (default: nothing to do)."""
         return {}
+
+    def sync_step(self, reduce_sum: Callable[[Tensor], Tensor], microbatches: int) -> None:
+        """Several processes: make one optimizer step's statistics global, before :meth:`after_update`.
+
+        Each rank ran only its own part of the step's micro-batches; ``reduce_sum`` sums a tensor
+        over the ranks and ``microbatches`` is the step's count over all ranks (default: nothing to do).
+        """
 
     def after_iteration(self, model: ModelAdapter, iteration: int) -> dict[str, float]:
         """Called after an iteration's optimizer steps; returns stats to log (default: nothing to do).

@@ -29,7 +29,16 @@ from torch import Tensor
 from ..models.adapter import ModelAdapter
 from ..policy.lora import add_frozen_copy, soft_update, use_adapter
 from ..samplers.broadcast import batch_view
-from .base import Microbatch, Objective, RolloutBatch, chunk_indices, noised_microbatch, split_even, velocity_penalty
+from .base import (
+    Microbatch,
+    Objective,
+    RolloutBatch,
+    check_ranges,
+    chunk_indices,
+    noised_microbatch,
+    split_even,
+    velocity_penalty,
+)
 
 
 def optimality_probability(advantages: Tensor, clip: float) -> Tensor:
@@ -103,6 +112,16 @@ class DiffusionNFT(Objective):
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"objective.beta must be > 0 (the NFT mixing beta); got {self.beta}")
+        checks = {
+            "kl_beta": self.kl_beta >= 0,
+            "adv_clip": self.adv_clip > 0,
+            "train_fraction": 0 < self.train_fraction <= 1,
+            "updates_per_iteration": self.updates_per_iteration >= 1,
+            "old_decay_rate": self.old_decay_rate >= 0,
+            "old_decay_max": 0 <= self.old_decay_max <= 1,
+            "ema_decay_max": 0 <= self.ema_decay_max <= 1,
+        }
+        check_ranges(checks, self, "flowrl/objectives/diffusion_nft.py")
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "old" (sampling) and "ema" (evaluation) adapters."""

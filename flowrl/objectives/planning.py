@@ -95,3 +95,34 @@ def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: in
     order = torch.randperm(len(mbs), generator=generator).tolist()
     groups = split_even(order, updates)
     return [[mbs[i]._replace(weight=len(g) / sum(edges[j] for j in g)) for i in g] for g in groups]
+
+
+def owned_microbatch(
+    mb: Microbatch | EdgeMicrobatch, batch: RolloutBatch, owned: Tensor | None
+) -> Microbatch | EdgeMicrobatch | None:
+    """The part of a planned micro-batch on this rank's rows; None when it has none.
+
+    Several processes plan over the global batch with the same draws (every rank the same plan),
+    and each rank runs only the micro-batches, or the parts of a tree frontier chunk, it owns.
+    Indices stay global (the batch is global-shaped on every rank). A tree edge micro-batch keeps
+    its weight ``n_mb / E``, so the parts' losses add up to the whole micro-batch's.
+
+    Args:
+        mb: a micro-batch of ``objective.plan`` (sample rows, or a tree's parents at one step).
+        batch: the iteration's batch.
+        owned: (B,) bool rows of this rank; None = one process (everything owned).
+    """
+    if owned is None:
+        return mb
+    if batch.tree is not None:
+        tr = batch.tree.rollout
+        trees = owned.reshape(tr.num_trees, -1)[:, 0]
+        mask = trees[tr.trees(mb.step)[mb.index]]
+    else:
+        mask = owned[mb.index]
+    if bool(mask.all()):
+        return mb
+    if not bool(mask.any()):
+        return None
+    noise = None if mb.noise is None else mb.noise[mask.to(mb.noise.device)]
+    return mb._replace(index=mb.index[mask], noise=noise)

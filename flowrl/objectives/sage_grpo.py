@@ -244,6 +244,9 @@ class SageGRPO(Objective):
             "anchor_weight": self.anchor_weight >= 0,
             "step_kl_weight": self.step_kl_weight >= 0,
             "kl_target": self.kl_target > 0,
+            "kl_init": self.kl_init >= 0,
+            "kl_min": self.kl_min >= 0,
+            "kl_max": self.kl_max >= 0,
             "kl_rate": 0 <= self.kl_rate < 1,
             "updates_per_iteration": self.updates_per_iteration >= 1,
         }
@@ -354,6 +357,11 @@ class SageGRPO(Objective):
             return step.mean.detach()
         with torch.no_grad():
             return recompute(adapter).mean
+
+    def sync_step(self, reduce_sum: Callable[[Tensor], Tensor], microbatches: int) -> None:
+        """Several processes: the step's KL_eff summed over the ranks, averaged over all its micro-batches."""
+        self._kl_sum = float(reduce_sum(torch.tensor([self._kl_sum], dtype=torch.float64)))
+        self._kl_count = microbatches
 
     def after_update(self, model: ModelAdapter) -> dict[str, float]:
         """After each optimizer step: adapt beta to the update's mean KL_eff, refresh the anchor every K."""

@@ -13,7 +13,7 @@ window, then the step noises), so a seed reproduces a run exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -32,6 +32,7 @@ from ..samplers.types import Trajectory
 from ..samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from ..tree.rollouts import TreeBatch, TreeSpec, chunked_tree_rollout, edge_advantages, tree_levels
 from .chunked import ChunkHook, chunked_rollout, chunked_solve
+from .owned import OwnedRows, global_scores, owned_cond, owned_hook, owned_prompts
 from .scoring import RolloutScorer
 
 AdvantageFn = Callable[[dict[str, Tensor], Tensor, list[str]], tuple[Tensor, Tensor, AdvantageStats]]
@@ -57,6 +58,10 @@ class RolloutContext:
         tree: the validated tree geometry; None when the run has no tree rollouts.
         solver_levels: (T,) Flow-SDE levels of ``sampler.solver: sde_window``
             (:func:`~flowrl.rollouts.chunked.sigma_window_levels`); None for other solvers.
+        owned: (B,) bool, the rows of the global batch this rank samples, scores and trains
+            (several processes, :mod:`flowrl.rollouts.owned`); None = every row (one process).
+        gather_rows: all-gather of every rank's owned rows into global order, (b, ...) -> (B, ...);
+            needed with ``owned``.
     """
 
     model: ModelAdapter
@@ -72,6 +77,8 @@ class RolloutContext:
     advantage_clip: float
     tree: TreeSpec | None = None
     solver_levels: Tensor | None = None
+    owned: Tensor | None = None
+    gather_rows: Callable[[Tensor], Tensor] | None = None
 
     def noise(self, rows: int) -> Tensor:
         """(rows, *latent_shape) initial noise from the run's generator, on the model's device."""
@@ -264,6 +271,10 @@ def collect_rollouts(
 ) -> tuple[RolloutBatch, dict[str, Tensor]]:
     """Sample, decode + score, compute advantages and build the batch, for every rollout kind.
 
+    On one rank of several (``ctx.owned``), the model runs and the rewards are computed only on
+    the owned rows; the rewards of every rank are all-gathered before the advantages, so every
+    rank holds the global rewards, advantages and ``keep`` (:mod:`flowrl.rollouts.owned`).
+
     Args:
         ctx: this iteration's rollout context.
         kind: a :data:`ROLLOUTS` key (:func:`rollout_kind`).
@@ -274,10 +285,10 @@ def collect_rollouts(
         (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts).
     """
     entry = ROLLOUTS[kind]
-    with ctx.scorer(prompts) as scorer:
-        with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
-            rollout = entry.sample(ctx, cond, len(prompts.texts), scorer.submit)  # chunk k scored while k + 1 samples
-        images, scored = scorer.result(rollout.samples)
+    if ctx.owned is None:
+        rollout, images, scored = _sample_and_score(ctx, entry, prompts, cond, ctx.scorer(prompts))
+    else:
+        rollout, images, scored = _sample_and_score_owned(ctx, entry, prompts, cond)
     adv = entry.advantages(ctx, rollout, prompts, cond, scored)
     batch = RolloutBatch(
         prompts.texts,
@@ -294,3 +305,47 @@ def collect_rollouts(
         tree=adv.tree,
     )
     return batch, {**adv.info, **{f"reward/{k}": v for k, v in scored.components.items()}}
+
+
+def _sample_and_score(
+    ctx: RolloutContext, entry: RolloutKind, prompts: PromptBatch, cond: Cond, scorer: RolloutScorer
+) -> tuple[Rollout, Tensor, RewardOutput]:
+    """Sample every row while finished chunks are scored: (rollout, images (B, ...), rewards)."""
+    with scorer:
+        with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
+            rollout = entry.sample(ctx, cond, len(prompts.texts), scorer.submit)  # chunk k scored while k + 1 samples
+        images, scored = scorer.result(rollout.samples)
+    return rollout, images, scored
+
+
+def _sample_and_score_owned(
+    ctx: RolloutContext, entry: RolloutKind, prompts: PromptBatch, cond: Cond
+) -> tuple[Rollout, Tensor, RewardOutput]:
+    """:func:`_sample_and_score` on one rank: the model and the rewards see only the owned rows.
+
+    Returns the global rollout (rows of other ranks are placeholders), images with zeros on those
+    rows, and the global rewards (all-gathered); a tree's edge log-probs are all-gathered too
+    (reward fusion reads them).
+    """
+    owned = ctx.owned
+    sample_ctx = replace(ctx, model=OwnedRows(ctx.model))
+    with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
+        with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
+            rollout = entry.sample(
+                sample_ctx, owned_cond(cond, owned), len(prompts.texts), owned_hook(scorer.submit, owned)
+            )
+        images, scored = scorer.result(rollout.samples[owned.to(rollout.samples.device)])
+    images, scored = global_scores(images, scored, owned, ctx.gather_rows)
+    if rollout.tree is not None:
+        rollout = rollout._replace(tree=_global_tree_log_probs(rollout.tree, owned, ctx.gather_rows))
+    return rollout, images, scored
+
+
+def _global_tree_log_probs(tree: TreeRollout, owned: Tensor, gather_rows: Callable[[Tensor], Tensor]) -> TreeRollout:
+    """The trees' edge log-probs of every rank (each rank owns whole trees, contiguously)."""
+    trees = owned.reshape(tree.num_trees, -1)[:, 0]
+    log_probs = []
+    for lp in tree.log_probs:
+        mine = lp.reshape(tree.num_trees, -1)[trees.to(lp.device)].reshape(-1)
+        log_probs.append(gather_rows(mine).to(lp.device))
+    return tree._replace(log_probs=log_probs)

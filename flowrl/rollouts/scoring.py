@@ -16,6 +16,8 @@ only the thread or process differs. The rollout's RNG is untouched by decoding a
 reward that is NaN for every sample) run once all chunks are in, as for a single call.
 
 Error messages name the reward and the batch index ``iteration * chunks_per_iteration + chunk``.
+In every mode each reward call runs under its deadline ``rewards.<name>.timeout_s``
+(:class:`~flowrl.rewards.MultiReward`); a call that overruns it ends the batch with one line.
 """
 
 from __future__ import annotations

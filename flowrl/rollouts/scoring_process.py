@@ -10,16 +10,25 @@ iteration. It receives the decoder and the reward by pickling, with tensors move
 (``torch.multiprocessing``), so no weights are copied. It runs the same :func:`score_chunk` as the
 inline and threaded modes, with the same number of torch threads, so results are bit-identical.
 
-Faults never hang the trainer: a reward that raises comes back as the same exception; a worker
-that dies fails every pending chunk with a one-line error; a reward or decoder that can't be
-pickled is named before anything starts.
+Faults never hang the trainer: a reward that raises comes back as the same exception; a reward that
+misses its deadline (``rewards.<name>.timeout_s``) is stopped by the worker itself, or, if the worker
+cannot even do that (a reward stuck in native code that holds the GIL), the worker is killed
+``BACKSTOP_GRACE_S`` after the deadline; a worker that dies (an exit, a segfault, the OOM killer) fails
+every pending chunk within ``POLL_S`` with one line naming the signal or exit code and the reward
+that was running (the worker reports each reward as it starts it, and enables ``faulthandler`` so a
+crash also leaves its Python stack on stderr); a reward or decoder that can't be pickled is named
+before anything starts.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import pickle
 import queue
+import signal
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
@@ -29,16 +38,39 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from ..rewards import MultiReward
+from ..rewards import MultiReward, RewardError
+from ..rewards.contract import RewardTimeout, timeout_message
 
 Decode = Callable[[Tensor], Tensor]
 POLL_S = 0.2  # how often a waiting side checks that the other one is still alive
+BACKSTOP_GRACE_S = 2.0  # past a reward's deadline, how long the worker has to report it before it is killed
+_FIX = "rerun with train.rewards_async=thread or false to see the reward's own error"
+
+
+class ScoringProcessDied(RewardError):
+    """The scoring process ended while it held chunks (exit code or signal named in the message)."""
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """``"signal SIGSEGV"`` or ``"exit code 3"`` for a process's exit code."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def score_chunk(
-    reward: MultiReward, decode: Decode, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int
+    reward: MultiReward,
+    decode: Decode,
+    latents: Tensor,
+    prompts: Sequence[str],
+    metadata: dict[str, Any],
+    index: int,
+    on_start: Callable[[str], None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decode one chunk and score it with every reward component (no gradient).
+    """Decode one chunk and score it with every reward component (no gradient), each under its deadline.
 
     Args:
         reward: the weighted rewards; each component scores the chunk (``MultiReward.score_parts``).
@@ -47,13 +79,14 @@ def score_chunk(
         prompts: the chunk's b prompts.
         metadata: the chunk's rows of every per-sample metadata entry.
         index: run-wide batch index, named in error messages.
+        on_start: called with each reward's name as it starts (see ``MultiReward.score_parts``).
 
     Returns:
         images (b, ...) and the per-component rewards {name: (b,)}.
     """
     with torch.no_grad():  # grad mode is per thread: set it in every worker
         images = decode(latents)
-        return images, reward.score_parts(images, list(prompts), metadata, batch_index=index)
+        return images, reward.score_parts(images, list(prompts), metadata, batch_index=index, on_start=on_start)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -65,20 +98,46 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, results: Any) -> None:
-    """Worker loop: ``(key, latents, prompts, metadata, index)`` in, ``(key, ok, payload)`` out; None stops."""
+def _set_running(running: Any, key: int | None = None, name: str = "") -> None:
+    """Write the reward the worker is calling now into shared memory (visible at once, even if it then crashes)."""
+    running.value = json.dumps([key, name, time.monotonic()]).encode()[: len(running) - 1] if key is not None else b""
+
+
+def _get_running(running: Any) -> tuple[int, str, float] | None:
+    """(job key, reward name, start time) of the reward the worker is calling now, or None."""
+    raw = running.value
+    return tuple(json.loads(raw)) if raw else None  # type: ignore[return-value]
+
+
+def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, results: Any, running: Any) -> None:
+    """Worker loop: ``(key, latents, prompts, metadata, index)`` in, ``(key, ok, payload)`` out; None stops.
+
+    The reward being called is kept in ``running`` (shared memory, see :func:`_set_running`).
+    """
+    faulthandler.enable()  # a segfault in a reward leaves its Python stack on stderr
     torch.set_num_threads(threads)
     results.put((None, True, "ready"))
+    parent = mp.parent_process()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():  # the trainer died: never outlive it
+                results.cancel_join_thread()
+                return
+            continue
         if job is None:
             return
         key, latents, prompts, metadata, index = job
         try:
-            out = score_chunk(reward, decode, latents, prompts, metadata, index)
+            out = score_chunk(
+                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, key, name)
+            )
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
+            _set_running(running)
             results.put((key, False, _portable(exc)))
         else:
+            _set_running(running)
             results.put((key, True, out))
 
 
@@ -118,11 +177,14 @@ class ScoringProcess:
         self._lock = threading.Lock()
         self._next_key = 0
         self._closed = False
+        self._timeouts = dict(reward.timeouts)
+        self._index: dict[int, int] = {}  # key -> batch index, for messages
+        self._running = ctx.Array("c", 512)  # the reward the worker is calling now (_set_running)
         self._proc = ctx.Process(
             target=_worker_main,
             name="flowrl-scoring",
             daemon=True,
-            args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results),
+            args=(reward, decode, threads or torch.get_num_threads(), self._jobs, self._results, self._running),
         )
         try:
             self._proc.start()  # spawn pickles the arguments here, before any child exists
@@ -149,38 +211,61 @@ class ScoringProcess:
                 if not self._proc.is_alive():
                     self._closed = True
                     raise RuntimeError(
-                        f"scoring process exited with code {self._proc.exitcode} while starting "
+                        f"scoring process died ({_how_it_ended(self._proc.exitcode)}) while starting "
                         "(it could not load the reward); run with train.rewards_async=false to see the error"
                     )
         self.close()
         raise RuntimeError(f"scoring process did not start within {timeout_s:.0f} s; use train.rewards_async=thread")
 
     def _receive(self) -> None:
-        """Resolve futures as results arrive; fail them all if the worker dies."""
+        """Resolve futures as results arrive; fail them all if the worker dies or a reward overruns its deadline."""
         while True:
             try:
                 key, ok, payload = self._results.get(timeout=POLL_S)
             except queue.Empty:
-                if self._closed:
-                    return
-                if not self._proc.is_alive():
-                    self._fail_pending(
-                        RuntimeError(
-                            f"scoring process died (exit code {self._proc.exitcode}); "
-                            "rerun with train.rewards_async=thread "
-                            "or false to see the reward's own error"
-                        )
-                    )
+                if self._closed or self._check_worker():
                     return
                 continue
             except (EOFError, OSError):
                 return
             with self._lock:
                 future = self._pending.pop(key, None)
+                self._index.pop(key, None)
                 self._busy = False
                 self._send_next()
             if future is not None:
                 future.set_result(payload) if ok else future.set_exception(payload)
+
+    def _where(self) -> str:
+        """``" in reward 'x' (batch 6)"`` for the reward the worker is running, or ``""``."""
+        running = _get_running(self._running)
+        if running is None:
+            return ""
+        key, name, _ = running
+        return f" in reward {name!r} (batch {self._index.get(key, '?')})"
+
+    def _check_worker(self) -> bool:
+        """Fail every pending chunk if the worker died or overran a deadline; True when it did."""
+        if not self._proc.is_alive():
+            code = self._proc.exitcode
+            hint = "its Python stack is printed above; fix the reward" if code is not None and code < 0 else _FIX
+            self._fail_pending(
+                ScoringProcessDied(f"scoring process died ({_how_it_ended(code)}){self._where()}; {hint}")
+            )
+            return True
+        running = _get_running(self._running)
+        if running is None:
+            return False
+        key, name, started = running
+        timeout = self._timeouts.get(name)
+        if timeout is None or time.monotonic() - started < timeout + BACKSTOP_GRACE_S:
+            return False
+        self._proc.kill()  # the reward holds the worker so hard that it could not report its own deadline
+        self._proc.join(5.0)
+        self._fail_pending(
+            RewardTimeout(timeout_message(name, timeout, self._index.get(key)) + "; its scoring process was killed")
+        )
+        return True
 
     def _fail_pending(self, exc: BaseException) -> None:
         with self._lock:
@@ -194,6 +279,7 @@ class ScoringProcess:
         if not self._busy and self._backlog and not self._closed:
             key, job = self._backlog.popleft()
             self._busy = True
+            self._index[key] = job[-1]
             self._jobs.put((key, *job))
 
     def withdraw(self, future: Future) -> bool:
@@ -210,7 +296,7 @@ class ScoringProcess:
         """Queue one chunk; the Future resolves to ``score_chunk``'s (images, parts)."""
         if self._closed or not self._proc.is_alive():
             raise RuntimeError(
-                f"scoring process is not running (exit code {self._proc.exitcode}); "
+                f"scoring process is not running ({_how_it_ended(self._proc.exitcode)}); "
                 "rerun with train.rewards_async=thread or false"
             )
         future: Future = Future()

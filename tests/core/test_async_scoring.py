@@ -36,11 +36,12 @@ class SlowInk:
         self.started = threading.Event()
 
     def __call__(self, images, prompts, **metadata):
-        self.events.append(("score-start", threading.current_thread().name, time.perf_counter()))
+        caller = threading.current_thread().name.split("@")[-1]  # a reward runs on "reward-<name>@<caller>"
+        self.events.append(("score-start", caller, time.perf_counter()))
         self.started.set()
         time.sleep(self.delay)
         out = self.ink(images, prompts, **metadata)
-        self.events.append(("score-end", threading.current_thread().name, time.perf_counter()))
+        self.events.append(("score-end", caller, time.perf_counter()))
         return out
 
 

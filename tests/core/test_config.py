@@ -72,7 +72,7 @@ def test_a_files_rewards_replace_the_defaults(tmp_path):
 
 
 def test_every_shipped_config_validates():
-    files = sorted((REPO / "configs").rglob("*.yaml"))
+    files = sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate")  # launcher configs
     assert files, "configs/ must hold at least the embedded default"
     for path in files:
         load_config(path)

@@ -22,7 +22,11 @@ from flowrl.trainer import Trainer
 
 
 class TimedInk:
-    """The ink reward, slowed down; appends (pid, start, end) wall times to a file (picklable)."""
+    """The ink reward, slowed down; appends (pid:caller thread, start, end) wall times to a file (picklable).
+
+    A reward runs on its own thread (its deadline's), named "reward-<name>@<caller's thread>": the
+    log names the caller, i.e. who scored the chunk.
+    """
 
     allows_nan = True
 
@@ -34,7 +38,7 @@ class TimedInk:
         time.sleep(self.delay)
         out = self.ink(images, prompts, **metadata)
         with open(self.log_path, "a") as f:
-            f.write(f"{os.getpid()}:{threading.current_thread().name} {start} {time.time()}\n")
+            f.write(f"{os.getpid()}:{threading.current_thread().name.split('@')[-1]} {start} {time.time()}\n")
         return out
 
 
@@ -107,24 +111,65 @@ def test_trainer_scores_the_tail_beside_the_worker(tmp_path, mode):
     )  # at the same time
 
 
+def wait_for(path, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout:g} s")
+        time.sleep(0.005)
+
+
+class HandshakeInk:
+    """Ink that, once started, waits until the trainer has evaluated the model (a marker file) before it ends.
+
+    Its span then holds a model evaluation exactly when scoring and sampling run at the same time, whatever
+    the machine's load: a trainer blocked by scoring never writes the marker and the span holds none.
+    """
+
+    allows_nan = True
+
+    def __init__(self, folder):
+        self.folder, self.ink = str(folder), ink("prompt")
+
+    def __call__(self, images, prompts, **metadata):
+        start = time.time()
+        open(os.path.join(self.folder, "started"), "w").close()
+        wait_for(os.path.join(self.folder, "sampled"))
+        out = self.ink(images, prompts, **metadata)
+        with open(os.path.join(self.folder, "score.log"), "a") as f:
+            f.write(f"{os.getpid()} {start} {time.time()}\n")
+        return out
+
+
 def test_chunks_are_scored_in_the_worker_while_sampling(tmp_path):
-    t = trainer("process", inks(tmp_path / "score.log", delay=0.3), "prompts.per_iteration=6")  # chunks 5, 5, 5, 3
-    velocity, calls = t.model.velocity, []
+    t = trainer("process", MultiReward({"ink": (HandshakeInk(tmp_path), 1.0)}), "prompts.per_iteration=6")
+    velocity, calls, submitted = t.model.velocity, [], []
+    worker = t.scoring_process()  # started before sampling: start-up is once per run
+    submit = worker.submit
+
+    def logged_submit(*args):
+        submitted.append(True)
+        return submit(*args)
 
     def logged_velocity(x, sigma, cond):
+        if submitted:  # a chunk is with the worker: sample on only once it is being scored
+            wait_for(tmp_path / "started")
         calls.append(time.time())
-        return velocity(x, sigma, cond)
+        out = velocity(x, sigma, cond)
+        if (tmp_path / "started").exists():
+            (tmp_path / "sampled").touch()
+        return out
 
-    t.model.velocity = logged_velocity
+    worker.submit, t.model.velocity = logged_submit, logged_velocity
     try:
-        t.scoring_process()  # started before timing: start-up is once per run
-        t.collect()
+        t.collect()  # chunks 5, 5, 5, 3
     finally:
         t.close()
-    spans = [tuple(map(float, line.split()[1:])) for line in (tmp_path / "score.log").read_text().splitlines()]
+    spans = [line.split() for line in (tmp_path / "score.log").read_text().splitlines()]
     assert len(spans) == 4
-    overlapped = [c for c in calls if any(start < c < end for start, end in spans)]
-    assert overlapped  # the trainer evaluated the model while a chunk was being scored
+    in_worker = [(float(a), float(b)) for pid, a, b in spans if pid != str(os.getpid())]
+    overlapped = [c for c in calls if any(start <= c <= end for start, end in in_worker)]
+    assert overlapped  # the trainer evaluated the model while the worker was scoring a chunk
 
 
 def test_failing_reward_in_the_worker_names_reward_and_batch():
@@ -143,7 +188,9 @@ def test_dead_worker_fails_fast_with_one_line():
     start = time.perf_counter()
     try:
         with pytest.raises(
-            RuntimeError, match=r"^scoring process died \(exit code 3\); rerun with train.rewards_async=thread"
+            RewardError,
+            match=r"^scoring process died \(exit code 3\) in reward 'quitter' \(batch 0\); "
+            r"rerun with train.rewards_async=thread",
         ):
             t.collect()
     finally:

@@ -148,7 +148,7 @@ def test_every_shipped_tree_config_has_a_consistent_tree():
     from flowrl.tree.rollouts import tree_spec
 
     found = 0
-    for path in sorted((REPO / "configs").rglob("*.yaml")):
+    for path in sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate"):
         cfg = load_config(path)
         if cfg.objective["name"] == "branch_grpo" or cfg.sampler.solver == "tree":
             tree_spec(cfg)  # group size = leaves, valid splits

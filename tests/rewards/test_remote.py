@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from bench.reward_faults import trickle_server
 from flowrl.rewards import MultiReward, RewardError, build_multi_reward, build_reward, ink
 from flowrl.rewards.remote import RemoteReward, RemoteRewardError
 from flowrl.rewards.server import RewardServer, check_bind, is_loopback
@@ -195,7 +196,7 @@ def test_server_too_slow(serve):
     server = serve(slow, "slow")
     start = time.perf_counter()
     err = score_through_trainer_path(server.url, timeout_s=0.3, retries=1)
-    assert "after 2 attempts: timed out (raise timeout_s" in str(err)
+    assert "after 2 attempts: timed out (no whole reply within timeout_s=0.3 s, which bounds each attempt" in str(err)
     assert time.perf_counter() - start < 2.5
 
 
@@ -288,3 +289,22 @@ def test_bad_requests_get_one_line_errors(serve):
         RemoteReward("127.0.0.1:8765")
     with pytest.raises(ValueError, match="retries must be an integer >= 0"):
         RemoteReward(server.url, retries=-1)
+
+
+def test_a_trickling_server_is_cut_at_the_deadline():
+    url = trickle_server(interval_s=0.2)  # headers and body one byte every 0.2 s: no socket read ever times out
+    start = time.perf_counter()
+    err = score_through_trainer_path(url, timeout_s=1.0, retries=1)
+    elapsed = time.perf_counter() - start
+    assert "after 2 attempts: timed out (no whole reply within timeout_s=1 s, which bounds each attempt" in str(err)
+    assert 2.0 <= elapsed < 5.0  # two attempts of 1 s (each its own deadline) and a 0.01 s backoff
+
+
+def test_a_slow_but_steady_reply_within_the_deadline_is_accepted(serve):
+    def slowish(images, prompts, **metadata):
+        time.sleep(0.3)
+        return images.mean(dim=(1, 2, 3))
+
+    server = serve(slowish, "slowish")
+    x = images()
+    assert torch.equal(RemoteReward(server.url, timeout_s=5, retries=0)(x, PROMPTS), x.mean(dim=(1, 2, 3)))

@@ -1,0 +1,126 @@
+"""Kernel timings: NVFP4 quantise / dequantise / fake-quantise and the fused Flow-SDE step.
+
+Usage::
+
+    python -m bench.kernels [--repeats 5] [--threads N]
+
+Prints one Markdown table: kernel, shape, dtype, backend, median time, the bytes the kernel
+moves (its minimum traffic, the numbers in the kernels' docstrings), the effective bandwidth
+(bytes / time) and the H100 SXM roofline time for the same bytes and FLOPs. On a CPU only the
+torch reference runs; with CUDA both the reference and the Triton kernel run on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from flowrl.kernels import fused_flow_sde_step, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
+from flowrl.kernels.flow_sde import FLOPS_PER_ELEMENT, flow_sde_bytes
+from flowrl.kernels.nvfp4 import nvfp4_bytes
+from flowrl.kernels.roofline import roofline_seconds
+from flowrl.runtime import configure_threads
+
+NVFP4_SHAPES = [(128, 512), (3072, 3072), (4096, 3072)]  # digits MLP weight, FLUX hidden weight, 4096 tokens
+SDE_SHAPES = [(64, 4, 8, 8), (16, 16, 128, 128)]  # digits group, SD3 at 1024 px
+NVFP4_OPS_PER_ELEMENT = {"quantize": 20, "dequantize": 6, "fake_quantize": 27}
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def row(kernel: str, shape: tuple, dtype: torch.dtype, backend: str, seconds: float, nbytes: int, flops: int) -> str:
+    return (
+        f"| {kernel} | {'x'.join(map(str, shape))} | {str(dtype).removeprefix('torch.')} | {backend} "
+        f"| {seconds * 1e3:.3f} ms | {nbytes / 1e6:.1f} MB | {nbytes / seconds / 1e9:.2f} GB/s "
+        f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+    )
+
+
+def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> list[str]:
+    rows = []
+    for shape in NVFP4_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+            numel = x.numel()
+            for backend in backends:
+                packed = nvfp4_quantize(x, backend=backend)
+                calls = {
+                    "quantize": lambda: nvfp4_quantize(x, backend=backend),
+                    "dequantize": lambda: nvfp4_dequantize(packed, backend=backend),
+                    "fake_quantize": lambda: nvfp4_fake_quantize(x, backend=backend),
+                }
+                for op, fn in calls.items():
+                    seconds = timed(fn, device, repeats)
+                    nbytes = nvfp4_bytes(numel, x.element_size(), op)
+                    flops = NVFP4_OPS_PER_ELEMENT[op] * numel
+                    rows.append(row(f"nvfp4 {op}", shape, dtype, backend, seconds, nbytes, flops))
+    return rows
+
+
+def sde_rows(device: torch.device, backends: list[str], repeats: int) -> list[str]:
+    rows = []
+    for shape in SDE_SHAPES:
+        g = torch.Generator().manual_seed(0)
+        x, v, z = (torch.randn(shape, generator=g).to(device) for _ in range(3))
+        sigma = torch.full((shape[0],), 0.7, device=device)
+        for backend in backends:
+            step = fused_flow_sde_step(x, v, sigma, sigma - 0.1, 0.7, noise=z, backend=backend)
+            for mode, kwargs in (("sample", {"noise": z}), ("score", {"prev_sample": step.sample})):
+                seconds = timed(
+                    lambda kw=kwargs: fused_flow_sde_step(x, v, sigma, sigma - 0.1, 0.7, backend=backend, **kw),
+                    device,
+                    repeats,
+                )
+                nbytes = flow_sde_bytes(x.numel(), 4, score=mode == "score")
+                flops = FLOPS_PER_ELEMENT[mode] * x.numel()
+                rows.append(row(f"flow_sde {mode}", shape, torch.float32, backend, seconds, nbytes, flops))
+    return rows
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        where = torch.cuda.get_device_name()
+    else:
+        where = (
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        )
+    return f"{datetime.date.today()}, torch {torch.__version__}, {where}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    configure_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backends = ["torch", "triton"] if device.type == "cuda" else ["torch"]
+    print(f"Machine: {machine()}\n")
+    print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for line in nvfp4_rows(device, backends, args.repeats) + sde_rows(device, backends, args.repeats):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

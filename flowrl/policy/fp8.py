@@ -1,0 +1,88 @@
+"""FP8 E4M3 for explore models: fake quantisation (any device) and a ``torch._scaled_mm`` Linear (CUDA).
+
+Scales are amax scales per tensor or per row (the last dim): ``scale = amax / 448`` (1 where amax
+is 0); values are cast with torch's round-to-nearest-even ``float8_e4m3fn`` conversion after
+clamping to +-448.
+
+References:
+    Micikevicius et al., "FP8 Formats for Deep Learning", 2022 (E4M3).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+FP8_MAX = 448.0
+
+
+def check_scaled_mm(device: torch.device, activations: bool) -> None:
+    """Raise a one-line ValueError unless ``torch._scaled_mm`` FP8 can run for a policy on ``device``."""
+    if device.type != "cuda":
+        raise ValueError(f"fp8_e4m3 with emulate=False needs CUDA (torch._scaled_mm); the policy is on {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"torch._scaled_mm needs compute capability >= 8.9; this GPU is {major}.{minor}; emulate=True")
+    if activations:
+        raise ValueError("fp8_e4m3 with emulate=False always quantises activations; leave activations=False")
+
+
+def fp8_fake_quantize(x: Tensor, scaling: Literal["tensor", "row"] = "tensor") -> Tensor:
+    """Quantise-dequantise through FP8 E4M3 with an amax scale per tensor or per row (last dim).
+
+    ``scale = amax / 448`` (1 where amax is 0), ``q = e4m3(clamp(x / scale, -448, 448))`` (torch's
+    round-to-nearest-even cast), ``x_hat = q * scale``; same shape and dtype as ``x``.
+
+    Raises:
+        ValueError: ``x`` holds NaN or inf.
+    """
+    q, scale = fp8_quantize(x, scaling)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("fp8_e4m3 input holds NaN or inf; check the tensor before quantising")
+    return (q.float() * scale).to(x.dtype)
+
+
+class ScaledMMLinear(nn.Module):
+    """An FP8 E4M3 Linear on ``torch._scaled_mm`` (CUDA, compute capability >= 8.9).
+
+    Weights are quantised once per tensor or per output row; inputs are quantised dynamically per
+    tensor or per row; rows are padded to a multiple of 16; the product comes back in bf16 and is
+    cast to the input's dtype, then the bias is added.
+    """
+
+    def __init__(self, linear: nn.Linear, scaling: str):
+        super().__init__()
+        self.scaling = scaling
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = fp8_quantize(linear.weight.detach(), scaling)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale.reshape(1, -1) if scaling == "row" else scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(..., in_features) -> (..., out_features) in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        pad = (-rows.shape[0]) % 16
+        q, scale = fp8_quantize(torch.nn.functional.pad(rows, (0, 0, 0, pad)), self.scaling)
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
+        out = out[: rows.shape[0]].to(x.dtype)
+        out = out if self.bias is None else out + self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_quantize(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
+    """Quantise to FP8 E4M3: ``(q, scale)`` with ``x ~= q * scale``.
+
+    Args:
+        x: (..., K) floating tensor.
+        scaling: "tensor" (one scale) or "row" (one per row of the last dim).
+
+    Returns:
+        q in ``float8_e4m3fn`` of x's shape, and the fp32 scale: () or (..., 1).
+    """
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True) if scaling == "row" else x32.abs().amax()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

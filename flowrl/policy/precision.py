@@ -1,0 +1,375 @@
+"""Rollout precision: a frozen, LoRA-merged, low-precision copy of the sampling policy (Sol-RL's explore model).
+
+Sol-RL explores with a cheap copy of the current sampling policy: its LoRA adapter merged into the
+base weights, the Linear layers quantised (NVFP4 on Blackwell), never trained. Only the seeds and
+rewards of its samples are kept; the chosen seeds are regenerated at full precision for training.
+This module builds that copy for one transformer and keeps it in sync; choosing seeds and wiring
+it into the trainer live elsewhere.
+
+Precisions (``PRECISIONS``):
+
+- ``"fp32"``, ``"bf16"``: the whole copy cast; floating inputs of rank >= 2 are cast in and
+  outputs cast back (1-d timesteps stay as given, as diffusers pipelines pass them).
+- ``"nvfp4"``: NVFP4 emulated: each selected Linear weight is quantise-dequantised through
+  :func:`flowrl.kernels.nvfp4_fake_quantize` (blocks of 16 along ``in_features``); with
+  ``activations=True`` a forward pre-hook does the same to its input (W4A4 numerics).
+- ``"fp8_e4m3"``: FP8 E4M3 with per-tensor or per-row (output channel) amax scales. Emulated
+  (fake-quantised, any device) by default; ``emulate=False`` runs ``torch._scaled_mm`` on CUDA
+  with compute capability >= 8.9 (activations scaled per tensor / per row dynamically; layers
+  whose dims are not multiples of 16 stay full precision). See :mod:`flowrl.policy.fp8`.
+- ``"int8_dynamic"``: ``torch.ao`` dynamic int8 quantisation of the selected layers (CPU, fp32).
+- ``"native_nvfp4"``: torchao's NVFP4 W4A4 on a Blackwell GPU (compute capability >= 10.0).
+
+Which layers (``QuantRule``): like Sol-RL's ``replace_linear_with_te``, embedders and the final
+layers stay at the policy's precision (name patterns, fnmatch on the module's dotted name), and
+so do small layers, ``max(in_features, out_features) <= min_features`` (Sol-RL: 1000 for FLUX,
+2240 for SANA). The default patterns cover SD3, FLUX, Wan and Qwen-Image. Non-Linear layers
+(norms, convolutions) are never quantised.
+
+References:
+    Li et al., "FP4 Explore, BF16 Train: Diffusion Reinforcement Learning via Efficient Rollout
+    Scaling" (Sol-RL), arXiv 2604.06916, 2026, §3 and its code in NVlabs/Sana (train_scripts/sol_rl).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels import Backend, nvfp4_fake_quantize
+from .fp8 import ScaledMMLinear, check_scaled_mm, fp8_fake_quantize
+
+Precision = Literal["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4")
+QUANTISED = ("nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4")  # the ones a QuantRule applies to
+# embedders and output layers of SD3 / FLUX (x_, context_, time_text_embed, norm_out, proj_out),
+# Wan (condition_embedder, proj_out) and Qwen-Image (img_in, txt_in)
+DEFAULT_SKIP = ("*embed*", "norm_out*", "proj_out", "img_in", "txt_in")
+
+
+@dataclass(frozen=True)
+class QuantRule:
+    """Which ``nn.Linear`` layers an explore model quantises.
+
+    Attributes:
+        skip: fnmatch patterns on the dotted module name; a match stays at full precision.
+        min_features: a layer with ``max(in_features, out_features) <= min_features`` stays full
+            precision (Sol-RL's ``nvfp4_min_dim``: 1000 for FLUX, 2240 for SANA; the default 0
+            quantises every size, as the small embedded model needs).
+    """
+
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    min_features: int = 0
+
+    def selects(self, name: str, layer: nn.Module) -> bool:
+        """Whether ``layer`` (at ``name``) is quantised."""
+        if not isinstance(layer, nn.Linear) or any(fnmatch(name, pattern) for pattern in self.skip):
+            return False
+        return max(layer.in_features, layer.out_features) > self.min_features
+
+
+@dataclass
+class ExploreModel:
+    """A frozen low-precision copy of a policy transformer with one LoRA adapter merged in.
+
+    Attributes:
+        module: the copy; call it as the transformer. ``requires_grad`` is False everywhere.
+        precision: one of ``PRECISIONS``.
+        adapter: the LoRA adapter merged in (e.g. "default", or DiffusionNFT's sampling "old").
+        quantised: dotted names of the Linear layers held at ``precision``.
+        rule: the layer rule used.
+        activations: whether inputs of the quantised layers are quantised too.
+        scaling: fp8 scale granularity, "tensor" or "row".
+        emulate: whether a quantised precision is emulated (fake-quantised weights).
+        backend: kernel backend of the NVFP4 quantiser.
+    """
+
+    module: nn.Module
+    precision: str
+    adapter: str
+    quantised: tuple[str, ...]
+    rule: QuantRule
+    activations: bool
+    scaling: str
+    emulate: bool
+    backend: Backend
+
+
+def build_explore(
+    policy: Any,
+    precision: Precision,
+    *,
+    adapter: str = "default",
+    rule: QuantRule | None = None,
+    activations: bool = False,
+    scaling: Literal["tensor", "row"] = "tensor",
+    emulate: bool | None = None,
+    backend: Backend = "auto",
+) -> ExploreModel:
+    """Deep-copy the policy's transformer, merge one LoRA adapter (peft ``merge``) and set its precision.
+
+    Args:
+        policy: a :class:`~flowrl.policy.build.Policy`, a model adapter (anything with
+            ``.transformer``) or the transformer ``nn.Module`` itself.
+        precision: one of ``PRECISIONS`` (module docstring).
+        adapter: the LoRA adapter to merge; ignored when the transformer has no LoRA.
+        rule: which Linear layers to quantise; ``QuantRule()`` by default.
+        activations: quantise the inputs of the quantised layers too ("nvfp4", emulated "fp8_e4m3").
+        scaling: "tensor" or "row" amax scales for "fp8_e4m3".
+        emulate: "fp8_e4m3" only: None emulates off CUDA and uses ``torch._scaled_mm`` on CUDA.
+        backend: NVFP4 kernel backend ("auto": Triton on CUDA, the torch reference on CPU).
+
+    Returns:
+        The :class:`ExploreModel`, in eval mode.
+
+    Raises:
+        ValueError: an unknown precision or adapter, an option the precision does not take, a rule
+            that selects no layer, or a format this machine cannot run (one line naming the fix).
+        TypeError: ``policy`` holds no transformer module.
+    """
+    rule = rule or QuantRule()
+    transformer = policy_transformer(policy)
+    emulate = _check_request(precision, transformer, activations, scaling, emulate)
+    module = copy.deepcopy(transformer)
+    _merge_lora(module, adapter)
+    module.requires_grad_(False).eval()
+    chosen = tuple(n for n, m in module.named_modules() if rule.selects(n, m)) if precision in QUANTISED else ()
+    if precision == "fp8_e4m3" and not emulate:  # torch._scaled_mm needs both dims divisible by 16
+        chosen = tuple(n for n in chosen if not any(d % 16 for d in module.get_submodule(n).weight.shape))
+    if precision in QUANTISED and not chosen:
+        raise ValueError(f"QuantRule {rule} selects no Linear layer for precision={precision!r}; lower min_features")
+    explore = ExploreModel(module, precision, adapter, chosen, rule, activations, scaling, emulate, backend)
+    _apply_precision(explore, io_dtype=_float_dtype(transformer))
+    return explore
+
+
+@torch.no_grad()
+def refresh(explore: ExploreModel, policy: Any) -> None:
+    """Re-merge the policy's current LoRA weights into ``explore`` in place (no new deep copy).
+
+    Only LoRA-adapted layers are rewritten: the base weights are frozen during training
+    (:func:`flowrl.policy.lora.add_lora`). Each is ``W + B A * scale`` as peft's merge computes
+    it, then brought to the explore precision exactly as :func:`build_explore` does, so a refreshed
+    model equals a freshly built one bit for bit.
+
+    Args:
+        explore: from :func:`build_explore`.
+        policy: the same kind of object ``build_explore`` took, with newer LoRA weights.
+
+    Raises:
+        ValueError: the policy lacks ``explore.adapter``, or uses a LoRA variant refresh cannot merge.
+    """
+    layers = _lora_layers(policy_transformer(policy), explore.adapter)
+    for name, layer in layers:
+        if explore.adapter not in layer.lora_A:
+            continue
+        if layer.lora_bias.get(explore.adapter) or explore.adapter in getattr(layer, "lora_variant", {}):
+            raise ValueError(f"refresh merges plain LoRA only; {name} has a bias or DoRA term: call build_explore")
+        weight = layer.get_base_layer().weight.detach().clone()
+        weight += layer.get_delta_weight(explore.adapter)  # as peft's merge: base.weight.data += delta
+        _load_weight(explore, name, weight)
+
+
+def policy_transformer(policy: Any) -> nn.Module:
+    """The transformer of a Policy, of a model adapter, or the module itself.
+
+    Raises:
+        TypeError: no ``nn.Module`` found.
+    """
+    if isinstance(policy, nn.Module):
+        return policy
+    transformer = getattr(getattr(policy, "model", policy), "transformer", None)
+    if not isinstance(transformer, nn.Module):
+        raise TypeError(f"expected a Policy, a model adapter or an nn.Module; got {type(policy).__name__}")
+    return transformer
+
+
+# --------------------------------------------------------------------------- checks and merging
+
+
+def _check_request(
+    precision: str, transformer: nn.Module, activations: bool, scaling: str, emulate: bool | None
+) -> bool:
+    """Validate the options before any copy; returns the resolved ``emulate``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
+    if activations and precision not in ("nvfp4", "fp8_e4m3"):
+        raise ValueError(f"activations=True applies to 'nvfp4' and 'fp8_e4m3'; got precision={precision!r}")
+    if scaling not in ("tensor", "row"):
+        raise ValueError(f"scaling must be 'tensor' or 'row'; got {scaling!r}")
+    device = _device(transformer)
+    if precision == "native_nvfp4":
+        _check_native_nvfp4(device)
+    if precision == "int8_dynamic" and device.type != "cpu":
+        raise ValueError(f"int8_dynamic is torch.ao's CPU path; the policy is on {device}; use fp8_e4m3 or nvfp4")
+    if precision == "int8_dynamic" and _float_dtype(transformer) != torch.float32:
+        raise ValueError(
+            f"int8_dynamic quantises fp32 weights; the policy is {_float_dtype(transformer)}; load it in fp32"
+        )
+    if precision != "fp8_e4m3":
+        return precision == "nvfp4"
+    if emulate is None:
+        emulate = device.type != "cuda"
+    if not emulate:
+        check_scaled_mm(device, activations)
+    return emulate
+
+
+def _check_native_nvfp4(device: torch.device) -> None:
+    fix = "use precision='nvfp4' (emulated) instead"
+    if device.type != "cuda":
+        raise ValueError(
+            f"native_nvfp4 needs a Blackwell GPU (compute capability >= 10.0); the policy is on {device}; {fix}"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 10:
+        raise ValueError(
+            f"native_nvfp4 needs compute capability >= 10.0 (Blackwell); this GPU is {major}.{minor}; {fix}"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"native_nvfp4 needs torchao's NVFP4 (pip install torchao); it is not installed; {fix}")
+
+
+def _merge_lora(module: nn.Module, adapter: str) -> None:
+    """Merge ``adapter`` into the base layers with peft and put the base layers back in their place."""
+    for name, layer in _lora_layers(module, adapter):
+        layer.merge(adapter_names=[adapter])
+        _set_submodule(module, name, layer.get_base_layer())
+    if hasattr(module, "peft_config"):
+        module.unload_lora()  # diffusers: no LoRA layers are left; this drops the adapters' config
+
+
+def _lora_layers(module: nn.Module, adapter: str) -> list[tuple[str, Any]]:
+    """The peft LoRA layers of ``module``, after checking ``adapter`` exists."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
+    names = list(getattr(module, "peft_config", {}))
+    if layers and adapter not in names:
+        raise ValueError(f"the policy has no LoRA adapter {adapter!r}; it has {names}")
+    return layers
+
+
+def _set_submodule(root: nn.Module, name: str, child: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, child)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())
+
+
+# --------------------------------------------------------------------------- precisions
+
+
+def _apply_precision(explore: ExploreModel, io_dtype: torch.dtype) -> None:
+    precision, module = explore.precision, explore.module
+    if precision in ("fp32", "bf16"):
+        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        if dtype != io_dtype:
+            nn.Module.to(module, dtype)  # not diffusers' ModelMixin.to, which warns about casting after loading
+            _cast_io(module, dtype, io_dtype)
+        return
+    if precision == "native_nvfp4":
+        _native_nvfp4(module, explore.quantised)
+        return
+    for name in explore.quantised:
+        linear = module.get_submodule(name)
+        _load_weight(explore, name, linear.weight.detach())
+        if explore.activations:
+            linear.register_forward_pre_hook(_input_quantiser(explore))
+
+
+def _load_weight(explore: ExploreModel, name: str, weight: Tensor) -> None:
+    """Write a merged full-precision weight into ``explore`` at ``name``, at the explore precision."""
+    target = explore.module.get_submodule(name)
+    if name not in explore.quantised or explore.precision in ("fp32", "bf16"):
+        target.weight.copy_(weight)
+    elif explore.precision == "nvfp4":
+        target.weight.copy_(nvfp4_fake_quantize(weight, backend=explore.backend))
+    elif explore.precision == "fp8_e4m3" and explore.emulate:
+        target.weight.copy_(fp8_fake_quantize(weight, explore.scaling))
+    elif explore.precision == "fp8_e4m3":
+        _set_submodule(explore.module, name, ScaledMMLinear(_as_linear(target, weight), explore.scaling))
+    elif explore.precision == "int8_dynamic":
+        _set_submodule(explore.module, name, _int8_dynamic(_as_linear(target, weight)))
+    else:  # native_nvfp4
+        _set_submodule(explore.module, name, _native_nvfp4(_as_linear(target, weight), ("",)))
+
+
+def _as_linear(target: nn.Module, weight: Tensor) -> nn.Linear:
+    """A plain Linear holding ``weight`` and ``target``'s bias (for the module-replacing precisions)."""
+    bias = target.bias() if callable(getattr(target, "bias", None)) else getattr(target, "bias", None)
+    linear = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    )
+    linear.weight.data.copy_(weight)
+    if bias is not None:
+        linear.bias.data.copy_(bias)
+    return linear.requires_grad_(False)
+
+
+def _input_quantiser(explore: ExploreModel) -> Any:
+    def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        x = args[0]
+        if explore.precision == "nvfp4":
+            return (nvfp4_fake_quantize(x, backend=explore.backend), *args[1:])
+        return (fp8_fake_quantize(x, "tensor"), *args[1:])
+
+    return hook
+
+
+def _int8_dynamic(linear: nn.Linear) -> nn.Module:
+    """torch.ao's dynamic int8 Linear (per-tensor symmetric weights, activations per call)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    linear.qconfig = default_dynamic_qconfig
+    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
+        warnings.simplefilter("ignore")
+        return DynamicLinear.from_float(linear)
+
+
+def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """Quantise the named Linear layers to NVFP4 W4A4 with torchao (Blackwell; untested without one)."""
+    from torchao.quantization import quantize_
+
+    try:
+        from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig as Config
+    except ImportError as err:
+        raise ValueError(
+            "native_nvfp4 needs torchao with NVFP4DynamicActivationNVFP4WeightConfig; upgrade torchao"
+        ) from err
+    selected = set(names)
+    quantize_(module, Config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
+    return module
+
+
+def _cast_io(module: nn.Module, dtype: torch.dtype, io_dtype: torch.dtype) -> None:
+    """Cast floating inputs of rank >= 2 to ``dtype`` and floating outputs back to ``io_dtype``."""
+
+    def cast(value: Any, to: torch.dtype, min_rank: int) -> Any:
+        if isinstance(value, Tensor):
+            return value.to(to) if value.is_floating_point() and value.ndim >= min_rank else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(cast(v, to, min_rank) for v in value)
+        if isinstance(value, dict):
+            for key in list(value):
+                value[key] = cast(value[key], to, min_rank)
+        return value
+
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: (cast(args, dtype, 2), cast(kwargs, dtype, 2)), with_kwargs=True
+    )
+    module.register_forward_hook(lambda m, args, out: cast(out, io_dtype, 0))

@@ -1,0 +1,485 @@
+"""Machine checks before a run starts: devices that exist, thread counts, and a memory and work estimate.
+
+:func:`check_machine` runs before any model is built (``flowrl train``, ``flowrl train --check``,
+``flowrl sample``). A config file stays loadable on any machine (:func:`flowrl.config.load_config`
+checks only what does not depend on the machine); this module compares it with the machine at
+hand and refuses, in one line, what cannot run here.
+
+The memory estimate reads the model's geometry without loading weights
+(:mod:`flowrl.models.geometry`: the folder's JSON configs and the headers of its
+``*.safetensors`` files). It is order-of-magnitude honest, not exact. It counts, in bytes:
+
+- model weights: every component's parameters in ``model.dtype``;
+- LoRA: ``lora.rank`` x (in + out) of each targeted linear layer, x 24 bytes (fp32 weights,
+  gradients, two AdamW moments and two extra adapter copies, e.g. DiffusionNFT's old and ema);
+- the prompt cache (host memory): every prompt a run encodes, ``text tokens x text width`` in
+  ``model.dtype`` (twice under true CFG: the negative prompt rides along);
+- one iteration: the rollout latents (fp32; every step for SDE and tree rollouts, the last one
+  for solver rollouts), the decoded images (fp32), the conditioning of the batch, the activations
+  of one training chunk (``sampler.chunk_size`` rows; 28 values per token, hidden unit and layer,
+  or layer inputs + 28 with ``memory.gradient_checkpointing``, calibrated on the H100
+  measurements of docs/gpu-plan.md) and one VAE decode;
+- one evaluation: its trajectory, images and activations (``train.eval_seeds`` x eval prompts);
+- the before/after grids (``output.grid_seeds`` x up to 20 eval prompts).
+
+Not counted: attention score matrices (flash / memory-efficient kernels do not store them),
+optimizer temporaries, allocator fragmentation, CUDA's own context and the Python / torch runtime
+itself (about 0.5-1 GB of host memory). When the model folder
+is not available locally, only devices, threads and the work limit are checked, and loading the
+model then fails with its own message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .models.geometry import Geometry, model_folder, read_geometry
+from .runtime import check_threads
+
+if TYPE_CHECKING:
+    from .config import Config
+
+MAX_SAMPLE_STEPS = 10**7
+"""Most samples x denoising steps one iteration (or one evaluation) may take: far beyond any real run,
+low enough that an absurd size is refused instead of running for days."""
+
+# Activation values per token and hidden unit, calibrated on the H100 measurements of docs/gpu-plan.md
+# (SD3.5-M, Wan2.1-1.3B: ~28 per layer kept for the backward pass; a no-grad forward peaks near 16 in all)
+TRAIN_VALUES = 28
+INFER_VALUES = 16
+LORA_BYTES = 24  # per LoRA parameter: fp32 weight, gradient, 2 AdamW moments, 2 extra adapter copies
+GRID_MAX_PROMPTS = 20  # as flowrl.recipe: the before/after grid shows at most this many prompts
+EVAL_MIN_CHUNK = 64  # as the trainer: evaluation samples in chunks of max(sampler.chunk_size, 64)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Part(NamedTuple):
+    """One term of the memory estimate.
+
+    Attributes:
+        name: what it is, with the config values that size it.
+        nbytes: its size.
+        fix: the settings that shrink it, for the message.
+        on_device: whether it lives on the model's device (else in host memory).
+    """
+
+    name: str
+    nbytes: float
+    fix: str
+    on_device: bool = True
+
+
+class Estimate(NamedTuple):
+    """The memory a run needs, split by where it lives, and what the machine has.
+
+    Attributes:
+        device: the model's device (``model.device``).
+        parts: the terms that are alive together at the peak.
+        need: bytes by pool ("device" for a CUDA model, else everything is "host").
+        available: bytes available by pool (None where it could not be read).
+    """
+
+    device: str
+    parts: list[Part]
+    need: dict[str, float]
+    available: dict[str, float | None]
+
+    def summary(self) -> str:
+        """One line: the estimate per pool against what is available."""
+        pools = [f"~{human_bytes(n)} of {k} memory" for k, n in self.need.items()]
+        free = [f"{human_bytes(a)} {k}" for k, a in self.available.items() if a is not None]
+        return f"the run needs {' and '.join(pools)}; available: {', '.join(free) or 'unknown'}"
+
+
+def human_bytes(n: float) -> str:
+    """``1.2 GB``-style size (decimal units)."""
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+# -- devices and threads ----------------------------------------------------------------------
+
+
+def check_device(device: str, key: str) -> None:
+    """Refuse a device this machine does not have.
+
+    Args:
+        device: a device string whose spelling the config already checked (cpu, cuda, cuda:N, mps).
+        key: the config key, named in the message.
+
+    Raises:
+        ValueError: one line naming the device, what the machine has and the setting to use.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{key}={device!r} but this machine has no CUDA device; use {key}=cpu")
+        if dev.index is not None and dev.index >= count:
+            have = "cuda:0" if count == 1 else f"cuda:0 .. cuda:{count - 1}"
+            raise ValueError(f"{key}={device!r} but this machine has {count} CUDA device(s) ({have}); use {key}=cuda:0")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"{key}={device!r} but this machine has no MPS (Apple GPU) device; use {key}=cpu")
+        if dev.index not in (None, 0):
+            raise ValueError(f"{key}={device!r} but a machine has one MPS device; use {key}=mps")
+
+
+def check_devices(cfg: Config) -> None:
+    """``model.device`` and every reward's ``device`` option against the machine (:func:`check_device`)."""
+    check_device(cfg.model.device, "model.device")
+    for name, opts in cfg.rewards.items():
+        if isinstance(opts, dict) and isinstance(opts.get("device"), str):
+            check_device(opts["device"], f"rewards.{name}.device")
+
+
+# -- the estimate -------------------------------------------------------------------------------
+
+
+class Sizes(NamedTuple):
+    """Per-sample sizes at the run's resolution: output (height, width, frames) and element counts."""
+
+    height: int
+    width: int
+    frames: int
+    latent: int  # latent elements
+    pixels: int  # decoded elements (3 x frames x height x width)
+    tokens: int  # transformer tokens, text included
+
+
+def sample_sizes(cfg: Config, g: Geometry) -> Sizes:
+    """The :class:`Sizes` of one sample under ``model.resolution`` / ``model.num_frames`` (or the model's defaults)."""
+    res = cfg.model.resolution
+    height, width = g.default_resolution if res is None else (res, res) if isinstance(res, int) else res
+    frames = (cfg.model.num_frames or g.default_frames) if g.default_frames else 1
+    latent_frames = (frames - 1) // g.temporal_factor + 1
+    h, w = -(-height // g.vae_factor), -(-width // g.vae_factor)
+    tokens = latent_frames * -(-h // g.patch) * -(-w // g.patch) + g.text_tokens
+    return Sizes(height, width, frames, g.latent_channels * latent_frames * h * w, 3 * frames * height * width, tokens)
+
+
+def _activations(cfg: Config, g: Geometry, z: Sizes, rows: int, training: bool) -> float:
+    """Activations of one transformer call on ``rows`` samples (all layers kept for backward when training)."""
+    nbytes = 2 if cfg.memory.autocast != "none" or cfg.model.dtype != "float32" else 4
+    guided = 2 if cfg.sampler.guidance_scale != 1 else 1  # true CFG runs [uncond; cond] in one call
+    per_value = guided * rows * z.tokens * g.hidden * nbytes
+    if not training:
+        return per_value * INFER_VALUES
+    kept = g.layers + TRAIN_VALUES if cfg.memory.gradient_checkpointing else g.layers * TRAIN_VALUES
+    return per_value * kept
+
+
+def _decode(cfg: Config, g: Geometry, z: Sizes, rows: int) -> float:
+    """One VAE decode of ``rows`` samples: three fp32 feature maps of its largest decoder level alive at once."""
+    rows = 1 if cfg.memory.vae_slicing else rows
+    height, width = (min(z.height, 512), min(z.width, 512)) if cfg.memory.vae_tiling else (z.height, z.width)
+    per_sample = max(c * (height >> i) * (width >> i) for i, c in enumerate(g.vae_widths))
+    return 3 * rows * z.frames * per_sample * 4
+
+
+def _weights(cfg: Config, g: Geometry) -> list[Part]:
+    """Model weights in ``model.dtype``; text encoders / VAE in host memory when offloaded."""
+    nbytes = _DTYPE_BYTES[cfg.model.dtype]
+    encoders = sum(n for name, n in g.params.items() if name.startswith("text_encoder"))
+    vae = g.params.get("vae", 0)
+    denoiser = sum(g.params.values()) - encoders - vae
+    fix = "use model.dtype=bfloat16, memory.offload_encoders=true, or a machine with more memory"
+    return [
+        Part(f"denoiser weights ({denoiser / 1e6:,.1f} M parameters, {cfg.model.dtype})", denoiser * nbytes, fix),
+        Part("text encoder weights", encoders * nbytes, fix, not cfg.memory.offload_encoders),
+        Part("VAE weights", vae * nbytes, fix, not cfg.memory.offload_vae),
+    ]
+
+
+def _cached_prompts(cfg: Config, train_prompts: int, eval_prompts: int) -> int:
+    """Prompts the in-memory prompt cache ends up holding: every one a run encodes (all when warmed up front)."""
+    if cfg.memory.free_encoders_when_cached:
+        return train_prompts + eval_prompts
+    return min(train_prompts, cfg.prompts.per_iteration * cfg.train.iterations) + eval_prompts
+
+
+def _persistent(cfg: Config, g: Geometry, z: Sizes, train_prompts: int, eval_prompts: int) -> list[Part]:
+    """What lives through the whole run: weights, LoRA and optimizer state, prompt cache (host), the grids."""
+    grid = 2 * min(eval_prompts, GRID_MAX_PROMPTS) * cfg.output.grid_seeds
+    prompts = _cached_prompts(cfg, train_prompts, eval_prompts)
+    guided = 2 if cfg.sampler.guidance_scale != 1 else 1  # each entry also holds the negative prompt
+    cache = guided * prompts * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype]
+    return [
+        *_weights(cfg, g),
+        Part(
+            f"LoRA weights and optimizer state (lora.rank={cfg.lora.rank})",
+            g.lora_width * cfg.lora.rank * LORA_BYTES,
+            "lower lora.rank or target fewer layers (lora.targets)",
+        ),
+        Part(
+            f"prompt cache ({prompts} prompts)", cache, "use smaller prompt sets (prompts.train, prompts.eval)", False
+        ),
+        Part(f"before/after grids ({grid} images)", grid * z.pixels * 4, "lower output.grid_seeds", False),
+    ]
+
+
+def _rollout_kind(cfg: Config) -> str:
+    from .objectives import OBJECTIVES
+
+    return getattr(OBJECTIVES[cfg.objective["name"]], "rollout", "sde")
+
+
+def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]:
+    """One training iteration of one process: its rows of the rollout batch, conditioning, one chunk, one decode."""
+    s, p, res = cfg.sampler, cfg.prompts, f"model.resolution={z.height}x{z.width}"
+    batch = -(-p.per_iteration * p.group_size // processes)
+    steps = s.num_steps + 1 if _rollout_kind(cfg) in ("sde", "tree") else 1
+    chunk, rows = min(s.chunk_size, batch), min(cfg.train.score_chunk_size or s.chunk_size, batch)
+    size = f"prompts.per_iteration={p.per_iteration} x prompts.group_size={p.group_size}"
+    size += f" / {processes} processes" if processes > 1 else ""
+    return [
+        Part(
+            f"rollout latents ({size} samples x {steps} steps at {res})",
+            batch * steps * z.latent * 4,
+            "lower prompts.per_iteration, prompts.group_size, sampler.num_steps or model.resolution",
+        ),
+        Part(
+            f"rollout images ({size} at {res})",
+            batch * z.pixels * 4,
+            "lower prompts.per_iteration, prompts.group_size or model.resolution",
+            False,
+        ),
+        Part(
+            f"rollout conditioning ({batch} samples)",
+            batch * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype],
+            "lower prompts.per_iteration or prompts.group_size",
+        ),
+        Part(
+            f"activations of one training chunk (sampler.chunk_size={chunk} at {res})",
+            _activations(cfg, g, z, chunk, training=True),
+            "lower sampler.chunk_size or model.resolution, or set memory.gradient_checkpointing=true",
+        ),
+        Part(
+            f"VAE decode of {rows} samples at {res}",
+            _decode(cfg, g, z, rows),
+            "lower train.score_chunk_size or model.resolution, or set memory.vae_slicing=true",
+        ),
+    ]
+
+
+def _evaluation(cfg: Config, g: Geometry, z: Sizes, samples: int, steps: int, label: str) -> list[Part]:
+    """One evaluation or sampling pass of ``samples``: ODE trajectory, images, conditioning, one chunk, the decode."""
+    chunk = min(max(cfg.sampler.chunk_size, EVAL_MIN_CHUNK), samples)
+    res = f"model.resolution={z.height}x{z.width}"
+    return [
+        Part(
+            f"{label} latents ({samples} samples x {steps + 1} steps)",
+            samples * (steps + 1) * z.latent * 4,
+            "lower train.eval_seeds, train.eval_steps or model.resolution",
+        ),
+        Part(f"{label} images ({samples} at {res})", samples * z.pixels * 4, "lower train.eval_seeds", False),
+        Part(
+            f"{label} conditioning ({samples} samples)",
+            samples * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype],
+            "lower train.eval_seeds",
+        ),
+        Part(
+            f"activations of one sampling chunk ({chunk} samples at {res})",
+            _activations(cfg, g, z, chunk, training=False),
+            "lower model.resolution",
+        ),
+        Part(
+            f"VAE decode of {samples} samples at {res}",
+            _decode(cfg, g, z, samples),
+            "lower train.eval_seeds or model.resolution, or set memory.vae_slicing=true",
+        ),
+    ]
+
+
+def prompt_counts(cfg: Config) -> tuple[int, int]:
+    """(train, eval) prompt counts, loaded as the run loads them (a hash split of ``prompts.train`` approximated).
+
+    Raises:
+        FileNotFoundError, ValueError: a prompt source that does not load (the run's own message).
+    """
+    from .prompts.sets import load_prompts
+
+    p = cfg.prompts
+    if p.test_fraction:
+        total = len(load_prompts(p.train, split="train"))
+        held = max(1, round(total * p.test_fraction))
+        return max(1, total - held), held
+    return len(load_prompts(p.train, split="train")), len(load_prompts(p.eval, split="test"))
+
+
+def estimate_memory(
+    cfg: Config,
+    g: Geometry,
+    *,
+    training: bool = True,
+    train_prompts: int = 1,
+    eval_prompts: int = 1,
+    processes: int = 1,
+) -> Estimate:
+    """The memory peak of a run (``training``) or of sampling one chunk, by pool, against what is available.
+
+    Args:
+        cfg: the run config.
+        g: the model's geometry (:func:`read_geometry`).
+        training: a training run; False estimates ``flowrl sample``: weights and one 64-sample chunk.
+        train_prompts: training prompts (training only).
+        eval_prompts: evaluation prompts (training only).
+        processes: processes sharing the rollout batch (``accelerate launch --num_processes``); the
+            estimate is per process (evaluation as on rank 0).
+
+    Returns:
+        The :class:`Estimate`.
+    """
+    z = sample_sizes(cfg, g)
+    steps = cfg.train.eval_steps or cfg.sampler.num_steps
+    if training:
+        evaluation = _evaluation(cfg, g, z, eval_prompts * cfg.train.eval_seeds, steps, "evaluation")
+        phase = max([_iteration(cfg, g, z, processes), evaluation], key=lambda parts: sum(p.nbytes for p in parts))
+        parts = _persistent(cfg, g, z, train_prompts, eval_prompts) + phase
+    else:
+        parts = _weights(cfg, g) + _evaluation(cfg, g, z, EVAL_MIN_CHUNK, cfg.sampler.num_steps, "sampling")
+    pool = "device" if torch.device(cfg.model.device).type == "cuda" else "host"
+    need: dict[str, float] = {}
+    for part in parts:
+        key = pool if part.on_device else "host"
+        need[key] = need.get(key, 0.0) + part.nbytes
+    return Estimate(cfg.model.device, parts, need, {k: available_memory(k, cfg.model.device) for k in need})
+
+
+def available_memory(pool: str, device: str) -> float | None:
+    """Free bytes: the CUDA device's (``torch.cuda.mem_get_info``) or the host's available RAM; None if unknown."""
+    if pool == "device":
+        index = torch.device(device).index
+        return float(torch.cuda.mem_get_info(torch.cuda.current_device() if index is None else index)[0])
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(est: Estimate) -> None:
+    """Refuse a run whose estimated peak exceeds what its pool has available.
+
+    Raises:
+        ValueError: one line with the estimate, the largest part, what is available and what to lower.
+    """
+    device_pool = "device" if "device" in est.need else "host"
+    for pool, need in est.need.items():
+        free = est.available.get(pool)
+        if free is None or need <= free:
+            continue
+        parts = [p for p in est.parts if (device_pool if p.on_device else "host") == pool]
+        top = max(parts, key=lambda p: p.nbytes)
+        where = f"GPU memory on {est.device}" if pool == "device" else "host memory"
+        raise ValueError(
+            f"the run needs ~{human_bytes(need)} of {where} (largest part: {top.name}, ~{human_bytes(top.nbytes)}), "
+            f"but this machine has {human_bytes(free)} available; {top.fix}"
+        )
+
+
+def check_resolution(cfg: Config, g: Geometry) -> None:
+    """Refuse a resolution beyond what the transformer's position embedding covers.
+
+    Raises:
+        ValueError: one line with the largest side the model takes.
+    """
+    z = sample_sizes(cfg, g)
+    if g.max_side is not None and max(z.height, z.width) > g.max_side:
+        raise ValueError(
+            f"model.resolution={z.height}x{z.width} is larger than {cfg.model.path} covers (at most {g.max_side} "
+            f"pixels per side: its transformer's pos_embed_max_size); lower model.resolution"
+        )
+
+
+def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
+    """Refuse sizes that would run for days rather than run out of memory (:data:`MAX_SAMPLE_STEPS`).
+
+    Raises:
+        ValueError: one line naming the product and the keys to lower.
+    """
+    p, s, t = cfg.prompts, cfg.sampler, cfg.train
+    rows = [
+        (
+            -(-p.per_iteration * p.group_size // processes) * s.num_steps,
+            f"one iteration (prompts.per_iteration={p.per_iteration} x prompts.group_size={p.group_size} x "
+            f"sampler.num_steps={s.num_steps}{f' / {processes} processes' if processes > 1 else ''})",
+            "prompts.per_iteration, prompts.group_size or sampler.num_steps",
+        ),
+        (
+            eval_prompts * t.eval_seeds * (t.eval_steps or s.num_steps),
+            f"one evaluation ({eval_prompts} prompts x train.eval_seeds={t.eval_seeds} x "
+            f"{t.eval_steps or s.num_steps} steps)",
+            "train.eval_seeds or train.eval_steps",
+        ),
+    ]
+    for steps, what, keys in rows:
+        if steps > MAX_SAMPLE_STEPS:
+            raise ValueError(
+                f"{what} is {steps:,} sample-steps, above the limit of {MAX_SAMPLE_STEPS:,} (days of compute); "
+                f"lower {keys}"
+            )
+
+
+def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> Estimate | None:
+    """Check a validated config against this machine before any model is built.
+
+    Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the work of one
+    iteration and one evaluation (training only), and the memory estimate when the model folder
+    is available locally.
+
+    Args:
+        cfg: a validated config (:func:`flowrl.config.load_config`).
+        training: ``flowrl train`` (True) or ``flowrl sample`` (False: devices, threads and the
+            memory of one sampling chunk).
+        processes: processes of the launch sharing each iteration's batch (the work and memory
+            checked are one process's share).
+
+    Returns:
+        The memory :class:`Estimate`, or None when the model folder is not available locally.
+
+    Raises:
+        ValueError: one line naming the setting, what this machine has and the fix.
+        FileNotFoundError: a prompt source that does not exist (training only).
+    """
+    check_devices(cfg)
+    check_threads(cfg.train.threads)
+    train_prompts, eval_prompts = prompt_counts(cfg) if training else (0, 0)
+    if training:
+        check_work(cfg, eval_prompts, processes)
+    folder = model_folder(cfg.model.path)
+    geometry = read_geometry(folder, cfg.lora.targets) if folder is not None else None
+    if geometry is None:
+        return None
+    check_resolution(cfg, geometry)
+    est = estimate_memory(
+        cfg, geometry, training=training, train_prompts=train_prompts, eval_prompts=eval_prompts, processes=processes
+    )
+    check_memory(est)
+    return est
+
+
+def check_report(cfg: Config) -> str:
+    """:func:`check_machine` for ``flowrl train --check``: the one line printed when the config fits this machine.
+
+    Raises:
+        ValueError: as :func:`check_machine`.
+    """
+    est = check_machine(cfg)
+    if est is None:
+        return f"config OK for this machine (model {cfg.model.path!r} is not available locally: memory not estimated)"
+    return f"config OK for this machine: {est.summary()}"

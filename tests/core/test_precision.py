@@ -1,0 +1,221 @@
+"""Explore models (Sol-RL's rollout precision) on the real tiny SD3 transformer with a peft LoRA.
+
+Reference: Li et al., "FP4 Explore, BF16 Train" (Sol-RL), 2026, §3; flowrl.policy.precision.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowrl.kernels import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
+from flowrl.policy.fp8 import fp8_fake_quantize
+from flowrl.policy.lora import add_frozen_copy, add_lora, use_adapter
+from flowrl.policy.precision import DEFAULT_SKIP, QuantRule, build_explore, refresh
+
+TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.2")
+
+
+@pytest.fixture
+def policy(tiny_sd3):
+    """The tiny SD3 adapter with a LoRA whose B is non-zero, so merging changes the weights."""
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=TARGETS)
+    perturb(params, seed=0)
+    return tiny_sd3
+
+
+def perturb(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def lora_params(transformer, adapter="default"):
+    return [p for n, p in transformer.named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+
+def velocity(model, transformer=None, seed=0):
+    """The adapter's velocity on fixed inputs, optionally through another transformer."""
+    g = torch.Generator().manual_seed(seed)
+    x, sigma = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([0.9, 0.5, 0.2])
+    cond = model.encode_prompt(["a 3", "a bold 7", "a thin 1"])
+    original = model.transformer
+    model.transformer = transformer or original
+    try:
+        with torch.no_grad():
+            return model.velocity(x, sigma, cond)
+    finally:
+        model.transformer = original
+
+
+def merged_weight(transformer, name, adapter="default"):
+    """W + B A * scale of one LoRA layer of the policy, computed here from the peft parts."""
+    layer = transformer.get_submodule(name)
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    return (layer.base_layer.weight + (b @ a) * layer.scaling[adapter]).detach()
+
+
+# --------------------------------------------------------------------------- the merged copy
+
+
+def test_fp32_copy_reproduces_the_lora_model_and_is_never_trained(policy):
+    explore = build_explore(policy, "fp32")
+    torch.testing.assert_close(velocity(policy, explore.module), velocity(policy), rtol=1e-5, atol=1e-6)
+    assert not any(p.requires_grad for p in explore.module.parameters()) and not explore.module.training
+    assert not any("lora_" in n for n, _ in explore.module.named_parameters())
+    assert not hasattr(explore.module, "peft_config")
+    assert all(p.requires_grad for p in lora_params(policy.transformer))  # the policy keeps training
+    policy_storage = {p.data_ptr() for p in policy.transformer.parameters()}
+    assert not policy_storage & {p.data_ptr() for p in explore.module.parameters()}  # nothing shared
+
+
+def test_merging_differs_from_the_base_model(policy):
+    explore = build_explore(policy, "fp32")
+    policy.transformer.disable_adapters()
+    base = velocity(policy)
+    policy.transformer.enable_adapters()
+    assert (velocity(policy, explore.module) - base).abs().max() > 1e-3
+
+
+def test_merges_the_named_adapter(policy):
+    add_frozen_copy(policy.transformer, "old")
+    perturb(lora_params(policy.transformer), seed=1)  # "default" moves on, "old" stays
+    old = build_explore(policy, "fp32", adapter="old")
+    with use_adapter(policy.transformer, "old"):
+        torch.testing.assert_close(velocity(policy, old.module), velocity(policy), rtol=1e-5, atol=1e-6)
+    assert (velocity(policy, old.module) - velocity(policy)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="no LoRA adapter 'ema'"):
+        build_explore(policy, "fp32", adapter="ema")
+
+
+def test_a_transformer_without_lora_is_copied_as_is(tiny_sd3):
+    explore = build_explore(tiny_sd3.transformer, "fp32")
+    assert torch.equal(velocity(tiny_sd3, explore.module), velocity(tiny_sd3))
+
+
+# --------------------------------------------------------------------------- quantised layers
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_nvfp4_layer_is_the_dequantised_weight_matmul(policy, activations):
+    explore = build_explore(policy, "nvfp4", activations=activations)
+    name = "transformer_blocks.0.attn.to_q"
+    weight = merged_weight(policy.transformer, name)
+    expected_weight = nvfp4_dequantize(nvfp4_quantize(weight))
+    layer = explore.module.get_submodule(name)
+    assert name in explore.quantised and torch.equal(layer.weight, expected_weight)
+    x = torch.randn(5, 7, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x_in = nvfp4_fake_quantize(x) if activations else x
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x_in, expected_weight, layer.bias))
+    assert not torch.equal(expected_weight, weight)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fp8_layer_weights_are_on_the_e4m3_grid(policy, scaling):
+    explore = build_explore(policy, "fp8_e4m3", scaling=scaling)
+    name = "transformer_blocks.0.ff.net.2"
+    weight = merged_weight(policy.transformer, name)
+    layer = explore.module.get_submodule(name)
+    assert explore.emulate and torch.equal(layer.weight, fp8_fake_quantize(weight, scaling))
+    amax = weight.abs().amax(dim=-1, keepdim=True) if scaling == "row" else weight.abs().amax()
+    scaled = layer.weight / (amax / 448)
+    torch.testing.assert_close(scaled, scaled.to(torch.float8_e4m3fn).float(), rtol=1e-6, atol=0)
+    assert (layer.weight - weight).abs().max() <= amax.max() / 448 * 16  # half an E4M3 step at 448 is 16
+
+
+def test_int8_dynamic_layers_are_torch_ao_dynamic_linears(policy):
+    explore = build_explore(policy, "int8_dynamic")
+    layer = explore.module.get_submodule("transformer_blocks.0.attn.to_q")
+    assert type(layer).__name__ == "Linear" and type(layer).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    x = torch.randn(6, layer.in_features, generator=torch.Generator().manual_seed(0))
+    reference = F.linear(x, layer.weight().dequantize(), layer.bias())
+    assert ((layer(x) - reference).norm() / reference.norm()) < 0.02  # activations are quantised per call
+    torch.testing.assert_close(velocity(policy, explore.module), velocity(policy), rtol=0.05, atol=0.05)
+
+
+def test_bf16_explore_casts_in_and_out(policy):
+    explore = build_explore(policy, "bf16")
+    assert {p.dtype for p in explore.module.parameters()} == {torch.bfloat16}
+    out = velocity(policy, explore.module)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, velocity(policy), rtol=0.05, atol=0.05)
+
+
+# --------------------------------------------------------------------------- which layers
+
+
+def test_default_rule_skips_embedders_and_final_layers(policy):
+    explore = build_explore(policy, "nvfp4")
+    linears = [n for n, m in explore.module.named_modules() if isinstance(m, torch.nn.Linear)]
+    skipped = set(linears) - set(explore.quantised)
+    assert skipped == {n for n in linears if any(fnmatch(n, p) for p in DEFAULT_SKIP)}
+    assert {"context_embedder", "proj_out", "norm_out.linear", "time_text_embed.text_embedder.linear_1"} <= skipped
+    fp32 = build_explore(policy, "fp32").module
+    for name in skipped:
+        assert torch.equal(explore.module.get_submodule(name).weight, fp32.get_submodule(name).weight)
+
+
+def test_rule_patterns_and_min_features(policy):
+    rule = QuantRule(skip=("*attn*",), min_features=32)  # tiny model: attention 16 wide, MLP 64, AdaLN 96
+    explore = build_explore(policy, "nvfp4", rule=rule)
+    assert explore.quantised and all("attn" not in n for n in explore.quantised)
+    for name in explore.quantised:
+        layer = explore.module.get_submodule(name)
+        assert max(layer.in_features, layer.out_features) > 32
+    assert "time_text_embed.timestep_embedder.linear_1" in explore.quantised  # patterns replace the defaults
+    with pytest.raises(ValueError, match="selects no Linear layer"):
+        build_explore(policy, "nvfp4", rule=QuantRule(min_features=10_000))
+
+
+# --------------------------------------------------------------------------- refresh
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic"])
+def test_refresh_equals_a_fresh_build(policy, precision):
+    options = {"activations": precision == "nvfp4"}
+    explore = build_explore(policy, precision, **options)
+    module, before = explore.module, velocity(policy, explore.module)
+    perturb(lora_params(policy.transformer), seed=2)
+    refresh(explore, policy)
+    assert explore.module is module  # updated in place, no new deep copy
+    after = velocity(policy, explore.module)
+    assert torch.equal(after, velocity(policy, build_explore(policy, precision, **options).module))
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_refresh_of_the_fp32_copy_tracks_the_trained_lora(policy):
+    explore = build_explore(policy, "fp32")
+    perturb(lora_params(policy.transformer), seed=3)
+    refresh(explore, policy.transformer)
+    torch.testing.assert_close(velocity(policy, explore.module), velocity(policy), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"precision": "fp4"}, "precision must be one of"),
+        ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='nvfp4'"),
+        ({"precision": "fp8_e4m3", "emulate": False}, r"needs CUDA \(torch._scaled_mm\)"),
+        ({"precision": "int8_dynamic", "activations": True}, "activations=True applies to"),
+        ({"precision": "fp8_e4m3", "scaling": "block"}, "scaling must be"),
+    ],
+)
+def test_bad_requests_are_one_line_errors(policy, kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        build_explore(policy, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_int8_needs_fp32_and_policy_needs_a_transformer(tiny_sd3):
+    with pytest.raises(ValueError, match="fp32 weights"):
+        build_explore(tiny_sd3.transformer.to(torch.bfloat16), "int8_dynamic")
+    with pytest.raises(TypeError, match="Policy, a model adapter or an nn.Module"):
+        build_explore(object(), "fp32")

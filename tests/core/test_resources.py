@@ -1,0 +1,201 @@
+"""Machine checks before a run (flowrl/resources.py): devices, threads, work and memory, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_sd3_pipeline
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.models.digits.model import DIGITS_DIR
+from flowrl.models.geometry import read_geometry, tensor_shapes
+from flowrl.resources import MAX_SAMPLE_STEPS, _activations, sample_sizes
+from flowrl.runtime import THREADS_PER_CORE
+
+REPO = Path(__file__).resolve().parents[2]
+DIGITS_CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("digits*.yaml"))
+CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(capsys, *args: str) -> str:
+    code, _, err = run_cli(capsys, *args)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("flowrl: error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def unbounded_sd3(tmp_path_factory) -> Path:
+    """A tiny SD3 pipeline folder whose position embedding is computed for any size (pos_embed_max_size null)."""
+    path = tmp_path_factory.mktemp("unbounded_sd3")
+    tiny_sd3_pipeline().save_pretrained(str(path))
+    config = path / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pos_embed_max_size": None}))
+    return path
+
+
+# -- devices -------------------------------------------------------------------------------------
+
+
+def missing_device_message(key: str, device: str) -> str:
+    """What this machine should answer for a CUDA / MPS device it may lack."""
+    if device.startswith("mps"):
+        return f"{key}={device!r} but this machine has no MPS (Apple GPU) device; use {key}=cpu"
+    if CUDA_COUNT == 0:
+        return f"{key}={device!r} but this machine has no CUDA device; use {key}=cpu"
+    return f"{key}={device!r} but this machine has {CUDA_COUNT} CUDA device(s)"
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="the machine has an MPS device")
+@pytest.mark.parametrize(
+    "key, device",
+    [("model.device", "cuda:99"), ("model.device", "mps"), ("rewards.digit_correctness.device", "cuda:99")],
+)
+def test_a_device_the_machine_lacks_is_one_line(capsys, key, device):
+    line = one_line_error(capsys, "train", "--check", f"{key}={device}")
+    assert missing_device_message(key, device) in line
+
+
+@pytest.mark.skipif(CUDA_COUNT > 0, reason="the machine has CUDA")
+def test_plain_cuda_without_cuda_is_one_line(capsys):
+    line = one_line_error(capsys, "train", "--check", "model.device=cuda")
+    assert "model.device='cuda' but this machine has no CUDA device; use model.device=cpu" in line
+
+
+def test_train_and_sample_check_the_machine_before_building_anything(capsys, tmp_path):
+    out = tmp_path / "run"
+    line = one_line_error(capsys, "train", "model.device=cuda:99", f"output.dir={out}")
+    assert missing_device_message("model.device", "cuda:99") in line and not out.exists()
+    line = one_line_error(capsys, "sample", "model.device=cuda:99", "--out", str(tmp_path / "s.png"))
+    assert missing_device_message("model.device", "cuda:99") in line
+
+
+# -- threads and work ------------------------------------------------------------------------------
+
+
+def test_threads_far_above_the_cores_are_refused(capsys):
+    cores = os.cpu_count() or 1
+    limit = THREADS_PER_CORE * cores
+    if limit >= 1024:
+        pytest.skip("the config's own cap (1024) is below this machine's limit")
+    line = one_line_error(capsys, "train", "--check", f"train.threads={limit + 1}")
+    assert f"train.threads={limit + 1} but this machine has {cores} CPU cores; use at most {limit}" in line
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            ["prompts.per_iteration=100000", "prompts.group_size=1000"],
+            "one iteration (prompts.per_iteration=100000 x prompts.group_size=1000 x sampler.num_steps=10) is "
+            "1,000,000,000 sample-steps",
+        ),
+        (["train.eval_seeds=10000", "train.eval_steps=1000"], "one evaluation (20 prompts x train.eval_seeds=10000"),
+    ],
+)
+def test_sizes_that_would_run_for_days_are_refused(capsys, overrides, fragment):
+    line = one_line_error(capsys, "train", "--check", *overrides)
+    assert fragment in line and f"above the limit of {MAX_SAMPLE_STEPS:,}" in line
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def test_a_huge_resolution_is_refused_with_the_estimate(capsys, unbounded_sd3):
+    line = one_line_error(capsys, "train", "--check", f"model.path={unbounded_sd3}", "model.resolution=16384")
+    assert "of host memory (largest part: " in line and "model.resolution=16384x16384" in line
+    assert "but this machine has " in line and " available; lower " in line and "model.resolution" in line
+
+
+def test_resolution_beyond_the_position_embedding_is_refused(capsys):
+    line = one_line_error(capsys, "train", "--check", "model.resolution=16")
+    assert "model.resolution=16x16 is larger than flowrl-digits covers (at most 8 pixels per side" in line
+
+
+def test_the_estimate_names_the_batch_when_it_dominates(capsys, unbounded_sd3):
+    line = one_line_error(
+        capsys,
+        "train",
+        "--check",
+        f"model.path={unbounded_sd3}",
+        "model.resolution=2048",
+        "prompts.per_iteration=1000",
+        "prompts.group_size=100",
+        "sampler.chunk_size=1",
+    )
+    assert "largest part: rollout latents (prompts.per_iteration=1000 x prompts.group_size=100 samples" in line
+    assert "lower prompts.per_iteration, prompts.group_size, sampler.num_steps or model.resolution" in line
+
+
+# -- healthy configs pass ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [None, *DIGITS_CONFIGS], ids=str)
+def test_the_embedded_jobs_fit_this_machine(capsys, monkeypatch, config):
+    monkeypatch.chdir(REPO)
+    code, out, err = run_cli(capsys, "train", "--check", *([config] if config else []))
+    assert code == 0, err
+    assert out.startswith("config OK for this machine: the run needs ~") and " of host memory" in out
+
+
+def test_a_model_that_is_not_local_is_not_estimated(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "train", "--check", f"model.path={tmp_path / 'absent'}")
+    assert code == 0 and "is not available locally: memory not estimated" in out
+
+
+# -- the geometry is read from the folder without loading, and matches the loaded model ---------------
+
+
+def test_geometry_of_the_embedded_model_matches_the_built_policy():
+    from flowrl.policy import build_policy
+
+    cfg = load_config(None, ["lora.rank=4"])
+    g = read_geometry(DIGITS_DIR, None)
+    policy = build_policy(cfg, trainable=True)
+    z = sample_sizes(cfg, g)
+    assert (g.latent_channels, *(s // g.vae_factor for s in g.default_resolution)) == policy.latent_shape
+    assert z.latent == torch.Size(policy.latent_shape).numel()
+    assert g.lora_width * cfg.lora.rank == sum(p.numel() for p in policy.params)
+    modules = [m for m in policy.model.pipe.components.values() if isinstance(m, torch.nn.Module)]
+    loaded = sum(p.numel() for m in modules for p in m.parameters()) - sum(p.numel() for p in policy.params)
+    assert abs(sum(g.params.values()) - loaded) <= 0.01 * loaded  # stored tensors: parameters + persistent buffers
+
+
+def test_the_activation_estimate_is_an_upper_bound_within_ten_times():
+    """Against what autograd saves for the backward pass of one training chunk of the embedded model."""
+    from flowrl.policy import build_policy
+
+    cfg = load_config(None, ["sampler.chunk_size=16"])
+    g = read_geometry(DIGITS_DIR, None)
+    model = build_policy(cfg, trainable=True).model
+    weights = {p.untyped_storage().data_ptr() for p in model.transformer.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    cond = model.encode_prompt(["a bold handwritten 3"] * 16)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model.velocity(torch.randn(16, 4, 8, 8), torch.full((16,), 0.5), cond)
+    measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+    estimate = _activations(cfg, g, sample_sizes(cfg, g), 16, training=True)
+    assert measured <= estimate <= 10 * measured
+
+
+def test_unreadable_weight_headers_are_skipped(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 8 + b"junk")
+    (tmp_path / "short.safetensors").write_bytes(b"\x01")
+    assert tensor_shapes(tmp_path) == {}
+    assert read_geometry(tmp_path, None) is None

@@ -1,0 +1,36 @@
+"""Where the kernel tests run each Triton kernel: on CPU tensors in Triton's interpreter, and compiled
+on CUDA (``cuda`` marker) where a GPU is present. Test modules parametrize ``device`` with ``DEVICES``.
+
+``@triton.jit`` picks the interpreter when a kernel module is first imported, so the variable is set
+here, when the test modules are collected, before any kernel runs. On a CUDA machine it is left unset,
+so the kernels compile for the GPU and the interpreter cases skip (export TRITON_INTERPRET=1 to run
+them). Nothing else in flowrl imports triton, so the variable does not change the other tests.
+(A plain module, not a conftest.py: tests import the root conftest by the bare name ``conftest``.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flowrl.kernels import interpreting, triton_installed  # noqa: E402
+
+_NO_TRITON = pytest.mark.skipif(not triton_installed(), reason="needs triton (pip install flowrl[kernels])")
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        id="interpreter",
+        marks=[_NO_TRITON, pytest.mark.skipif(not interpreting(), reason="set TRITON_INTERPRET=1 for the interpreter")],
+    ),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[_NO_TRITON, pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]

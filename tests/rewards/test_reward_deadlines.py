@@ -1,0 +1,201 @@
+"""Every reward fault ends in one line within its deadline: inline, on the scoring thread, in the scoring process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.rewards import MultiReward, RewardError, build_multi_reward, ink
+from flowrl.rewards.contract import RewardTimeout
+from flowrl.rewards.deadline import DEFAULT_TIMEOUT_S, DeadlineExceeded, call_with_deadline
+from flowrl.rollouts.scoring import RolloutScorer
+from flowrl.rollouts.scoring_process import ScoringProcess, ScoringProcessDied
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["p"] * 8
+IMAGES = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+FAULTS = [
+    ("raise", RewardError, "reward 'judge' (batch 0) raised RuntimeError: judge crashed"),
+    ("nan", RewardError, "reward 'judge' (batch 0) returned NaN at samples [0, 1, 2, 3]"),
+    ("inf", RewardError, "reward 'judge' (batch 0) returned inf at samples [0, 1, 2, 3]"),
+    ("shape", RewardError, "reward 'judge' (batch 0) returned shape (4, 2), expected (4,)"),
+    (
+        "hang",
+        RewardTimeout,
+        "reward 'judge' (batch 0) did not return within its deadline of 0.5 s; "
+        "fix the reward if it hangs, or raise rewards.judge.timeout_s if it is just slow",
+    ),
+]
+
+
+def judge(kind: str, timeout_s: float = 0.5, **options) -> MultiReward:
+    spec = {"reward": "bench.reward_faults:faulty", "kind": kind, "timeout_s": timeout_s, **options}
+    return build_multi_reward({"judge": spec})
+
+
+def score(reward: MultiReward, mode: str, worker: ScoringProcess | None = None):
+    """Two chunks of 4 through the RolloutScorer of ``mode`` (identity decode); returns its result."""
+    with RolloutScorer(reward, torch.nn.Identity(), PROMPTS, threaded=mode == "thread", worker=worker) as scorer:
+        scorer.submit(slice(0, 4), IMAGES[:4])
+        scorer.submit(slice(4, 8), IMAGES[4:])
+        return scorer.result(IMAGES)
+
+
+def assert_one_line(err: BaseException, expected: str) -> None:
+    assert "\n" not in str(err), str(err)
+    assert str(err).startswith(expected), str(err)
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+@pytest.mark.parametrize("kind, error, expected", FAULTS, ids=[f[0] for f in FAULTS])
+def test_fault_ends_in_one_line_within_the_deadline(mode, kind, error, expected):
+    start = time.perf_counter()
+    with pytest.raises(error) as info:
+        score(judge(kind), mode)
+    elapsed = time.perf_counter() - start
+    assert_one_line(info.value, expected)
+    assert elapsed < (0.5 + 3.0 if kind == "hang" else 3.0)  # the deadline, plus a busy host's slack
+    if kind == "hang":
+        assert elapsed >= 0.5
+
+
+def test_a_hung_reward_does_not_keep_its_thread_from_the_next_call():
+    reward = judge("hang", timeout_s=0.3)
+    for _ in range(2):  # the abandoned thread sleeps on; the next call gets its own deadline
+        with pytest.raises(RewardTimeout):
+            reward(IMAGES, PROMPTS)
+
+
+def test_the_reward_thread_scores_like_the_caller():
+    def grad_mode(images, prompts, **metadata):
+        return torch.full((images.shape[0],), float(torch.is_grad_enabled()))
+
+    reward = MultiReward({"g": (grad_mode, 1.0)})
+    with torch.no_grad():
+        assert reward(IMAGES, PROMPTS).total.eq(0).all()  # grad mode is per thread: carried over
+    assert reward(IMAGES, PROMPTS).total.eq(1).all()
+    out = MultiReward({"ink": (ink("bold"), 1.0, 5.0)})(IMAGES, PROMPTS)
+    assert torch.equal(out.total, ink("bold")(IMAGES, PROMPTS))
+    assert call_with_deadline(lambda **kw: sorted(kw), 1.0, (), {"name": 1, "fn": 2}) == ["fn", "name"]
+    with pytest.raises(DeadlineExceeded):
+        call_with_deadline(time.sleep, 0.05, (5,))
+
+
+def test_timeout_s_is_a_common_option():
+    reward = build_multi_reward({"a": {"reward": "ink", "target": "bold", "timeout_s": 7}, "b": {"reward": "ink"}})
+    assert reward.timeouts == {"a": 7.0, "b": DEFAULT_TIMEOUT_S}
+    remote = build_multi_reward({"r": {"reward": "remote", "url": "http://127.0.0.1:9", "timeout_s": 4}})
+    assert remote.timeouts == {"r": None}  # the client bounds each attempt itself ...
+    assert remote.rewards["r"][0].timeout_s == 4.0  # ... with the entry's timeout_s
+    assert build_multi_reward({"r": {"reward": "remote", "url": "http://127.0.0.1:9"}}).rewards["r"][0].timeout_s == 60
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), "10", True, None])
+def test_bad_timeout_is_one_line_naming_the_key(value):
+    with pytest.raises(ValueError) as info:
+        build_multi_reward({"judge": {"reward": "ink", "timeout_s": value}})
+    assert_one_line(info.value, "rewards.judge.timeout_s must be a finite number of seconds > 0")
+    with pytest.raises(ValueError, match="rewards.judge.timeout_s"):
+        MultiReward({"judge": (ink("bold"), 1.0, value if value is not None else 0)})
+
+
+# -- train.rewards_async: process: real spawned workers ---------------------------------------------
+
+
+@pytest.fixture
+def worker_for():
+    workers = []
+
+    def start(reward):
+        workers.append(ScoringProcess(reward, torch.nn.Identity()))
+        return workers[-1]
+
+    yield start
+    for worker in workers:
+        worker.close(timeout_s=2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, error, expected", FAULTS, ids=[f[0] for f in FAULTS])
+def test_fault_in_the_scoring_process(worker_for, kind, error, expected):
+    reward = judge(kind, only_in_worker=True)
+    worker = worker_for(reward)
+    start = time.perf_counter()
+    with pytest.raises(error) as info:
+        score(reward, "process", worker)
+    assert_one_line(info.value, expected)
+    assert time.perf_counter() - start < (0.5 + 3.0 if kind == "hang" else 3.0)
+
+
+CRASHES = [
+    ("exit", "scoring process died (exit code 7) in reward 'judge' (batch 0); rerun with train.rewards_async=thread"),
+    ("segfault", "scoring process died (signal SIGSEGV) in reward 'judge' (batch 0); its Python stack is printed"),
+    (
+        "stop",  # frozen so hard that its own deadline can't fire: the parent kills it
+        "reward 'judge' (batch 0) did not return within its deadline of 0.5 s; fix the reward if it hangs, "
+        "or raise rewards.judge.timeout_s if it is just slow; its scoring process was killed",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, expected", CRASHES, ids=[c[0] for c in CRASHES])
+def test_crash_of_the_scoring_process(worker_for, kind, expected):
+    reward = judge(kind, only_in_worker=True)
+    worker = worker_for(reward)
+    start = time.perf_counter()
+    with pytest.raises(RewardError) as info:
+        score(reward, "process", worker)
+    assert_one_line(info.value, expected)
+    assert isinstance(info.value, RewardTimeout if kind == "stop" else ScoringProcessDied)
+    assert time.perf_counter() - start < (0.5 + 2.0 + 3.0 if kind == "stop" else 3.0)
+    assert not worker._proc.is_alive()
+
+
+@pytest.mark.slow
+def test_scoring_process_ends_when_its_trainer_dies(tmp_path):
+    script = (
+        "import os, sys, torch\n"
+        "from flowrl.rewards import MultiReward, ink\n"
+        "from flowrl.rollouts.scoring_process import ScoringProcess\n"
+        "w = ScoringProcess(MultiReward({'ink': (ink('bold'), 1.0)}), torch.nn.Identity())\n"
+        "print(w._proc.pid, flush=True)\n"
+        "os._exit(9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 9, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # an orphaned worker notices within POLL_S and exits
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_threads_left_by_hung_rewards_are_daemons():
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(RewardTimeout):
+        judge("hang", timeout_s=0.1)(IMAGES, PROMPTS)
+    left = [t for t in threading.enumerate() if t.ident not in before]
+    assert left and all(t.daemon and t.name == "reward-judge@MainThread" for t in left)
+
+
+def test_no_thread_outlives_a_call_that_ended_in_time():
+    before = set(threading.enumerate())
+    reward = MultiReward({"ink": (ink("bold"), 1.0), "thin": (ink("thin"), 1.0)})
+    for _ in range(20):
+        reward(IMAGES, PROMPTS)
+    assert set(threading.enumerate()) <= before

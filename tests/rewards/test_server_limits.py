@@ -1,0 +1,169 @@
+"""The reward server survives hostile input: sizes checked before decoding, a 4xx JSON line for every client fault."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import struct
+import time
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from flowrl.rewards import ink
+from flowrl.rewards.remote import RemoteReward
+from flowrl.rewards.server import RewardServer
+from flowrl.rewards.wire import JSON, SAFETENSORS, PixelLimits, TooLarge, check_pixels, encode_batch, encode_batch_png
+
+
+@pytest.fixture
+def server():
+    srv = RewardServer(ink("bold"), "ink", host="127.0.0.1", port=0).start()
+    yield srv
+    srv.stop()
+
+
+def post(server: RewardServer, body: bytes, content_type: str = "application/json") -> tuple[int, str]:
+    """POST /score; (status, the one-line error, or "" on 200)."""
+    host, port = server.httpd.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        conn.request("POST", "/score", body=body, headers={"Content-Type": content_type})
+        reply = conn.getresponse()
+        data = reply.read()
+    finally:
+        conn.close()
+    if reply.status == 200:
+        return 200, ""
+    error = json.loads(data)["error"]
+    assert isinstance(error, str) and "\n" not in error
+    return reply.status, error
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def big_png(width: int, height: int) -> str:
+    """A valid base64 RGB PNG of zeros, compressed row by row (never held decoded here)."""
+    packer, row, parts = zlib.compressobj(9), b"\x00" * (1 + 3 * width), []
+    for _ in range(height):
+        parts.append(packer.compress(row))
+    parts.append(packer.flush())
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", b"".join(parts)) + _chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def huge_png():
+    return big_png(9000, 9000)  # 243 MB of pixels in ~330 KB of base64
+
+
+def test_huge_pngs_are_refused_before_decoding(server, huge_png):
+    body = json.dumps({"prompts": ["a"] * 8, "images": [huge_png] * 8}).encode()
+    assert len(body) < 4_000_000
+    start = time.perf_counter()
+    status, error = post(server, body)
+    assert status == 413 and time.perf_counter() - start < 5
+    assert error == (
+        "request too large for reward 'ink': image 0 is 9000x9000 (81000000 pixels), over the server's limit "
+        "of 16777216 per image (--max-image-pixels); send smaller images"
+    )
+    assert RemoteReward(server.url).health()["status"] == "ok"  # and the server lives on
+
+
+def test_request_pixels_are_bounded_as_a_whole(server):
+    tiny = big_png(64, 64)
+    server.limits = PixelLimits(per_image=64 * 64, per_request=64 * 64 * 10)
+    status, error = post(server, json.dumps({"prompts": ["a"] * 11, "images": [tiny] * 11}).encode())
+    assert status == 413 and "request holds 11 images of 45056 pixels in all" in error and "batch_size" in error
+    assert post(server, json.dumps({"prompts": ["a"] * 10, "images": [tiny] * 10}).encode())[0] == 200
+
+
+def test_safetensors_shape_is_checked_from_the_header(server):
+    header = {"images": {"dtype": "U8", "shape": [1000, 3, 4096, 4096], "data_offsets": [0, 4]}}
+    raw = json.dumps(header).encode()
+    status, error = post(server, struct.pack("<Q", len(raw)) + raw + b"\x00" * 4, SAFETENSORS)
+    assert status == 413 and "request holds 1000 images" in error  # refused before safetensors reads a byte
+
+
+def _safetensors(images, **meta) -> bytes:
+    return save({"images": images}, metadata={"prompts": json.dumps(["a"] * images.shape[0]), **meta})
+
+
+ok_png = encode_batch_png(torch.rand(1, 3, 8, 8), ["a"])
+BAD = [
+    ("deep JSON", b"[" * 100_000 + b"]" * 100_000, JSON, "nested too deeply"),
+    ("deep in images", json.dumps({"images": [[[["x"]]]]}).encode(), JSON, "base64 PNG string"),
+    ("not JSON", b"\xff\xfe", JSON, "request is not JSON"),
+    ("not an object", b"[1, 2]", JSON, "must be an object with a non-empty 'images' list"),
+    ("images not a list", json.dumps({"images": "abc"}).encode(), JSON, "non-empty 'images' list"),
+    ("image not a string", json.dumps({"images": [3]}).encode(), JSON, "base64 PNG string"),
+    ("bad base64", json.dumps({"images": ["!" * 40]}).encode(), JSON, "not base64"),
+    (
+        "not a PNG",
+        json.dumps({"images": [base64.b64encode(b"GIF89a" + b"\x00" * 40).decode()]}).encode(),
+        JSON,
+        "not a PNG",
+    ),
+    ("truncated PNG", json.dumps({"images": [big_png(8, 8)[:60]]}).encode(), JSON, "not a base64 PNG"),
+    ("empty clip", json.dumps({"images": [[]]}).encode(), JSON, "empty list"),
+    (
+        "sizes differ",
+        json.dumps({"prompts": ["a", "b"], "images": [big_png(8, 8), big_png(4, 4)]}).encode(),
+        JSON,
+        "images differ in size",
+    ),
+    (
+        "prompts wrong",
+        ok_png.replace(b'"prompts": ["a"]', b'"prompts": 5'),
+        JSON,
+        "'prompts' must be a list of strings",
+    ),
+    ("prompt count", ok_png.replace(b'"prompts": ["a"]', b'"prompts": ["a", "b"]'), JSON, "2 prompts for 1 images"),
+    (
+        "metadata wrong",
+        ok_png.replace(b'"metadata": {}', b'"metadata": [1]'),
+        JSON,
+        "'metadata' must be a JSON object",
+    ),
+    ("not safetensors", b"hello", SAFETENSORS, "not a safetensors file"),
+    ("header overflow", struct.pack("<Q", 2**63) + b"{}", SAFETENSORS, "header length"),
+    ("rank 3", _safetensors(torch.rand(3, 8, 8)), SAFETENSORS, "shape (B, 3, H, W) or (B, F, 3, H, W); got [3, 8, 8]"),
+    ("4 channels", _safetensors(torch.rand(1, 4, 8, 8)), SAFETENSORS, "got [1, 4, 8, 8]"),
+    ("float64", _safetensors(torch.rand(1, 3, 8, 8, dtype=torch.float64)), SAFETENSORS, "dtype 'F64'"),
+    ("NaN pixels", _safetensors(torch.full((1, 3, 8, 8), float("nan"))), SAFETENSORS, "must lie in [0, 1]"),
+    (
+        "prompts not JSON",
+        _safetensors(torch.rand(1, 3, 8, 8)).replace(b'[\\"a\\"]', b'[\\"a\\" '),
+        SAFETENSORS,
+        "not JSON",
+    ),
+]
+
+
+@pytest.mark.parametrize("body, content_type, fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_client_faults_get_a_4xx_json_line(server, body, content_type, fragment):
+    status, error = post(server, body, content_type)
+    assert 400 <= status < 500 and fragment in error, (status, error)
+
+
+def test_the_server_still_scores_after_hostile_requests(server):
+    for _, body, content_type, _ in BAD[:3]:
+        post(server, body, content_type)
+    x = torch.rand(3, 3, 8, 8)
+    assert torch.equal(RemoteReward(server.url)(x, ["a"] * 3), ink("bold")(x, ["a"] * 3))
+    assert post(server, encode_batch(x, ["a"] * 3), SAFETENSORS)[0] == 200
+
+
+def test_check_pixels():
+    check_pixels([(10, 10)] * 3, None)
+    check_pixels([(10, 10)] * 3, PixelLimits(100, 300))
+    with pytest.raises(TooLarge, match="image 1 is 11x10"):
+        check_pixels([(10, 10), (10, 11)], PixelLimits(100, None))
+    with pytest.raises(ValueError, match="--max-image-pixels must be a whole number of pixels >= 1; got 0"):
+        RewardServer(ink("bold"), "ink", port=0, max_image_pixels=0)

@@ -1,0 +1,187 @@
+"""Real multi-process training: `accelerate launch` with 2 gloo processes against one process.
+
+Each case trains the embedded flowrl-digits model for 2 iterations on a tiny global batch, once as
+a plain process and once under ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu
+--num_processes 2`` (gloo), and compares the final LoRA: the same global batch must give the same
+weights within fp32 tolerance (gradient sums in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+TINY = [
+    "sampler.num_steps=3",
+    "train.iterations=2",
+    "train.eval_every=2",
+    "train.eval_seeds=1",
+    "output.grid_seeds=1",
+    "train.progress=false",
+]
+TREE = ["sampler.tree.split_steps=[0,1]", "objective.updates_per_iteration=2"]
+OBJECTIVES = {  # sampler.chunk_size divides every rank's rows (and tree frontiers): one-process batch geometry
+    "flow_grpo": [
+        "prompts.per_iteration=2",
+        "prompts.group_size=3",
+        "sampler.chunk_size=3",
+        "objective.kl_beta=0.01",
+        "objective.updates_per_iteration=2",
+    ],
+    "branch_grpo": [
+        "configs/branch/digits.yaml",
+        "prompts.per_iteration=4",
+        "prompts.group_size=4",
+        "sampler.chunk_size=2",
+        *TREE,
+    ],
+    "sage_grpo": [
+        "configs/sage/digits.yaml",
+        "prompts.per_iteration=2",
+        "prompts.group_size=3",
+        "sampler.chunk_size=3",
+        "objective.anchor_every=1",
+        "objective.updates_per_iteration=2",
+    ],
+    "diffusion_nft": [
+        "configs/nft/digits.yaml",
+        "prompts.per_iteration=2",
+        "prompts.group_size=3",
+        "sampler.chunk_size=3",
+    ],
+    "awm": [  # tree leaves (sampler.solver: tree) for a solver objective
+        "configs/awm/digits_fast.yaml",
+        "prompts.per_iteration=4",
+        "prompts.group_size=4",
+        "sampler.chunk_size=2",
+        "sampler.solver=tree",
+        *TREE,
+    ],
+    "flow_grpo_spread": [  # every group split over the ranks; rewards all-gathered before advantages
+        "prompts.per_iteration=2",
+        "prompts.group_size=4",
+        "sampler.chunk_size=2",
+        "train.placement=spread",
+    ],
+}
+STRADDLING = [  # 2 trees, frontier chunks of 3 nodes span both ranks: each rank runs its part of a micro-batch
+    "configs/branch/digits.yaml",
+    "prompts.per_iteration=2",
+    "prompts.group_size=4",
+    "sampler.chunk_size=3",
+    *TREE,
+]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR")}
+    return {**out, "HF_HUB_OFFLINE": "1", "FLOWRL_NO_SUPERVISOR": "1", **extra}
+
+
+def train_one(args: list[str], out: Path) -> subprocess.CompletedProcess:
+    """``python -m flowrl train`` in one process."""
+    cmd = [sys.executable, "-m", "flowrl", "train", *args, f"output.dir={out}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+
+
+def train_two(args: list[str], out: Path, *launch: str) -> subprocess.CompletedProcess:
+    """``accelerate launch`` with 2 CPU processes (gloo) of ``flowrl train``."""
+    cmd = [ACCELERATE, "launch", *(launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")))]
+    cmd += ["-m", "flowrl", "train", *args, f"output.dir={out}"]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=600
+    )
+
+
+def lora(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "lora" / "pytorch_lora_weights.safetensors"))
+
+
+def assert_same_lora(a: Path, b: Path, tol: float = 1e-5) -> None:
+    wa, wb = lora(a), lora(b)
+    assert wa.keys() == wb.keys()
+    assert any(bool(v.abs().max() > 0) for v in wa.values())  # the LoRA B matrices moved off zero
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= tol, f"LoRA differs by {worst:g}"
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(OBJECTIVES))
+def test_two_processes_train_the_same_lora_as_one(case, tmp_path):
+    args = [*OBJECTIVES[case], *TINY]
+    one, two = train_one(args, tmp_path / "one"), train_two(args, tmp_path / "two")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two")
+    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in m2] == [0, 1, 2]  # rank 0 alone logs: one row per step
+    for r1, r2 in zip(m1[1:], m2[1:]):  # global rewards and sample counts, as on one process
+        assert r2["reward_mean"] == pytest.approx(r1["reward_mean"], abs=1e-5)
+        assert r2["nfe"] == r1["nfe"]
+    assert two.stdout.count("done: 2 iterations") == 1  # rank 0 reports once
+
+
+@pytest.mark.slow
+def test_tree_micro_batches_split_between_ranks(tmp_path):
+    """A frontier chunk on two ranks: each evaluates its rows (another batch geometry: fp32 noise through Adam)."""
+    args = [*STRADDLING, *TINY]
+    one, two = train_one(args, tmp_path / "one"), train_two(args, tmp_path / "two")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two", tol=1e-4)  # measured 2e-5; a lost part moves ~lr = 1e-3
+
+
+@pytest.mark.slow
+def test_rank_zero_writes_one_run_folder_and_resume_continues_exactly(tmp_path):
+    args = [*OBJECTIVES["flow_grpo"], *TINY, "train.save_every=1", "output.keep_checkpoints=5"]
+    full = train_two(args, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    run = tmp_path / "full"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000001", "iter-000002"]
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert (run / "summary.json").is_file() and (run / "grid_before_after.png").is_file()
+    cut = tmp_path / "cut"
+    first = train_two([*args, "train.iterations=1"], cut)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train_two(
+        [*args, "--resume", str(cut / "checkpoints" / "iter-000001")],
+        cut,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wa, wb = lora(run), lora(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise, as a one-process resume
+    assert [r["step"] for r in metrics(cut)] == [0, 1, 2]
+
+
+def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):
+    launch = ("--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no")
+    result = train_two([*OBJECTIVES["flow_grpo"], *TINY], tmp_path / "run", *launch, "--dynamo_backend", "no")
+    assert result.returncode == 1 and "returned non-zero exit status 2" in result.stderr  # accelerate: flowrl's 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
+    assert len(lines) == 1 and "started ONE process" in lines[0] and "--multi_gpu --num_processes 2" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_impossible_split_names_the_numbers(tmp_path):
+    result = train_two(["prompts.per_iteration=3", "prompts.group_size=2", *TINY], tmp_path / "run")
+    assert result.returncode != 0
+    lines = {line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")}
+    assert len(lines) == 1, result.stderr[-3000:]  # both ranks print the same line
+    assert "prompts.per_iteration=3" in lines.pop()
+    chunks = train_two(
+        ["prompts.per_iteration=2", "prompts.group_size=3", "sampler.chunk_size=2", *TINY], tmp_path / "c"
+    )
+    assert "sampler.chunk_size=2 must divide the 3 samples each rank holds" in chunks.stderr

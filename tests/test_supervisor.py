@@ -1,0 +1,111 @@
+"""`flowrl train` under its supervisor: a crash of the training process still ends in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_sd3_pipeline
+
+from flowrl import cli
+from flowrl.supervisor import death_message, should_supervise
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["prompts.per_iteration=2", "prompts.group_size=2", "sampler.num_steps=2", "train.iterations=1"]
+
+
+def test_when_to_supervise():
+    assert should_supervise(["train", "x.yaml"], {})
+    assert not should_supervise(["sample"], {})
+    assert not should_supervise(["train"], {"FLOWRL_SUPERVISED": "1"})  # the child runs the command itself
+    assert not should_supervise(["train"], {"FLOWRL_NO_SUPERVISOR": "1"})
+    assert not should_supervise(["train"], {"WORLD_SIZE": "1"})  # a distributed launcher supervises
+    assert not should_supervise(["train"], {"LOCAL_RANK": "0"})
+
+
+def test_death_messages_are_one_line():
+    segv = death_message(-signal.SIGSEGV)
+    assert segv.startswith("flowrl: error: the training process died with signal SIGSEGV (a reward plugin")
+    assert "flowrl serve-reward" in segv and "FLOWRL_NO_SUPERVISOR=1" in segv and "\n" not in segv
+    assert "out-of-memory" in death_message(-signal.SIGKILL)
+    assert death_message(7).startswith("flowrl: error: the training process exited with code 7 without an error")
+
+
+def test_main_with_argv_runs_in_this_process(monkeypatch, capsys):
+    def refuse(argv):
+        raise AssertionError("main(argv) must not spawn a supervised child")
+
+    monkeypatch.setattr("flowrl.supervisor.supervise", refuse)
+    assert cli.main(["train", "no_such_key=1"]) == 2
+    assert "unknown key 'no_such_key'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    tiny_sd3_pipeline().save_pretrained(str(path))
+    return path
+
+
+def train(tmp_path: Path, model: Path, kind: str, env: dict | None = None, wait: bool = True, timeout_s: float = 2):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"model: {{path: {model}}}\nrewards:\n  judge: {{reward: 'bench.reward_faults:faulty', kind: {kind}, "
+        f"timeout_s: {timeout_s}, marker: {tmp_path / 'scoring'}}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    cmd = [sys.executable, "-m", "flowrl", "train", str(cfg), *FAST]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    _, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stderr
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("flowrl: error:")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, code, fragment",
+    [
+        ("segfault", 128 + signal.SIGSEGV, "the training process died with signal SIGSEGV (a reward plugin"),
+        ("exit", 7, "the training process exited with code 7 without an error message"),
+        ("hang", 2, "reward 'judge' did not return within its deadline of 2 s"),
+        ("raise", 2, "reward 'judge' raised RuntimeError: judge crashed"),
+    ],
+)
+def test_a_reward_fault_in_the_training_process_ends_in_one_line(tmp_path, tiny_model, kind, code, fragment):
+    returncode, stderr = train(tmp_path, tiny_model, kind)
+    assert returncode == code, stderr[-3000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and fragment in lines[0], stderr[-3000:]
+    if kind == "segfault":
+        assert "Fatal Python error: Segmentation fault" in stderr and "reward_faults.py" in stderr  # faulthandler
+
+
+@pytest.mark.slow
+def test_without_the_supervisor_a_crash_says_nothing(tmp_path, tiny_model):
+    returncode, stderr = train(tmp_path, tiny_model, "exit", env={"FLOWRL_NO_SUPERVISOR": "1"})
+    assert returncode == 7 and not error_lines(stderr)  # what the supervisor is for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_signals_to_the_supervisor_reach_the_training_process(tmp_path, tiny_model, sig, code):
+    proc = train(tmp_path, tiny_model, "hang", wait=False, timeout_s=600)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "scoring").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)  # to the supervisor only (not from a terminal): it forwards it once
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr[-3000:]
+    assert not error_lines(stderr) and "Traceback" not in stderr  # an asked-for stop is no crash
+    if sig == signal.SIGINT:
+        assert "flowrl: interrupted; checkpoints written so far are kept" in stderr

@@ -274,7 +274,31 @@ def join_launch() -> Collective:
         return Collective()
     from accelerate import Accelerator
 
-    return Collective(Accelerator())
+    accelerator = Accelerator()
+    check_plugin(str(accelerator.distributed_type))
+    return Collective(accelerator)
+
+
+UNWIRED_PLUGINS = ("FSDP", "DEEPSPEED")
+
+
+def check_plugin(distributed_type: str) -> None:
+    """Refuse a sharding launch flowrl does not wire yet, instead of silently not sharding.
+
+    Args:
+        distributed_type: accelerate's ``DistributedType`` of the launch (e.g. ``"MULTI_GPU"``).
+
+    Raises:
+        ValueError: an FSDP or DeepSpeed launch (the transformer never goes through
+            ``accelerator.prepare``, so nothing would be sharded).
+    """
+    kind = distributed_type.rsplit(".", 1)[-1].upper()
+    if kind in UNWIRED_PLUGINS:
+        raise ValueError(
+            f"accelerate launch with {kind} is not wired into flowrl yet (the frozen base would not be sharded); "
+            "launch data-parallel with configs/accelerate/ddp.yaml (or multi_node.yaml with distributed_type: "
+            "MULTI_GPU) instead"
+        )
 
 
 def gather_rows(collective: Collective, geometry: Geometry, local: Tensor) -> Tensor:

@@ -227,7 +227,26 @@ def _persistent(cfg: Config, g: Geometry, z: Sizes, train_prompts: int, eval_pro
 def _rollout_kind(cfg: Config) -> str:
     from .objectives import OBJECTIVES
 
-    return getattr(OBJECTIVES[cfg.objective["name"]], "rollout", "sde")
+    return OBJECTIVES[cfg.objective["name"]].rollout
+
+
+def _samples(
+    cfg: Config, g: Geometry, z: Sizes, what: str, samples: int, steps: int, detail: str, fixes: list[str]
+) -> list[Part]:
+    """Latents (``samples`` x ``steps``), decoded images and conditioning of a batch.
+
+    ``detail`` says what sizes the batch (e.g. the prompt and group keys); ``fixes`` name the keys to lower.
+    """
+    res = f"model.resolution={z.height}x{z.width}"
+    return [
+        Part(f"{what} latents ({detail} samples x {steps} steps at {res})", samples * steps * z.latent * 4, fixes[0]),
+        Part(f"{what} images ({detail} at {res})", samples * z.pixels * 4, fixes[1], False),
+        Part(
+            f"{what} conditioning ({samples} samples)",
+            samples * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype],
+            fixes[2],
+        ),
+    ]
 
 
 def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]:
@@ -238,23 +257,13 @@ def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]
     chunk, rows = min(s.chunk_size, batch), min(cfg.train.score_chunk_size or s.chunk_size, batch)
     size = f"prompts.per_iteration={p.per_iteration} x prompts.group_size={p.group_size}"
     size += f" / {processes} processes" if processes > 1 else ""
+    fixes = [
+        "lower prompts.per_iteration, prompts.group_size, sampler.num_steps or model.resolution",
+        "lower prompts.per_iteration, prompts.group_size or model.resolution",
+        "lower prompts.per_iteration or prompts.group_size",
+    ]
     return [
-        Part(
-            f"rollout latents ({size} samples x {steps} steps at {res})",
-            batch * steps * z.latent * 4,
-            "lower prompts.per_iteration, prompts.group_size, sampler.num_steps or model.resolution",
-        ),
-        Part(
-            f"rollout images ({size} at {res})",
-            batch * z.pixels * 4,
-            "lower prompts.per_iteration, prompts.group_size or model.resolution",
-            False,
-        ),
-        Part(
-            f"rollout conditioning ({batch} samples)",
-            batch * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype],
-            "lower prompts.per_iteration or prompts.group_size",
-        ),
+        *_samples(cfg, g, z, "rollout", batch, steps, size, fixes),
         Part(
             f"activations of one training chunk (sampler.chunk_size={chunk} at {res})",
             _activations(cfg, g, z, chunk, training=True),
@@ -272,18 +281,9 @@ def _evaluation(cfg: Config, g: Geometry, z: Sizes, samples: int, steps: int, la
     """One evaluation or sampling pass of ``samples``: ODE trajectory, images, conditioning, one chunk, the decode."""
     chunk = min(max(cfg.sampler.chunk_size, EVAL_MIN_CHUNK), samples)
     res = f"model.resolution={z.height}x{z.width}"
+    fixes = ["lower train.eval_seeds, train.eval_steps or model.resolution"] + ["lower train.eval_seeds"] * 2
     return [
-        Part(
-            f"{label} latents ({samples} samples x {steps + 1} steps)",
-            samples * (steps + 1) * z.latent * 4,
-            "lower train.eval_seeds, train.eval_steps or model.resolution",
-        ),
-        Part(f"{label} images ({samples} at {res})", samples * z.pixels * 4, "lower train.eval_seeds", False),
-        Part(
-            f"{label} conditioning ({samples} samples)",
-            samples * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype],
-            "lower train.eval_seeds",
-        ),
+        *_samples(cfg, g, z, label, samples, steps + 1, str(samples), fixes),
         Part(
             f"activations of one sampling chunk ({chunk} samples at {res})",
             _activations(cfg, g, z, chunk, training=False),

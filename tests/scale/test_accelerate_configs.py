@@ -16,7 +16,7 @@ EXPECTED = {
     "fsdp2.yaml": (DistributedType.FSDP, 8),
     "deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 8),
     "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 8),
-    "multi_node.yaml": (DistributedType.FSDP, 32),
+    "multi_node.yaml": (DistributedType.MULTI_GPU, 32),
 }
 
 

@@ -83,3 +83,15 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout  # one process, 2 asked for
+
+
+def test_sharding_launches_that_are_not_wired_are_refused():
+    from accelerate.utils import DistributedType
+
+    from flowrl.distributed import check_plugin
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(ValueError, match="is not wired into flowrl yet .* configs/accelerate/ddp.yaml"):
+            check_plugin(str(kind))
+    for kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
+        check_plugin(str(kind))

@@ -290,9 +290,9 @@ def _evaluation(cfg: Config, g: Geometry, z: Sizes, samples: int, steps: int, la
             "lower model.resolution",
         ),
         Part(
-            f"VAE decode of {samples} samples at {res}",
-            _decode(cfg, g, z, samples),
-            "lower train.eval_seeds or model.resolution, or set memory.vae_slicing=true",
+            f"VAE decode of one chunk ({chunk} samples at {res})",
+            _decode(cfg, g, z, chunk),
+            "lower model.resolution, or set memory.vae_slicing=true",
         ),
     ]
 

@@ -156,7 +156,7 @@ def sample_images(
         sigmas: (T + 1,) grid.
         resolution: (height, width).
         frames: frames per video for video models (None = the model's default).
-        chunk_size: samples per model call.
+        chunk_size: samples per model call and per VAE decode (a large eval set is never decoded at once).
         encode: prompt encoder (e.g. a :class:`~flowrl.prompts.cache.PromptCache`'s ``encode``);
             default ``model.encode_prompt``.
 
@@ -169,4 +169,5 @@ def sample_images(
     cond = (encode or model.encode_prompt)(list(prompts))
     levels = torch.zeros(sigmas.shape[0] - 1, dtype=torch.float64)
     traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size)
-    return model.decode(traj.latents[:, -1])
+    final = traj.latents[:, -1]
+    return torch.cat([model.decode(final[i : i + chunk_size]) for i in range(0, final.shape[0], chunk_size)])

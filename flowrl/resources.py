@@ -262,18 +262,29 @@ def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]
         "lower prompts.per_iteration, prompts.group_size or model.resolution",
         "lower prompts.per_iteration or prompts.group_size",
     ]
+    chunk_fixes = [
+        "lower sampler.chunk_size or model.resolution, or set memory.gradient_checkpointing=true",
+        "lower train.score_chunk_size or model.resolution, or set memory.vae_slicing=true",
+    ]
     return [
         *_samples(cfg, g, z, "rollout", batch, steps, size, fixes),
-        Part(
-            f"activations of one training chunk (sampler.chunk_size={chunk} at {res})",
-            _activations(cfg, g, z, chunk, training=True),
-            "lower sampler.chunk_size or model.resolution, or set memory.gradient_checkpointing=true",
+        *_chunk(
+            cfg, g, z, f"training chunk (sampler.chunk_size={chunk} at {res})", chunk, rows, chunk_fixes, training=True
         ),
-        Part(
-            f"VAE decode of {rows} samples at {res}",
-            _decode(cfg, g, z, rows),
-            "lower train.score_chunk_size or model.resolution, or set memory.vae_slicing=true",
-        ),
+    ]
+
+
+def _chunk(
+    cfg: Config, g: Geometry, z: Sizes, what: str, chunk: int, rows: int, fixes: list[str], *, training: bool
+) -> list[Part]:
+    """Activations of one model call on ``chunk`` samples and one VAE decode of ``rows`` samples.
+
+    ``training`` adds what autograd keeps for the backward pass; ``fixes`` name the keys that shrink each part.
+    """
+    res = f"model.resolution={z.height}x{z.width}"
+    return [
+        Part(f"activations of one {what}", _activations(cfg, g, z, chunk, training=training), fixes[0]),
+        Part(f"VAE decode of {rows} samples at {res}", _decode(cfg, g, z, rows), fixes[1]),
     ]
 
 
@@ -282,18 +293,10 @@ def _evaluation(cfg: Config, g: Geometry, z: Sizes, samples: int, steps: int, la
     chunk = min(max(cfg.sampler.chunk_size, EVAL_MIN_CHUNK), samples)
     res = f"model.resolution={z.height}x{z.width}"
     fixes = ["lower train.eval_seeds, train.eval_steps or model.resolution"] + ["lower train.eval_seeds"] * 2
+    chunk_fixes = ["lower model.resolution", "lower model.resolution, or set memory.vae_slicing=true"]
     return [
         *_samples(cfg, g, z, label, samples, steps + 1, str(samples), fixes),
-        Part(
-            f"activations of one sampling chunk ({chunk} samples at {res})",
-            _activations(cfg, g, z, chunk, training=False),
-            "lower model.resolution",
-        ),
-        Part(
-            f"VAE decode of one chunk ({chunk} samples at {res})",
-            _decode(cfg, g, z, chunk),
-            "lower model.resolution, or set memory.vae_slicing=true",
-        ),
+        *_chunk(cfg, g, z, f"sampling chunk ({chunk} samples at {res})", chunk, chunk, chunk_fixes, training=False),
     ]
 
 

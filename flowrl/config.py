@@ -1,4 +1,6 @@
-"""Run configuration: typed dataclasses, YAML loading, ``key=value`` overrides and validation.
+"""Run configuration: typed dataclasses, defaults ⊕ YAML files ⊕ ``key=value`` overrides, validation.
+
+Reading the files and the overrides lives in :mod:`flowrl.config_files`.
 
 A config file is a diff against the defaults below; the defaults are the embedded job. Every
 unknown key or bad value is reported as one :class:`ConfigError` line that names the key, the
@@ -15,11 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-import yaml
+from .config_files import ConfigError, UniqueKeyLoader, merge_layers, parse_overrides, read_yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value (one line: key, file, what is allowed)."""
+__all__ = ["ConfigError", "Config", "UniqueKeyLoader", "load_config", "parse_overrides", "read_yaml", "to_dict"]
 
 
 def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, note: str = "") -> dict[str, Any]:
@@ -376,84 +376,6 @@ def _build(cls: type, data: Any, prefix: str, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"command line: cannot set '{dotted}': '{part}' is not a section")
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """``["sampler.noise_level=0.5", ...]`` -> nested dict (values parsed as YAML scalars)."""
-    data: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"command line: override {item!r} must look like key=value, e.g. train.iterations=50")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"command line: value of '{key}' is not valid YAML: {raw!r}") from err
-        _set_dotted(data, key.strip(), value)
-    return data
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "rewards":
-            out[key] = _merge(out[key], value)
-        elif key == "rewards" and isinstance(value, dict) and isinstance(out.get(key), dict):
-            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in out[key].items()}
-            for name, opts in value.items():
-                merged[name] = _merge(merged.get(name) or {}, opts) if isinstance(opts, dict) else opts
-            out[key] = merged
-        else:
-            out[key] = value
-    return out
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        """Build a mapping, raising on a duplicated key.
-
-        Raises:
-            yaml.constructor.ConstructorError: the key and the line of its second occurrence.
-        """
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicated key {key!r}; keep one", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; one-line ConfigError for a missing file or bad YAML."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
-    try:
-        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections (model:, sampler:, ...)")
-    return data
-
-
 def validate_rewards(rewards: dict[str, Any], where: str) -> None:
     """Each reward entry must be a mapping with a finite numeric weight."""
     if not rewards:
@@ -568,7 +490,7 @@ def _read_layers(paths: list[str | Path]) -> dict[str, Any]:
             raise ConfigError(f"{path}: 'rewards' must be a mapping of reward name -> options")
         _build(Config, {k: v for k, v in layer.items() if k != "rewards"}, "", str(path))
         rewards = layer.pop("rewards", None)
-        data = _merge(data, layer)
+        data = merge_layers(data, layer)
         if rewards is not None:
             data["rewards"] = rewards
     return data
@@ -594,7 +516,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
     data.setdefault("rewards", _default_rewards())  # a file's rewards replace the defaults whole
     if overrides:
         extra = parse_overrides(overrides)
-        data = _merge(data, extra)
+        data = merge_layers(data, extra)
         where = f"{where} + command line"
     cfg = _build(Config, data, "", where)
     validate_rewards(cfg.rewards, where)

@@ -155,6 +155,25 @@ def check_rollout_split(geometry: Geometry, rollout_kind: str) -> None:
         )
 
 
+def batch_geometry(cfg: Any, collective: Collective, rollout_kind: str) -> Geometry:
+    """The rows of the global batch this process owns (``train.placement``), checked against the rollout kind.
+
+    Args:
+        cfg: the run's :class:`~flowrl.config.Config` (prompts, sampler chunk, placement).
+        collective: this process's place in the launch.
+        rollout_kind: a key of :data:`flowrl.rollouts.collect.ROLLOUTS`.
+
+    Raises:
+        ValueError: the batch does not split over the processes (the message names the numbers).
+    """
+    p, c = cfg.prompts, collective
+    geometry = derive_geometry(
+        p.per_iteration, p.group_size, cfg.sampler.chunk_size, c.world_size, c.rank, cfg.train.placement
+    )
+    check_rollout_split(geometry, rollout_kind)
+    return geometry
+
+
 def _multiples(value: int, of: int) -> str:
     """The multiples of ``of`` around ``value``: ``"4 or 6"`` (just the upper one below ``of``)."""
     down = value // of * of

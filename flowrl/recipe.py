@@ -24,8 +24,9 @@ import yaml
 
 from .checkpoint import save_checkpoint
 from .config import Config, to_dict
-from .distributed import Collective, Geometry, check_rollout_split, derive_geometry, join_launch
+from .distributed import Collective, batch_geometry, join_launch
 from .models.digits import EVAL_REPORTS
+from .objectives import OBJECTIVES
 from .outputs import (
     MetricsLogger,
     prepare_run_dir,
@@ -41,7 +42,7 @@ from .resources import check_machine
 from .resume import Resume, check_resume_config, find_resume, prune_checkpoints
 from .rollouts.collect import rollout_kind
 from .runtime import configure_threads
-from .trainer import Trainer, build_objective
+from .trainer import Trainer
 
 GRID_SEED_BASE = 2_000_000
 GRID_MAX_PROMPTS = 20
@@ -61,19 +62,6 @@ def load_run_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
         everything = load_prompts(p.train, split="train")
         return holdout_split(everything, p.test_fraction, "train"), holdout_split(everything, p.test_fraction, "test")
     return load_prompts(p.train, split="train"), load_prompts(p.eval, split="test")
-
-
-def batch_geometry(cfg: Config, collective: Collective) -> Geometry:
-    """The rows of the global batch this process owns (``train.placement``), checked against the rollout kind.
-
-    Raises:
-        ValueError: the batch does not split over the processes (the message names the numbers).
-    """
-    p, c = cfg.prompts, collective
-    chunk = cfg.sampler.chunk_size
-    geometry = derive_geometry(p.per_iteration, p.group_size, chunk, c.world_size, c.rank, cfg.train.placement)
-    check_rollout_split(geometry, rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver))
-    return geometry
 
 
 def _grid_inputs(prompts: list[Prompt], seeds: int) -> tuple[list[Prompt], list[int]]:
@@ -118,7 +106,8 @@ class Run:
         self.is_main = self.collective.is_main
         if self.collective.world_size > 1 and cfg.model.device == "cuda":  # one GPU per rank
             cfg.model.device = str(self.collective.accelerator.device)
-        batch_geometry(cfg, self.collective)  # an impossible split fails before the model loads
+        kind = rollout_kind(OBJECTIVES[cfg.objective["name"]].rollout, cfg.sampler.solver)
+        batch_geometry(cfg, self.collective, kind)  # an impossible split fails before the model loads
         check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
         self.out = Path(cfg.output.dir)
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:

@@ -21,8 +21,7 @@ from .config import Config
 from .distributed import (
     Collective,
     agree_fault,
-    check_rollout_split,
-    derive_geometry,
+    batch_geometry,
     gather_rows,
     merge_totals,
     sum_gradients,
@@ -107,11 +106,7 @@ class Trainer:
         )
         self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
         self.collective = collective or Collective()
-        c, p = self.collective, cfg.prompts
-        self.geometry = derive_geometry(
-            p.per_iteration, p.group_size, s.chunk_size, c.world_size, c.rank, cfg.train.placement
-        )
-        check_rollout_split(self.geometry, self.rollout_kind)
+        self.geometry = batch_geometry(cfg, self.collective, self.rollout_kind)
         self.owned = self.geometry.owned_mask() if self.collective.world_size > 1 else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
@@ -216,16 +211,14 @@ class Trainer:
             mine = [(position + i, m) for i, mb in enumerate(group) if (m := owned_microbatch(mb, batch, self.owned))]
             position += len(group)
             self.optimizer.zero_grad(set_to_none=True)
-            snapshot = StepSnapshot(self.params, self.optimizer)
             fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
             fault = agree_fault(self.collective, fault)
             if fault is None:
                 sum_gradients(self.params, self.collective)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
                 fault = tensor_fault("the gradient norm", grad_norm) or self._step()
-            if fault is not None:  # undo: no checkpoint ever holds weights that failed the check
+            if fault is not None:  # nothing applied (_step undoes its own): no checkpoint holds bad weights
                 self.optimizer.zero_grad(set_to_none=True)
-                snapshot.restore()
                 skipped += 1
                 self.guard.skip(fault, self.iteration + 1)
                 continue
@@ -249,14 +242,18 @@ class Trainer:
         return out
 
     def _step(self) -> str | None:
-        """Apply the optimizer step; a fault when it overflows or leaves bad weights (the caller undoes it)."""
+        """Apply the optimizer step; when it overflows or leaves bad weights, undo it and return the fault."""
+        snapshot = StepSnapshot(self.params, self.optimizer)
         try:
             self.optimizer.step()
+            fault = weight_fault(self.params, self.cfg.train.max_lora_weight)
         except RuntimeError as err:
             if "overflow" not in str(err):
                 raise
-            return f"the optimizer step overflowed at lr {self.optimizer.param_groups[0]['lr']:g} ({err})"
-        return weight_fault(self.params, self.cfg.train.max_lora_weight)
+            fault = f"the optimizer step overflowed at lr {self.optimizer.param_groups[0]['lr']:g} ({err})"
+        if fault is not None:
+            snapshot.restore()
+        return fault
 
     def _accumulate(
         self, batch: RolloutBatch, mine: list[tuple[int, Any]], size: int

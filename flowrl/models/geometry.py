@@ -202,6 +202,7 @@ def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
     denoisers = [s for name, s in components.items() if name.startswith("transformer")]
     patch = transformer.get("patch_size")
     patch = patch[-1] if isinstance(patch, list) and patch else patch
+    patch = max(2, patch if isinstance(patch, int) else 2)
     extra_text = 77 if family == "StableDiffusion3Pipeline" else 0  # SD3 joins CLIP's 77 tokens to T5's
     video = family == "WanPipeline"
     return Geometry(
@@ -209,7 +210,7 @@ def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
         vae_factor=factor,
         temporal_factor=temporal,
         latent_channels=_int(vae, "latent_channels", _int(vae, "z_dim", 16)),
-        patch=max(2, patch if isinstance(patch, int) else 2),
+        patch=patch,
         hidden=_int(transformer, "num_attention_heads", 24) * _int(transformer, "attention_head_dim", 64),
         layers=_int(transformer, "num_layers", 24) + _int(transformer, "num_single_layers", 0),
         text_tokens=_int(card, "max_sequence_length", 256 if extra_text else 512) + extra_text,
@@ -219,6 +220,5 @@ def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
         default_frames=_int(card, "num_frames", 81) if video else None,
         params={name: sum(math.prod(s) for s in shapes.values()) for name, shapes in components.items()},
         lora_width=sum(lora_width(s, lora_targets) for s in denoisers),
-        max_side=_int(transformer, "pos_embed_max_size", 0) * max(2, patch if isinstance(patch, int) else 2) * factor
-        or None,
+        max_side=_int(transformer, "pos_embed_max_size", 0) * patch * factor or None,
     )

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ..kernels import Backend, nvfp4_fake_quantize
 from .fp8 import ScaledMMLinear, check_scaled_mm, fp8_fake_quantize
+from .lora import adapter_names
 
 Precision = Literal["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4")
@@ -251,7 +252,7 @@ def _lora_layers(module: nn.Module, adapter: str) -> list[tuple[str, Any]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
-    names = list(getattr(module, "peft_config", {}))
+    names = adapter_names(module)
     if layers and adapter not in names:
         raise ValueError(f"the policy has no LoRA adapter {adapter!r}; it has {names}")
     return layers

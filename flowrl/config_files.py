@@ -1,0 +1,94 @@
+"""Config sources as nested dicts: YAML files (duplicated keys refused) and ``key=value`` overrides.
+
+:mod:`flowrl.config` merges them over the defaults and validates the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value (one line: key, file, what is allowed)."""
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"command line: cannot set '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["sampler.noise_level=0.5", ...]`` -> nested dict (values parsed as YAML scalars)."""
+    data: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: override {item!r} must look like key=value, e.g. train.iterations=50")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"command line: value of '{key}' is not valid YAML: {raw!r}") from err
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def merge_layers(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` merged over ``base`` section by section; each reward's options merged by name."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "rewards":
+            out[key] = merge_layers(out[key], value)
+        elif key == "rewards" and isinstance(value, dict) and isinstance(out.get(key), dict):
+            merged = {k: dict(v) if isinstance(v, dict) else v for k, v in out[key].items()}
+            for name, opts in value.items():
+                merged[name] = merge_layers(merged.get(name) or {}, opts) if isinstance(opts, dict) else opts
+            out[key] = merged
+        else:
+            out[key] = value
+    return out
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """Build a mapping, raising on a duplicated key.
+
+        Raises:
+            yaml.constructor.ConstructorError: the key and the line of its second occurrence.
+        """
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicated key {key!r}; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; one-line ConfigError for a missing file or bad YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
+    try:
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (model:, sampler:, ...)")
+    return data

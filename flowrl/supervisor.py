@@ -95,6 +95,14 @@ def _terminal_sent_it() -> bool:
         return False
 
 
+def signal_name(signum: int) -> str:
+    """``"SIGSEGV"`` for 11; the number itself for a signal Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 def death_message(returncode: int) -> str:
     """The one line for a child that ended without reporting its own outcome.
 
@@ -109,10 +117,7 @@ def death_message(returncode: int) -> str:
             f"flowrl: error: the training process exited with code {returncode} without an error message "
             f"(a reward plugin or native library ended the process); {_FIX}"
         )
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = str(-returncode)
+    name = signal_name(-returncode)
     if name == "SIGKILL":
         cause = "killed from outside, often by the out-of-memory killer: see `dmesg`"
     else:

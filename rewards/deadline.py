@@ -83,7 +83,6 @@ def call_with_deadline(
         DeadlineExceeded: ``fn`` did not return in time (it keeps running on its daemon thread).
     """
     box: dict[str, Any] = {}
-    done = threading.Event()
     apply_state = _thread_state()
 
     def run() -> None:
@@ -92,14 +91,12 @@ def call_with_deadline(
             box["out"] = fn(*args, **(kwargs or {}))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
             box["err"] = exc
-        finally:
-            done.set()
 
     thread = threading.Thread(target=run, name=f"reward-{name}@{threading.current_thread().name}", daemon=True)
     thread.start()
-    if not done.wait(timeout_s):
+    thread.join(timeout_s)  # no thread outlives a call that ended in time
+    if thread.is_alive():
         raise DeadlineExceeded(timeout_s)
-    thread.join()  # it has returned: only its exit is left, and no thread outlives a call that ended in time
     if "err" in box:
         raise box["err"]
     return box["out"]

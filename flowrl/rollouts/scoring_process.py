@@ -26,7 +26,6 @@ import faulthandler
 import json
 import pickle
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from ..rewards import MultiReward, RewardError
 from ..rewards.contract import RewardTimeout, timeout_message
+from ..supervisor import signal_name
 
 Decode = Callable[[Tensor], Tensor]
 POLL_S = 0.2  # how often a waiting side checks that the other one is still alive
@@ -54,10 +54,7 @@ class ScoringProcessDied(RewardError):
 def _how_it_ended(exitcode: int | None) -> str:
     """``"signal SIGSEGV"`` or ``"exit code 3"`` for a process's exit code."""
     if exitcode is not None and exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
+        return f"signal {signal_name(-exitcode)}"
     return f"exit code {exitcode}"
 
 
@@ -98,13 +95,14 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _set_running(running: Any, key: int | None = None, name: str = "") -> None:
+def _set_running(running: Any, index: int | None = None, name: str = "") -> None:
     """Write the reward the worker is calling now into shared memory (visible at once, even if it then crashes)."""
-    running.value = json.dumps([key, name, time.monotonic()]).encode()[: len(running) - 1] if key is not None else b""
+    text = json.dumps([index, name, time.monotonic()]).encode() if index is not None else b""
+    running.value = text[: len(running) - 1]
 
 
 def _get_running(running: Any) -> tuple[int, str, float] | None:
-    """(job key, reward name, start time) of the reward the worker is calling now, or None."""
+    """(batch index, reward name, start time) of the reward the worker is calling now, or None."""
     raw = running.value
     return tuple(json.loads(raw)) if raw else None  # type: ignore[return-value]
 
@@ -131,7 +129,7 @@ def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, r
         key, latents, prompts, metadata, index = job
         try:
             out = score_chunk(
-                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, key, name)
+                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, index, name)
             )
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
             _set_running(running)
@@ -143,7 +141,7 @@ def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, r
 
 def _unpicklable_part(reward: MultiReward, decode: Decode) -> str | None:
     """Name what can't be sent to a worker process (a reward component or the decoder), with why."""
-    named = [(f"reward {name!r}", fn) for name, (fn, _) in reward.rewards.items()] or [("the reward", reward)]
+    named = [(f"reward {name!r}", fn) for name, (fn, _) in reward.rewards.items()]  # a MultiReward has >= 1
     for what, obj in [*named, ("the model's decoder", decode)]:
         try:
             ForkingPickler.dumps(obj)
@@ -178,7 +176,6 @@ class ScoringProcess:
         self._next_key = 0
         self._closed = False
         self._timeouts = dict(reward.timeouts)
-        self._index: dict[int, int] = {}  # key -> batch index, for messages
         self._running = ctx.Array("c", 512)  # the reward the worker is calling now (_set_running)
         self._proc = ctx.Process(
             target=_worker_main,
@@ -230,7 +227,6 @@ class ScoringProcess:
                 return
             with self._lock:
                 future = self._pending.pop(key, None)
-                self._index.pop(key, None)
                 self._busy = False
                 self._send_next()
             if future is not None:
@@ -241,8 +237,8 @@ class ScoringProcess:
         running = _get_running(self._running)
         if running is None:
             return ""
-        key, name, _ = running
-        return f" in reward {name!r} (batch {self._index.get(key, '?')})"
+        index, name, _ = running
+        return f" in reward {name!r} (batch {index})"
 
     def _check_worker(self) -> bool:
         """Fail every pending chunk if the worker died or overran a deadline; True when it did."""
@@ -256,15 +252,13 @@ class ScoringProcess:
         running = _get_running(self._running)
         if running is None:
             return False
-        key, name, started = running
+        index, name, started = running
         timeout = self._timeouts.get(name)
         if timeout is None or time.monotonic() - started < timeout + BACKSTOP_GRACE_S:
             return False
         self._proc.kill()  # the reward holds the worker so hard that it could not report its own deadline
         self._proc.join(5.0)
-        self._fail_pending(
-            RewardTimeout(timeout_message(name, timeout, self._index.get(key)) + "; its scoring process was killed")
-        )
+        self._fail_pending(RewardTimeout(timeout_message(name, timeout, index) + "; its scoring process was killed"))
         return True
 
     def _fail_pending(self, exc: BaseException) -> None:
@@ -279,7 +273,6 @@ class ScoringProcess:
         if not self._busy and self._backlog and not self._closed:
             key, job = self._backlog.popleft()
             self._busy = True
-            self._index[key] = job[-1]
             self._jobs.put((key, *job))
 
     def withdraw(self, future: Future) -> bool:
@@ -300,12 +293,8 @@ class ScoringProcess:
                 "rerun with train.rewards_async=thread or false"
             )
         future: Future = Future()
-        job = (
-            latents.detach().clone(),
-            list(prompts),
-            metadata,
-            index,
-        )  # a private copy, moved to shared memory when sent
+        # a private copy of the latents, moved to shared memory when sent
+        job = (latents.detach().clone(), list(prompts), metadata, index)
         with self._lock:
             key, self._next_key = self._next_key, self._next_key + 1
             self._pending[key] = future

@@ -85,6 +85,7 @@ def test_uncached_hub_id_without_offline_mode_does_not_wait_for_retries(tmp_path
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # loopback, refused at once: nothing downloads
     start = time.perf_counter()
     with pytest.raises(FileNotFoundError, match="hub is unreachable.*hf download Qwen/Qwen-Image"):
         resolve_model_path("Qwen/Qwen-Image", cache_dir=str(tmp_path))

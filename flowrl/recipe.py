@@ -26,7 +26,6 @@ from .checkpoint import save_checkpoint
 from .config import Config, to_dict
 from .distributed import Collective, batch_geometry, join_launch
 from .models.digits import EVAL_REPORTS
-from .objectives import OBJECTIVES
 from .outputs import (
     MetricsLogger,
     prepare_run_dir,
@@ -42,7 +41,7 @@ from .resources import check_machine
 from .resume import Resume, check_resume_config, find_resume, prune_checkpoints
 from .rollouts.collect import rollout_kind
 from .runtime import configure_threads
-from .trainer import Trainer
+from .trainer import Trainer, build_objective
 
 GRID_SEED_BASE = 2_000_000
 GRID_MAX_PROMPTS = 20
@@ -106,7 +105,7 @@ class Run:
         self.is_main = self.collective.is_main
         if self.collective.world_size > 1 and cfg.model.device == "cuda":  # one GPU per rank
             cfg.model.device = str(self.collective.accelerator.device)
-        kind = rollout_kind(OBJECTIVES[cfg.objective["name"]].rollout, cfg.sampler.solver)
+        kind = rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver)  # SAGE-GRPO's depends on its options
         batch_geometry(cfg, self.collective, kind)  # an impossible split fails before the model loads
         check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
         self.out = Path(cfg.output.dir)

@@ -1,0 +1,52 @@
+"""Diversity, drift and confidence intervals against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.evaluation import mean_ci, prompt_diversity, sample_drift
+
+
+def test_diversity_matches_pairwise_loop():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.rand(7, 3, 4, 4, generator=gen)
+    ids = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    out = prompt_diversity(images, ids)
+    for g, value in zip((0, 1), out.tolist()):
+        rows = images[ids == g].double().reshape(-1, 48)
+        pairs = [(rows[i] - rows[j]).norm() / math.sqrt(48) for i in range(len(rows)) for j in range(len(rows)) if i != j]
+        assert value == pytest.approx(float(sum(pairs) / len(pairs)), abs=1e-12)
+
+
+def test_diversity_is_zero_for_collapsed_prompt_and_resolution_free():
+    same = torch.full((4, 3, 8, 8), 0.3)
+    assert prompt_diversity(same, [0, 0, 0, 0]).item() == pytest.approx(0.0, abs=1e-12)
+    black_white = torch.stack([torch.zeros(3, 16, 16), torch.ones(3, 16, 16)])
+    assert prompt_diversity(black_white, [5, 5]).item() == pytest.approx(1.0)
+
+
+def test_diversity_refuses_single_sample_group():
+    with pytest.raises(ValueError, match="group 1 has 1 sample"):
+        prompt_diversity(torch.rand(3, 3, 4, 4), [0, 0, 1])
+
+
+def test_drift():
+    a = torch.zeros(2, 3, 4, 4)
+    b = torch.zeros(2, 3, 4, 4)
+    b[1] = 0.5
+    assert sample_drift(a, b).tolist() == pytest.approx([0.0, 0.5])
+    with pytest.raises(ValueError, match="must match"):
+        sample_drift(a, b[:1])
+
+
+def test_mean_ci_normal_quantile_and_nan():
+    values = [1.0, 2.0, 3.0, 4.0, float("nan")]
+    ci = mean_ci(values)
+    half = 1.959963984540054 * math.sqrt(5.0 / 3.0) / 2.0
+    assert (ci.mean, ci.n) == (2.5, 4)
+    assert ci.low == pytest.approx(2.5 - half, abs=1e-9) and ci.high == pytest.approx(2.5 + half, abs=1e-9)
+    assert mean_ci([7.0]).low == 7.0
+    assert math.isnan(mean_ci([]).mean)
+    with pytest.raises(ValueError, match="level"):
+        mean_ci([1.0], level=1.0)

@@ -225,9 +225,10 @@ def _persistent(cfg: Config, g: Geometry, z: Sizes, train_prompts: int, eval_pro
 
 
 def _rollout_kind(cfg: Config) -> str:
+    """The rollout kind of the configured objective, built from its options (SAGE-GRPO's depends on them)."""
     from .objectives import OBJECTIVES
 
-    return OBJECTIVES[cfg.objective["name"]].rollout
+    return OBJECTIVES[cfg.objective["name"]](**cfg.objective).rollout
 
 
 def _samples(

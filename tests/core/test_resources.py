@@ -199,3 +199,13 @@ def test_unreadable_weight_headers_are_skipped(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(b"\x01")
     assert tensor_shapes(tmp_path) == {}
     assert read_geometry(tmp_path, None) is None
+
+
+def test_the_rollout_estimate_reads_the_built_objective():
+    """SAGE-GRPO's rollout kind is a property of its options: the estimate must see its trajectory."""
+    from flowrl.resources import _rollout_kind
+
+    flat = load_config(overrides=["objective.name=sage_grpo"])
+    tree = load_config(overrides=["objective.name=sage_grpo", "objective.tree=true"])
+    assert (_rollout_kind(flat), _rollout_kind(tree)) == ("sde", "tree")
+    assert _rollout_kind(load_config(overrides=["objective.name=diffusion_nft"])) == "solver"

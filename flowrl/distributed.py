@@ -295,7 +295,31 @@ def join_launch() -> Collective:
 
     accelerator = Accelerator()
     check_plugin(str(accelerator.distributed_type))
+    check_joined(launch_world_size(), accelerator.num_processes, str(accelerator.distributed_type))
     return Collective(accelerator)
+
+
+def check_joined(launched: int, joined: int, distributed_type: str) -> None:
+    """Refuse a launch whose processes did not join one process group.
+
+    accelerate 1.15 turns an FSDP or DeepSpeed launch on a machine without GPUs into
+    ``DistributedType.NO`` in every process: each would train alone and write the same run folder.
+
+    Args:
+        launched: processes the launcher started (``WORLD_SIZE``).
+        joined: processes in accelerate's group (``Accelerator.num_processes``).
+        distributed_type: accelerate's ``DistributedType`` of the launch.
+
+    Raises:
+        ValueError: ``joined != launched``.
+    """
+    if joined != launched:
+        kind = distributed_type.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"accelerate launch started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
+            "FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
+            f"--num_processes {launched} (configs/accelerate/cpu_gloo.yaml)"
+        )
 
 
 UNWIRED_PLUGINS = ("FSDP", "DEEPSPEED")

@@ -95,3 +95,33 @@ def test_sharding_launches_that_are_not_wired_are_refused():
             check_plugin(str(kind))
     for kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
         check_plugin(str(kind))
+
+
+def test_processes_that_did_not_join_are_refused():
+    from flowrl.distributed import check_joined
+
+    check_joined(2, 2, "DistributedType.MULTI_CPU")
+    with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1 .*type NO.*--num_processes 2"):
+        check_joined(2, 1, "DistributedType.NO")
+
+
+@pytest.mark.slow
+def test_fsdp_launch_without_gpus_is_refused_on_every_rank(tmp_path: Path):
+    """The shipped FSDP2 config on a machine without GPUs: accelerate runs each process alone; flowrl says so."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: accelerate really shards there")
+    config = tmp_path / "fsdp2.yaml"
+    text = (Path(__file__).parents[2] / "configs" / "accelerate" / "fsdp2.yaml").read_text()
+    config.write_text(text.replace("num_processes: 8", "num_processes: 2"))
+    script = tmp_path / "probe.py"
+    script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    out = subprocess.run(
+        [str(accelerate), "launch", "--config_file", str(config), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode != 0 and "joined" not in out.stdout
+    assert out.stderr.count("started 2 processes but accelerate joined 1") == 2, out.stderr[-3000:]

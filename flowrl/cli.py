@@ -1,6 +1,7 @@
 """Command-line interface of the ``flowrl`` console script.
 
-Subcommands: ``flowrl train | sample | export | rewards list | reward new | serve-reward | pretrain-digits``.
+Subcommands: ``flowrl train | sample | export | eval | gallery | demo | rewards list | reward new | serve-reward |
+pretrain-digits``.
 
 User errors (bad config, missing weights, a broken reward, an occupied output folder) print one
 line ``flowrl: error: ...`` and exit with code 2; set ``FLOWRL_DEBUG=1`` for the traceback.
@@ -299,6 +300,41 @@ def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
     return pretrain_main(ns.args)
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    """``flowrl eval``: score the runs' checkpoints and the base model on a prompt set (fixed seeds, ODE).
+
+    Args:
+        ns: parsed arguments (``runs``, ``prompts``, ``rewards``, ``seeds``, ``seed``, ``steps``, ``out``).
+
+    Returns:
+        The exit code, 0.
+    """
+    from .evaluation.checkpoints import CheckpointBank
+    from .evaluation.compare import (
+        EvalSettings,
+        checkpoints_of,
+        eval_meta,
+        evaluate_checkpoints,
+        guard_spec,
+        reward_spec,
+        write_report,
+    )
+    from .prompts.sets import load_prompts
+    from .runtime import configure_threads
+
+    configure_threads(None)
+    runs = [Path(r) for r in ns.runs]
+    prompts = load_prompts(ns.prompts, split="test")
+    names = [n.strip() for n in ns.rewards.split(",") if n.strip()] if ns.rewards else None
+    rewards = reward_spec(runs, names)
+    settings = EvalSettings(seeds=ns.seeds, first_seed=ns.seed, steps=ns.steps)
+    rows = evaluate_checkpoints(CheckpointBank(), checkpoints_of(runs), prompts, rewards, guard_spec(runs), settings)
+    paths = write_report(rows, Path(ns.out), eval_meta(runs, ns.prompts, len(prompts), settings, rewards))
+    print((Path(ns.out) / "eval.md").read_text(), end="")
+    print(f"wrote {', '.join(map(str, paths))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``flowrl`` argument parser; each subcommand sets ``func`` to its ``cmd_*`` handler."""
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching models.")
@@ -376,6 +412,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     export.set_defaults(func=cmd_export)
+
+    ev = sub.add_parser("eval", help="score run checkpoints and the base model on a prompt set (table + JSON)")
+    ev.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by flowrl train")
+    ev.add_argument("--prompts", required=True, help="prompt file (.txt/.jsonl/.csv/.json), folder or built-in set")
+    ev.add_argument("--rewards", help="comma-separated reward names (default: every reward the runs configure)")
+    ev.add_argument("--seeds", type=int, default=4, help="samples per prompt (>= 2 for diversity)")
+    ev.add_argument("--seed", type=int, default=3_000_000, help="first seed")
+    ev.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
+    ev.add_argument("--out", default="eval", help="folder for eval.json and eval.md")
+    ev.set_defaults(func=cmd_eval)
 
     pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
     pre.add_argument("args", nargs=argparse.REMAINDER)

@@ -1,0 +1,196 @@
+"""``flowrl eval``: score checkpoints on a prompt set with fixed seeds and deterministic (ODE) sampling.
+
+Every checkpoint (each run's final LoRA, the EMA/trained adapters where a checkpoint has them, and
+the base model of each model) samples the same prompts with the same seeds on the Euler ODE, is
+scored on the same rewards (the union of the runs' ``rewards:`` sections, or ``--rewards``) and the
+runs' ``guards:``, and becomes one row of :mod:`flowrl.evaluation.table`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .checkpoints import Checkpoint, CheckpointBank, base_checkpoint, generate, read_run_config, run_guards
+from .table import CheckpointFigures, checkpoint_figures, figures_json, markdown_table
+
+if TYPE_CHECKING:
+    from ..prompts.files import Prompt
+
+EVAL_SEED_BASE = 3_000_000  # away from training's rollout seeds and the run's own eval/grid seeds
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What every checkpoint is evaluated on.
+
+    Attributes:
+        seeds: samples per prompt (>= 2 for the per-prompt diversity).
+        first_seed: the first seed; prompt p, sample j uses ``first_seed + j`` (the same for every prompt).
+        steps: Euler ODE steps; None = each run's ``train.eval_steps`` or ``sampler.num_steps``.
+        level: confidence level of the intervals.
+    """
+
+    seeds: int = 4
+    first_seed: int = EVAL_SEED_BASE
+    steps: int | None = None
+    level: float = 0.95
+
+
+def reward_spec(run_dirs: Sequence[Path], names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The rewards to score with: the union of the runs' ``rewards:`` sections (first run wins a name).
+
+    Args:
+        run_dirs: run folders.
+        names: keep only these names; a name no run configures is built from the registry with its
+            default options (weight 1).
+
+    Raises:
+        ValueError: no run and no names.
+    """
+    union: dict[str, dict[str, Any]] = {}
+    for run in run_dirs:
+        for name, spec in read_run_config(run).rewards.items():
+            union.setdefault(name, dict(spec))
+    if names:
+        return {n: union.get(n, {"weight": 1.0}) for n in names}
+    if not union:
+        raise ValueError("no reward to score with: pass run folders (their config.yaml rewards) or --rewards NAME,...")
+    return union
+
+
+def guard_spec(run_dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """The union of the runs' ``guards:`` sections, as reward specs (weights dropped: guards are scored alone)."""
+    union: dict[str, dict[str, Any]] = {}
+    for run in run_dirs:
+        for name, spec in run_guards(run).items():
+            union.setdefault(name, spec)
+    return union
+
+
+GUARD_CONTROL_KEYS = ("weight", "tolerance", "stop", "patience", "mode", "min_delta", "keep_best")
+"""Keys of a ``guards:`` entry that steer the guard in training rather than build its reward."""
+
+
+def build_rewards(spec: dict[str, dict[str, Any]], guards: bool = False) -> Any:
+    """A :class:`~flowrl.rewards.combine.MultiReward` of a spec (guards: each with weight 1, control keys dropped)."""
+    from ..rewards import build_multi_reward
+
+    if guards:
+        spec = {k: {o: v for o, v in s.items() if o not in GUARD_CONTROL_KEYS} for k, s in spec.items()}
+    return build_multi_reward(spec)
+
+
+def score(reward: Any, images: Tensor, prompts: Sequence[Prompt]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Score samples of ``prompts`` (metadata passed per sample, as training does): (total (B,), components)."""
+    from ..prompts.batch import collate
+
+    batch = collate(list(prompts))
+    out = reward(images, batch.texts, **batch.metadata)
+    return out.total.float(), {k: v.float() for k, v in out.components.items()}
+
+
+def checkpoints_of(run_dirs: Sequence[Path]) -> list[Checkpoint]:
+    """The base model of each model the runs use (first), then every run's checkpoints."""
+    from .checkpoints import run_checkpoints
+
+    runs = [c for run in run_dirs for c in run_checkpoints(run)]
+    bases: dict[str, Checkpoint] = {}
+    for c in runs:
+        bases.setdefault(c.model_path, base_checkpoint(c.model_path, c.run_dir))
+    return [*bases.values(), *runs]
+
+
+def sample_checkpoint(
+    bank: CheckpointBank, checkpoint: Checkpoint, texts: list[str], seeds: list[int], steps: int | None
+):
+    """Deterministic ODE samples of one checkpoint (steps: the run's evaluation steps when None)."""
+    cfg = bank.config(checkpoint)
+    n = steps or cfg.train.eval_steps or cfg.sampler.num_steps
+    with bank.active(checkpoint) as policy:
+        return generate(policy, texts, seeds, steps=n, sampler="ode", frames=cfg.model.num_frames)
+
+
+def evaluate_checkpoints(
+    bank: CheckpointBank,
+    checkpoints: Sequence[Checkpoint],
+    prompts: Sequence[Prompt],
+    rewards: dict[str, dict[str, Any]],
+    guards: dict[str, dict[str, Any]] | None = None,
+    settings: EvalSettings = EvalSettings(),
+) -> list[CheckpointFigures]:
+    """Sample and score every checkpoint on the same prompts and seeds.
+
+    Args:
+        bank: where the models and adapters live.
+        checkpoints: base models first (each later checkpoint's drift is measured against the base of its model).
+        prompts: the prompt set.
+        rewards: reward specs (``rewards:`` section layout).
+        guards: guard reward specs (``guards:`` section layout), scored separately.
+        settings: seeds, steps, confidence level.
+
+    Returns:
+        One :class:`CheckpointFigures` per checkpoint, in order.
+    """
+    if settings.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1; got {settings.seeds}")
+    reward = build_rewards(rewards)
+    guard = build_rewards(guards, guards=True) if guards else None
+    rows_prompts = [p for p in prompts for _ in range(settings.seeds)]
+    texts = [p.text for p in rows_prompts]
+    seeds = [settings.first_seed + j for _ in prompts for j in range(settings.seeds)]
+    ids = torch.arange(len(prompts)).repeat_interleave(settings.seeds)
+    base_images: dict[str, Tensor] = {}
+    rows = []
+    for checkpoint in checkpoints:
+        images = sample_checkpoint(bank, checkpoint, texts, seeds, settings.steps)
+        if checkpoint.kind == "base":
+            base_images.setdefault(checkpoint.model_path, images)
+        total, parts = score(reward, images, rows_prompts)
+        guard_parts = score(guard, images, rows_prompts)[1] if guard is not None else {}
+        base = None if checkpoint.kind == "base" else base_images.get(checkpoint.model_path)
+        rows.append(
+            checkpoint_figures(
+                checkpoint.label,
+                images,
+                ids,
+                total,
+                parts,
+                base_images=base,
+                guards=guard_parts,
+                level=settings.level,
+            )
+        )
+    return rows
+
+
+def write_report(rows: Sequence[CheckpointFigures], out: Path, meta: dict[str, Any], level: float = 0.95) -> list[Path]:
+    """Write ``out/eval.json`` (figures + settings) and ``out/eval.md`` (the markdown table); returns the paths."""
+    from ..outputs import write_json, write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "eval.json", {**meta, "checkpoints": figures_json(rows)})
+    write_text_atomic(out / "eval.md", markdown_table(rows, level=level))
+    return [out / "eval.json", out / "eval.md"]
+
+
+def eval_meta(
+    run_dirs: Sequence[Path], prompts_spec: str, n_prompts: int, settings: EvalSettings, rewards: dict
+) -> dict:
+    """The settings recorded next to the figures in ``eval.json``."""
+    return {
+        "runs": [str(r) for r in run_dirs],
+        "prompts": prompts_spec,
+        "num_prompts": n_prompts,
+        "seeds_per_prompt": settings.seeds,
+        "first_seed": settings.first_seed,
+        "steps": settings.steps,
+        "sampler": "ode (euler)",
+        "confidence_level": settings.level,
+        "rewards": json.loads(json.dumps(rewards, default=str)),
+    }

@@ -252,6 +252,71 @@ class OutputConfig:
     keep_checkpoints: int = field(default=3, metadata=_rng(1))  # newest checkpoints/iter-N kept; older ones deleted
 
 
+@dataclass
+class SolRLConfig:
+    """Sol-RL rollouts (``solrl``; flowrl/solrl/, docs/solrl.md): explore cheaply, train at full precision.
+
+    ``regenerate``: per prompt, ``candidates`` seeds sampled by a low-precision explore copy of the
+    sampling policy with ``explore_steps`` deterministic steps, scored; ``selection`` keeps
+    ``prompts.group_size`` of them, regenerated at full precision through the normal rollout
+    (solver objectives: DiffusionNFT, AWM). ``correct``: SDE rollouts sampled by the explore copy,
+    trained with truncated importance weights (Flow-GRPO, SAGE-GRPO).
+    """
+
+    mode: Literal["off", "regenerate", "correct"] = "off"
+    precision: Literal["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4"] = "nvfp4"
+    activations: bool = False  # nvfp4 / fp8_e4m3: quantise the quantised layers' inputs too (W4A4 / W8A8)
+    min_features: int = field(default=0, metadata=_rng(0))  # layers with max(in, out) <= this stay full precision
+    candidates: int = field(default=16, metadata=_rng(1, 100_000))  # N explored seeds per prompt (Sol-RL: 96)
+    explore_steps: int = field(default=6, metadata=_rng(1, MAX_STEPS))  # deterministic explore steps (Sol-RL: 6)
+    explore_solver: Literal["euler", "heun", "dpmpp_2m"] = "dpmpp_2m"
+    selection: Literal["best_worst", "max_variance", "mean_deviation", "random"] = "best_worst"
+    seed: int | None = field(default=None, metadata=_rng(0, MAX_SEED))  # candidate seeds; None = train.seed
+    is_clip: float = field(default=2.0, metadata=_rng(1))  # correct: truncation C of min(p_full / p_explore, C)
+
+
+def validate_solrl(cfg: Config, where: str) -> None:
+    """Cross-key checks of the ``solrl`` section against the objective, the sampler and the batch.
+
+    Raises:
+        ConfigError: one line naming the keys and the fix.
+    """
+    s = cfg.solrl
+    if s.mode == "off":
+        return
+    from .objectives import OBJECTIVES
+
+    objective = cfg.objective["name"]
+    rollout = OBJECTIVES[objective](**cfg.objective).rollout
+    k = cfg.prompts.group_size
+    if s.mode == "regenerate" and rollout != "solver":
+        raise ConfigError(
+            f"{where}: solrl.mode=regenerate trains on clean samples (diffusion_nft, awm); objective.name={objective} "
+            "trains on stored transitions: use solrl.mode=correct for an SDE objective, or a solver objective"
+        )
+    if s.mode == "regenerate" and cfg.sampler.solver == "tree":
+        raise ConfigError(f"{where}: solrl.mode=regenerate needs one noise per sample; sampler.solver=tree grows trees")
+    if s.mode == "regenerate" and k > s.candidates:
+        raise ConfigError(
+            f"{where}: 'prompts.group_size' (K={k}, the seeds kept per prompt) must be <= 'solrl.candidates' "
+            f"(N={s.candidates}); raise solrl.candidates or lower prompts.group_size"
+        )
+    if s.mode == "correct" and rollout != "sde":
+        raise ConfigError(
+            f"{where}: solrl.mode=correct reweights stored SDE transitions (flow_grpo, sage_grpo without a tree); "
+            f"objective.name={objective} has rollout {rollout!r}: use solrl.mode=regenerate for it"
+        )
+    if s.activations and s.precision not in ("nvfp4", "fp8_e4m3"):
+        raise ConfigError(
+            f"{where}: 'solrl.activations' applies to nvfp4 and fp8_e4m3; got solrl.precision={s.precision}"
+        )
+    if s.precision == "int8_dynamic" and (cfg.model.device != "cpu" or cfg.model.dtype != "float32"):
+        raise ConfigError(
+            f"{where}: solrl.precision=int8_dynamic is torch.ao's CPU fp32 path; model is {cfg.model.dtype} on "
+            f"{cfg.model.device}: use fp8_e4m3 or nvfp4"
+        )
+
+
 def _default_rewards() -> dict[str, dict[str, Any]]:
     return {"ink": {"weight": 1.0, "target": "prompt"}, "digit_correctness": {"weight": 0.5}}
 
@@ -271,6 +336,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    solrl: SolRLConfig = field(default_factory=SolRLConfig)  # Sol-RL two-stage / corrected rollouts
 
 
 def _type_name(tp: Any) -> str:
@@ -523,6 +589,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
     validate_sections(cfg, where)
     validate_advantage(cfg.advantage, cfg.prompts.group_size, where)
     cfg.objective = validate_objective(cfg.objective, where)
+    validate_solrl(cfg, where)
     return cfg
 
 

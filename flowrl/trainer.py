@@ -40,14 +40,17 @@ from .rollouts.chunked import sample_images, sigma_window_levels
 from .rollouts.collect import RolloutContext, collect_rollouts, rollout_kind
 from .rollouts.scoring import RolloutScorer, batch_index
 from .rollouts.scoring_process import ScoringProcess
+from .solrl.correction import ImportanceWeighted
+from .solrl.pipeline import SolRL
 from .tree.rollouts import tree_spec
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
 
 def build_objective(cfg: Config) -> Objective:
-    """Instantiate the configured objective."""
-    return OBJECTIVES[cfg.objective["name"]](**cfg.objective)
+    """Instantiate the configured objective (importance-weighted under ``solrl.mode: correct``)."""
+    objective = OBJECTIVES[cfg.objective["name"]](**cfg.objective)
+    return ImportanceWeighted(objective) if cfg.solrl.mode == "correct" else objective
 
 
 class Trainer:
@@ -113,6 +116,7 @@ class Trainer:
         self.samples_seen = 0
         self._scoring_process: ScoringProcess | None = None
         self.guard = UpdateGuard(cfg.train.max_skipped_updates)
+        self.solrl = SolRL(self) if cfg.solrl.mode != "off" else None  # Sol-RL rollouts (flowrl/solrl/pipeline.py)
 
     def scorer(self, prompts: PromptBatch) -> RolloutScorer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
@@ -160,6 +164,8 @@ class Trainer:
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
+        if self.solrl is not None:
+            return self.solrl.collect(prompts, cond)
         return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
 
     def rollout_context(self) -> RolloutContext:

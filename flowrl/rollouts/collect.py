@@ -62,6 +62,8 @@ class RolloutContext:
             (several processes, :mod:`flowrl.rollouts.owned`); None = every row (one process).
         gather_rows: all-gather of every rank's owned rows into global order, (b, ...) -> (B, ...);
             needed with ``owned``.
+        initial_noise: (B, *latent_shape) initial noise to use instead of drawing it from the run's
+            generator (Sol-RL regenerates explored seeds, :mod:`flowrl.solrl.pipeline`); None = draw.
     """
 
     model: ModelAdapter
@@ -79,10 +81,20 @@ class RolloutContext:
     solver_levels: Tensor | None = None
     owned: Tensor | None = None
     gather_rows: Callable[[Tensor], Tensor] | None = None
+    initial_noise: Tensor | None = None
 
     def noise(self, rows: int) -> Tensor:
-        """(rows, *latent_shape) initial noise from the run's generator, on the model's device."""
-        return torch.randn((rows, *self.latent_shape), generator=self.generator).to(self.device)
+        """(rows, *latent_shape) initial noise: ``initial_noise`` when given, else from the run's generator.
+
+        Raises:
+            ValueError: ``initial_noise`` holds another number of rows.
+        """
+        if self.initial_noise is None:
+            return torch.randn((rows, *self.latent_shape), generator=self.generator).to(self.device)
+        shape = (rows, *self.latent_shape)
+        if self.initial_noise.shape != shape:
+            raise ValueError(f"initial_noise has shape {tuple(self.initial_noise.shape)}; the rollout needs {shape}")
+        return self.initial_noise.to(self.device)
 
 
 class Rollout(NamedTuple):

@@ -335,6 +335,28 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(ns: argparse.Namespace) -> int:
+    """``flowrl demo``: serve the Gradio comparison app (127.0.0.1 unless ``--host``; ``--share`` is opt-in).
+
+    Args:
+        ns: parsed arguments (``runs``, ``host``, ``port``, ``share``, ``device``).
+
+    Returns:
+        The exit code, 0 (after the server stops).
+    """
+    from .demo.app import build_app, launch
+    from .demo.registry import RunRegistry
+    from .evaluation.checkpoints import CheckpointBank
+    from .runtime import configure_threads
+
+    configure_threads(None)
+    registry = RunRegistry(ns.runs)
+    app = build_app(registry, CheckpointBank(device=ns.device))
+    print(f"flowrl demo: {len(registry.labels)} checkpoints ({', '.join(registry.labels)}); Ctrl-C stops", flush=True)
+    launch(app, host=ns.host, port=ns.port, share=ns.share)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``flowrl`` argument parser; each subcommand sets ``func`` to its ``cmd_*`` handler."""
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching models.")
@@ -422,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
     ev.add_argument("--out", default="eval", help="folder for eval.json and eval.md")
     ev.set_defaults(func=cmd_eval)
+
+    demo = sub.add_parser("demo", help="Gradio app comparing the base model and aligned checkpoints side by side")
+    demo.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run folders or folders of runs (default: runs/)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    demo.add_argument("--port", type=int, help="TCP port (default: Gradio's first free port from 7860)")
+    demo.add_argument("--share", action="store_true", help="also create a public Gradio share link (explicit opt-in)")
+    demo.add_argument("--device", help="device for every model (default: each run's model.device)")
+    demo.set_defaults(func=cmd_demo)
 
     pre = sub.add_parser("pretrain-digits", help="rebuild the embedded flowrl-digits model", add_help=False)
     pre.add_argument("args", nargs=argparse.REMAINDER)

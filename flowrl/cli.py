@@ -357,6 +357,33 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gallery(ns: argparse.Namespace) -> int:
+    """``flowrl gallery``: regenerate the README images (before/after grids, reward curves, algorithm plots).
+
+    Args:
+        ns: parsed arguments (``runs``, ``out``, ``benchmarks``, ``seeds``, ``prompts``, ``steps``).
+
+    Returns:
+        The exit code, 0.
+    """
+    from .demo.gallery import DEFAULT_BENCHMARKS, build_gallery
+    from .runtime import configure_threads
+
+    configure_threads(None)
+    benchmarks = ns.benchmarks if ns.benchmarks is not None else [p for p in DEFAULT_BENCHMARKS if Path(p).is_file()]
+    written = build_gallery(
+        [Path(r) for r in ns.runs],
+        Path(ns.out),
+        benchmarks=[Path(b) for b in benchmarks],
+        seeds=ns.seeds,
+        prompts=ns.prompts,
+        steps=ns.steps,
+    )
+    for path in written:
+        print(f"wrote {path} ({path.stat().st_size / 1024:.1f} KB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``flowrl`` argument parser; each subcommand sets ``func`` to its ``cmd_*`` handler."""
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment for flow-matching models.")
@@ -444,6 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
     ev.add_argument("--out", default="eval", help="folder for eval.json and eval.md")
     ev.set_defaults(func=cmd_eval)
+
+    gal = sub.add_parser("gallery", help="regenerate the README images from run folders and benchmark results")
+    gal.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run folders written by flowrl train")
+    gal.add_argument("--out", default="gallery", help="output folder (default gallery/)")
+    gal.add_argument(
+        "--benchmarks",
+        nargs="*",
+        metavar="JSON",
+        help="bench.convergence result files (default: docs/benchmarks-convergence*.json when present)",
+    )
+    gal.add_argument("--seeds", type=int, default=4, help="fixed seeds per prompt in the before/after grids")
+    gal.add_argument("--prompts", type=int, default=10, help="eval prompts per grid (the run's first ones)")
+    gal.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
+    gal.set_defaults(func=cmd_gallery)
 
     demo = sub.add_parser("demo", help="Gradio app comparing the base model and aligned checkpoints side by side")
     demo.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run folders or folders of runs (default: runs/)")

@@ -6,8 +6,8 @@ Layout of a checkpoint folder::
     optimizer.safetensors   optimizer tensors, keys "state.<param>.<name>"
     rng.safetensors         "generator" and "torch_rng" byte states
     trainer.json            counters, optimizer param groups, the objective's scalar state, the
-                            per-prompt advantage history, the update guard's counters and the
-                            resolved run config
+                            per-prompt advantage history, the update guard's counters, the
+                            reward-hacking guards' best values and trips, and the resolved run config
     adapter-<name>.safetensors   extra LoRA adapters (e.g. DiffusionNFT's "old" and "ema")
     manifest.json           written last: format version, and per file its size and sha256
 
@@ -82,6 +82,7 @@ def _encode(state: dict[str, Any]) -> dict[str, bytes]:
         "objective": state.get("objective", {}),  # JSON scalars of the objective (e.g. SAGE-GRPO's adaptive beta)
         "advantage": state.get("advantage", {}),  # per-prompt reward history (advantage.method: per_prompt)
         "guard": state.get("guard", {}),  # skipped-update counters (flowrl.guards.UpdateGuard)
+        "heldout": state.get("heldout", {}),  # reward-hacking guards (flowrl.evaluation.guard_rewards.GuardTracker)
     }
     if state.get("config") is not None:
         meta["config"] = state["config"]  # the resolved config, compared on resume
@@ -353,6 +354,7 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "objective": meta.get("objective", {}),
         "advantage": meta.get("advantage", {}),
         "guard": meta.get("guard", {}),
+        "heldout": meta.get("heldout", {}),
         "config": meta.get("config"),
     }
 

@@ -250,6 +250,11 @@ class OutputConfig:
     dir: str = "runs/digits-bold-thin"
     grid_seeds: int = field(default=4, metadata=_rng(1, 256))  # columns per prompt in the before/after grid
     keep_checkpoints: int = field(default=3, metadata=_rng(1))  # newest checkpoints/iter-N kept; older ones deleted
+    # the held-out evaluation's samples as an image grid (TensorBoard, wandb, samples/iter-N.png) every N
+    # iterations; None = at every evaluation (train.eval_every), 0 = never; a multiple of train.eval_every
+    image_every: int | None = field(default=None, metadata=_rng(0))
+    wandb: bool = False  # also log to Weights & Biases (`pip install wandb`; never required); TensorBoard always
+    wandb_project: str = "flowrl"
 
 
 @dataclass
@@ -318,7 +323,7 @@ def validate_solrl(cfg: Config, where: str) -> None:
 
 
 def _default_rewards() -> dict[str, dict[str, Any]]:
-    return {"ink": {"weight": 1.0, "target": "prompt"}, "digit_correctness": {"weight": 0.5}}
+    return {"stroke_width": {"weight": 1.0}, "digit_correctness": {"weight": 1.0}}
 
 
 @dataclass
@@ -336,6 +341,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    # reward-hacking guards: name -> {tolerance, relative, on_trip, **reward options}; scored on the held-out
+    # evaluation, never trained on (flowrl/evaluation/guard_rewards.py, docs/alignment.md)
+    guards: dict[str, dict[str, Any]] = field(default_factory=dict)
     solrl: SolRLConfig = field(default_factory=SolRLConfig)  # Sol-RL two-stage / corrected rollouts
 
 
@@ -589,8 +597,34 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
     validate_sections(cfg, where)
     validate_advantage(cfg.advantage, cfg.prompts.group_size, where)
     cfg.objective = validate_objective(cfg.objective, where)
+    validate_guards(cfg, where)
     validate_solrl(cfg, where)
     return cfg
+
+
+def validate_guards(cfg: Config, where: str) -> None:
+    """Check the ``guards`` section (:func:`flowrl.evaluation.guard_rewards.parse_guards`) and ``output.image_every``.
+
+    Raises:
+        ConfigError: one line naming the key and the fix.
+    """
+    from .evaluation.guard_rewards import parse_guards
+
+    try:
+        specs = parse_guards(cfg.guards, cfg.rewards)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if any(s.name == "diversity" for s in specs) and cfg.train.eval_seeds < 2:
+        raise ConfigError(
+            f"{where}: guards.diversity needs 'train.eval_seeds' >= 2 (pairs of samples per prompt); "
+            f"got {cfg.train.eval_seeds}"
+        )
+    every = cfg.output.image_every
+    if every and every % cfg.train.eval_every:
+        raise ConfigError(
+            f"{where}: 'output.image_every' ({every}) must be a multiple of 'train.eval_every' "
+            f"({cfg.train.eval_every}): the images are the held-out evaluation's samples"
+        )
 
 
 def validate_objective(section: dict[str, Any], where: str) -> dict[str, Any]:

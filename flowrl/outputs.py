@@ -1,8 +1,9 @@
-"""Run-folder outputs: resolved config, metrics (JSONL + TensorBoard), reward curve, image grids."""
+"""Run-folder outputs: resolved config, metrics (JSONL + TensorBoard, optionally wandb), reward curve, image grids."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -120,8 +121,47 @@ def _append_line(path: Path, line: str) -> None:
         f.write(line)
 
 
+def open_wandb(run_dir: Path, project: str, config: dict[str, Any] | None, resume: bool) -> Any:
+    """Start a Weights & Biases run for ``output.wandb: true`` (its id is the run folder's, so a resume continues it).
+
+    Args:
+        run_dir: the run folder (wandb writes its files under ``run_dir/wandb``).
+        project: ``output.wandb_project``.
+        config: the resolved config, shown in wandb.
+        resume: continue the run folder's wandb run.
+
+    Returns:
+        The ``wandb`` run.
+
+    Raises:
+        ValueError: wandb is not installed (one line: how to install it, or how to switch it off).
+    """
+    wandb = require_wandb()
+    run_id = "flowrl-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(
+        project=project,
+        dir=str(run_dir),
+        name=run_dir.name,
+        id=run_id,
+        config=config,
+        resume="allow" if resume else None,
+    )
+
+
+def require_wandb() -> Any:
+    """The ``wandb`` module, or one ValueError line when it is not installed (wandb is never required)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            "output.wandb is true but wandb is not installed: `pip install wandb`, or set output.wandb=false "
+            "(TensorBoard logs either way)"
+        ) from None
+    return wandb
+
+
 class MetricsLogger:
-    """Append-only JSONL metrics plus TensorBoard scalars.
+    """Append-only JSONL metrics plus TensorBoard scalars (and wandb, when a wandb run is passed).
 
     On resume the run continues the same records: ``metrics.jsonl`` is cut back to the rows with
     ``step <= resume_step`` (rewritten atomically; they stay in :attr:`rows`), and TensorBoard
@@ -131,9 +171,10 @@ class MetricsLogger:
     Args:
         run_dir: the run folder (writes ``metrics.jsonl`` and ``tensorboard/``).
         resume_step: the iteration of the checkpoint a resumed run continues from (None: a fresh run).
+        wandb_run: a run from :func:`open_wandb` that receives every row and image too (None: TensorBoard only).
     """
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, wandb_run: Any | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
@@ -143,6 +184,7 @@ class MetricsLogger:
         # session's start and purges only at later ones, so the first resume's purge needs it
         purge = 0 if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        self.run_dir, self.wandb = run_dir, wandb_run
 
     def _cut(self, step: int) -> list[dict[str, float]]:
         kept = [line for s, line in read_metrics(self.path) if s <= step]
@@ -171,24 +213,80 @@ class MetricsLogger:
             raise disk_full_error(
                 f"{self.path} (step {step})", self.path.parent, len(line.encode()), self.path.parent
             ) from None
-        for key, value in row.items():
-            if key != "step" and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
+        finite = {k: v for k, v in row.items() if k != "step" and math.isfinite(v)}
+        for key, value in finite.items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(finite, step=step)
+
+    def log_images(self, step: int, grid: Tensor, tag: str = "eval/samples") -> Path:
+        """Log an image grid (3, H, W) in [0, 1]: TensorBoard ``add_image``, wandb, and ``samples/iter-N.png``.
+
+        Returns:
+            The PNG's path.
+        """
+        grid = grid.detach().float().cpu().clamp(0, 1)
+        self.writer.add_image(tag, grid, step)
+        self.writer.flush()
+        folder = self.run_dir / "samples"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"iter-{step:06d}.png"
+        save_png(grid, path)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(str(path))}, step=step)
+        return path
 
     def close(self) -> None:
-        """Close the TensorBoard writer."""
+        """Close the TensorBoard writer (and finish the wandb run)."""
         self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+GUARD_PANEL = ("eval/diversity_ratio",)  # monitors drawn beside the guards (guard/* rows, *_best excluded)
+
+
+def _guard_series(rows: Sequence[dict[str, float]]) -> dict[str, list[tuple[int, float]]]:
+    """Guard and monitor curves of a run: name -> [(step, value)], from its ``guard/*`` rows."""
+    names = sorted(
+        {k for r in rows for k in r if k.startswith("guard/") and not k.endswith("_best")} - {"guard/tripped"}
+    )
+    if not names:
+        return {}
+    out = {}
+    for name in [*names, *GUARD_PANEL]:
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None and math.isfinite(r[name])]
+        if points:
+            out[name] = points
+    return out
 
 
 def save_reward_curve(rows: Sequence[dict[str, float]], path: Path, title: str = "reward") -> None:
-    """Plot training reward mean and eval reward (held-out seeds) against iteration."""
+    """Plot training reward mean and eval reward (held-out seeds) against iteration.
+
+    A run with guards gets a second panel beside it: each guard's held-out value (and the diversity
+    ratio to the base model) against iteration, so hacking shows as the two panels diverging.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    guards = _guard_series(rows)
+    if guards:
+        fig, (ax, gx) = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100)
+        for name, points in guards.items():
+            gx.plot(*zip(*points), "o-", label=name, markersize=3)
+        gx.set_xlabel("iteration")
+        gx.set_ylabel("held-out value")
+        gx.set_title("guards (never trained on)")
+        gx.grid(alpha=0.3)
+        gx.legend(loc="best", fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
     train = [(r["step"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
     evals = [(r["step"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
     if train:

@@ -7,9 +7,12 @@ Run folder contents::
     lora/pytorch_lora_weights.safetensors   final LoRA (diffusers ``load_lora_weights`` layout)
     checkpoints/iter-XXXXXX/          full trainer state (resume), verified by its manifest.json;
                                       the newest output.keep_checkpoints are kept
-    reward_curve.png                  train and eval reward against iteration
+    reward_curve.png                  train and eval reward against iteration (+ guard curves beside it)
     grid_before_after.png             fixed prompts x seeds, before | after
-    summary.json                      start/end eval figures, wall time
+    samples/iter-XXXXXX.png           the held-out evaluation's samples (output.image_every; also TensorBoard)
+    checkpoints/best-guard/           with guards: the eval LoRA of the newest evaluation every guard vouched
+                                      for (diffusers layout + guard.json; `flowrl sample --lora` takes it)
+    summary.json                      start/end eval figures, guards, wall time
 """
 
 from __future__ import annotations
@@ -25,10 +28,15 @@ import yaml
 from .checkpoint import save_checkpoint
 from .config import Config, to_dict
 from .distributed import Collective, batch_geometry, join_launch
+from .evaluation.heldout import HeldOutResult
 from .models.digits import EVAL_REPORTS
 from .outputs import (
     MetricsLogger,
+    image_grid,
+    json_row,
+    open_wandb,
     prepare_run_dir,
+    require_wandb,
     save_before_after,
     save_reward_curve,
     write_json,
@@ -108,6 +116,8 @@ class Run:
         kind = rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver)  # SAGE-GRPO's depends on its options
         batch_geometry(cfg, self.collective, kind)  # an impossible split fails before the model loads
         check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
+        if cfg.output.wandb and self.is_main:
+            require_wandb()  # enabled but not installed: one line, before the model loads
         self.out = Path(cfg.output.dir)
         if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
             raise FileExistsError(
@@ -122,6 +132,8 @@ class Run:
         policy = build_policy(cfg, trainable=True)
         self.trainer = Trainer(cfg, policy, reward, train_prompts, eval_prompts, collective=self.collective)
         self.eval_report = EVAL_REPORTS.get(cfg.model.path)  # model-specific figures, e.g. the embedded style report
+        self.heldout: HeldOutResult | None = None  # the last held-out evaluation, recorded once the row is logged
+        self.stop_reason: str | None = None  # a guard with on_trip: stop tripped
         self.collective.barrier()  # every rank checked the folder before rank 0 writes to it
 
     def _find_resume(self, path: str) -> Resume:
@@ -136,10 +148,40 @@ class Run:
         return self.trainer.sample(prompts, seeds)
 
     def _evaluate(self) -> dict[str, float]:
-        metrics = self.trainer.evaluate()
+        self.heldout = self.trainer.evaluate_heldout()
+        metrics = dict(self.heldout.metrics)
         if self.eval_report is not None:
             metrics.update({f"eval/{k}": v for k, v in self.eval_report(self.trainer.sample).items()})
         return metrics
+
+    def _record_eval(self, logger: MetricsLogger) -> None:
+        """After an evaluation's row is logged: guard warnings (and stop), the best-guard LoRA, the image grid."""
+        result, self.heldout = self.heldout, None
+        if result is None:
+            return
+        for trip in result.trips:
+            print(f"flowrl: warning: {trip.message()}", file=sys.stderr)
+            if trip.on_trip == "stop" and self.stop_reason is None:
+                self.stop_reason = trip.message()
+        if self.trainer.heldout.has_guards and result.healthy:
+            self._save_best_guard(result)
+        every = self.cfg.output.image_every
+        if every != 0 and result.iteration % (every or self.cfg.train.eval_every) == 0:
+            seeds = self.cfg.train.eval_seeds
+            rows = min(len(self.trainer.eval_prompts), GRID_MAX_PROMPTS)
+            scale = max(1, 64 // self.trainer.resolution[0])
+            logger.log_images(result.iteration, image_grid(result.images[: rows * seeds], rows, scale))
+
+    def _save_best_guard(self, result: HeldOutResult) -> None:
+        """``checkpoints/best-guard/``: the eval LoRA (diffusers layout) of an evaluation every guard vouches for."""
+        from .policy.lora import lora_state_dict
+
+        trainer = self.trainer
+        folder = self.out / "checkpoints" / "best-guard"
+        folder.mkdir(parents=True, exist_ok=True)
+        trainer.model.save_lora(folder, lora_state_dict(trainer.model.transformer, trainer.objective.eval_adapter))
+        figures = {k: v for k, v in result.metrics.items() if k.startswith(("guard/", "eval/"))}
+        write_json(folder / "guard.json", {"iteration": result.iteration, "metrics": json_row(figures)})
 
     def execute(self) -> dict[str, Any]:
         """Train, writing the run folder (rank 0); returns the summary dict (rank 0's; other ranks: no figures)."""
@@ -177,6 +219,7 @@ class Run:
             out = prepare_run_dir(self.out, self.overwrite)
             logger = self._open_logger(out, resume_step=None)
             logger.log(self.trainer.iteration, start_eval)
+            self._record_eval(logger)
         else:  # the run keeps its rows up to the checkpoint and logs no extra row
             self.out.mkdir(parents=True, exist_ok=True)
             logger = self._open_logger(self.out, resume_step=int(self.resume.state["iteration"]))
@@ -184,9 +227,12 @@ class Run:
         return logger, before, start_eval
 
     def _open_logger(self, out: Path, resume_step: int | None) -> MetricsLogger:
-        """Write the resolved config and open the metrics (cut back to ``resume_step`` on resume)."""
-        write_text_atomic(out / "config.yaml", yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
-        return MetricsLogger(out, resume_step=resume_step)
+        """Write the resolved config and open the metrics (cut back to ``resume_step`` on resume; wandb if enabled)."""
+        config = to_dict(self.cfg)
+        write_text_atomic(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        o = self.cfg.output
+        wandb_run = open_wandb(out, o.wandb_project, config, resume_step is not None) if o.wandb else None
+        return MetricsLogger(out, resume_step=resume_step, wandb_run=wandb_run)
 
     def _save_checkpoint(self) -> None:
         """Write ``checkpoints/iter-N`` (state + resolved config); keep the newest ``output.keep_checkpoints``."""
@@ -210,18 +256,25 @@ class Run:
         end_eval: dict[str, float] = {}
         while trainer.iteration < cfg.train.iterations:
             metrics = trainer.train_step()
-            done = trainer.iteration >= cfg.train.iterations or (
-                budget is not None and time.perf_counter() - t0 >= budget
+            done = (
+                trainer.iteration >= cfg.train.iterations
+                or (budget is not None and time.perf_counter() - t0 >= budget)
+                or self.stop_reason is not None  # a guard tripped at rank 0's last evaluation (several ranks)
             )
             done = self.collective.any(done) if self.collective.world_size > 1 else done  # every rank stops together
             if logger is None:  # another rank: rank 0 evaluates, logs and checkpoints
                 if done:
                     break
                 continue
-            if trainer.iteration % cfg.train.eval_every == 0 or done:
+            evaluated = trainer.iteration % cfg.train.eval_every == 0 or done
+            if evaluated:
                 end_eval = self._evaluate()
                 metrics.update(end_eval)
             logger.log(trainer.iteration, metrics)
+            if evaluated:
+                self._record_eval(logger)
+            # one process stops at the evaluation that tripped; several ranks stop together at the next iteration
+            done = done or (self.stop_reason is not None and self.collective.world_size == 1)
             if trainer.iteration % cfg.train.save_every == 0 or done:
                 self._save_checkpoint()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", s_per_it=f"{metrics['time/iteration_s']:.2f}")
@@ -255,5 +308,10 @@ class Run:
             "start": start,
             "end": end,
         }
+        if trainer.heldout.has_guards:
+            guards = trainer.heldout.tracker.summary()
+            kept = guards["kept_iteration"]
+            guards["kept_lora"] = None if kept is None else str(Path("checkpoints") / "best-guard")
+            summary["guards"] = {**guards, "stopped": self.stop_reason}
         write_json(out / "summary.json", summary)
         return summary

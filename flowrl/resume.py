@@ -8,6 +8,7 @@ the new one: only :data:`RESUMABLE_KEYS` may differ. docs/reliability.md has the
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -20,7 +21,7 @@ from .outputs import RUN_MARKERS
 CHECKPOINT_NAME = re.compile(r"iter-(\d+)")
 
 # config keys that may differ on resume: they change neither the training trajectory nor what a
-# logged metric means (docs/reliability.md); a key ending in "." covers its whole section
+# logged metric means (docs/reliability.md); a key ending in "." covers its whole section, "*" one name
 RESUMABLE_KEYS = (
     "train.iterations",
     "train.time_budget_s",
@@ -36,6 +37,9 @@ RESUMABLE_KEYS = (
     "memory.offload_vae",
     "memory.free_encoders_when_cached",
     "output.",
+    "guards.*.tolerance",  # a guard's verdict, not what it measures ("*": any guard's name)
+    "guards.*.relative",
+    "guards.*.on_trip",
 )
 
 
@@ -148,7 +152,10 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _resumable(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
+    return any(
+        key == k or (k.endswith(".") and key.startswith(k)) or ("*" in k and fnmatch.fnmatchcase(key, k))
+        for k in RESUMABLE_KEYS
+    )
 
 
 def _key_defaults() -> dict[str, Any]:
@@ -156,7 +163,7 @@ def _key_defaults() -> dict[str, Any]:
     from .config import Config, to_dict
 
     defaults = _flatten(json.loads(json.dumps(to_dict(Config()))))
-    return {k: v for k, v in defaults.items() if not k.startswith(("rewards.", "objective."))}
+    return {k: v for k, v in defaults.items() if not k.startswith(("rewards.", "objective.")) and k != "guards"}
 
 
 def check_resume_config(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:

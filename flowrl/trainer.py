@@ -26,11 +26,12 @@ from .distributed import (
     merge_totals,
     sum_gradients,
 )
+from .evaluation.heldout import HeldOutEvaluation, HeldOutResult
 from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .objectives.planning import owned_microbatch
 from .policy import Policy
-from .policy.lora import adapter_names, load_lora_state, lora_state_dict, use_adapter
+from .policy.lora import adapter_names, adapters_disabled, load_lora_state, lora_state_dict, use_adapter
 from .policy.memory import trainable_attention
 from .prompts.batch import PromptBatch, collate, sample_groups
 from .prompts.cache import PromptCache
@@ -117,6 +118,7 @@ class Trainer:
         self._scoring_process: ScoringProcess | None = None
         self.guard = UpdateGuard(cfg.train.max_skipped_updates)
         self.solrl = SolRL(self) if cfg.solrl.mode != "off" else None  # Sol-RL rollouts (flowrl/solrl/pipeline.py)
+        self.heldout = HeldOutEvaluation.from_config(cfg, eval_prompts, reward, EVAL_SEED_BASE)  # + guards, monitors
 
     def scorer(self, prompts: PromptBatch) -> RolloutScorer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""
@@ -333,15 +335,17 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def sample(self, prompts: list[Prompt], seeds: list[int]) -> Tensor:
+    def sample(self, prompts: list[Prompt], seeds: list[int], *, base: bool = False) -> Tensor:
         """ODE samples (no noise) for prompt/seed pairs with the eval adapter: images (B, 3, H, W).
 
         Sampled on ``train.eval_steps`` Euler steps (default: the rollout's ``sampler.num_steps``).
-        Evaluation is not counted in the training NFE.
+        Evaluation is not counted in the training NFE. ``base``: the base model (LoRA switched off).
         """
         batch, nfe = collate(prompts), self.model.nfe
+        transformer = self.model.transformer
+        switch = adapters_disabled(transformer) if base else use_adapter(transformer, self.objective.eval_adapter)
         try:
-            with use_adapter(self.model.transformer, self.objective.eval_adapter):
+            with switch:
                 return sample_images(
                     self.model,
                     batch.texts,
@@ -357,17 +361,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Reward of ODE samples on the eval prompts with held-out seeds."""
-        k = self.cfg.train.eval_seeds
-        prompts = [p for p in self.eval_prompts for _ in range(k)]
-        seeds = [EVAL_SEED_BASE + j for _ in self.eval_prompts for j in range(k)]
-        images = self.sample(prompts, seeds)
-        batch = collate(prompts)
-        scored = self.reward(images, batch.texts, **batch.metadata)
-        out = {"eval/reward_mean": float(scored.total.mean())}
-        for name, value in scored.components.items():
-            out[f"eval/{name}"] = float(value.float().nanmean())
-        return out
+        """Rewards, guard rewards, diversity and drift of ODE samples on the eval prompts with held-out seeds."""
+        return self.evaluate_heldout().metrics
+
+    @torch.no_grad()
+    def evaluate_heldout(self) -> HeldOutResult:
+        """The held-out evaluation (:class:`flowrl.evaluation.heldout.HeldOutEvaluation`) at this iteration."""
+        return self.heldout.run(self.sample, lambda p, s: self.sample(p, s, base=True), self.iteration)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -389,6 +389,7 @@ class Trainer:
             "objective": self.objective.state_dict(),
             "advantage": self.advantage.state_dict(),
             "guard": self.guard.state_dict(),
+            "heldout": self.heldout.state_dict(),  # reward-hacking guards' best values and trips
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -405,3 +406,4 @@ class Trainer:
         self.objective.load_state_dict(state.get("objective", {}))  # scalar state, e.g. SAGE-GRPO's beta
         self.advantage.load_state_dict(state.get("advantage", {}))  # per-prompt reward history
         self.guard.load_state_dict(state.get("guard", {}))
+        self.heldout.load_state_dict(state.get("heldout", {}))

@@ -1,0 +1,143 @@
+"""Reward-hacking guards: the tracker's trip rule, the config section, and planted degradations."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError, load_config
+from flowrl.evaluation.guard_rewards import GuardSpec, GuardTracker, parse_guards
+from flowrl.evaluation.heldout import HeldOutEvaluation
+from flowrl.prompts.files import Prompt
+from flowrl.rewards import build_multi_reward
+
+
+def test_trips_only_when_guard_falls_past_tolerance_while_reward_rises():
+    tracker = GuardTracker([GuardSpec("g", tolerance=0.1)])
+    assert tracker.update(0, {"g": 0.9}, reward=0.2) == ([], True)
+    assert tracker.update(10, {"g": 0.85}, reward=0.3) == ([], True)  # within tolerance
+    trips, healthy = tracker.update(20, {"g": 0.79}, reward=0.1)  # fell, but the reward fell too: not hacking
+    assert trips == [] and not healthy
+    trips, healthy = tracker.update(30, {"g": 0.7}, reward=0.5)
+    assert [(t.name, t.best, t.best_iteration, t.value, t.iteration) for t in trips] == [("g", 0.9, 0, 0.7, 30)]
+    assert "guard 'g' fell from its best 0.9 (iteration 0) to 0.7 at iteration 30" in trips[0].message()
+    assert tracker.update(40, {"g": 0.6}, reward=0.6)[0] == []  # still tripped: warned once
+    assert tracker.update(50, {"g": 0.88}, reward=0.6) == ([], True)  # recovered
+    assert len(tracker.update(60, {"g": 0.5}, reward=0.7)[0]) == 1  # trips again
+    assert tracker.kept_iteration == 50 and len(tracker.trips) == 2
+
+
+def test_relative_tolerance_and_nan_skipped():
+    spec = GuardSpec("d", tolerance=0.2, relative=True)
+    assert spec.allowed_fall(0.5) == pytest.approx(0.1)
+    tracker = GuardTracker([spec])
+    tracker.update(0, {"d": 0.5}, reward=0.0)
+    assert tracker.update(1, {"d": 0.41}, reward=1.0) == ([], True)
+    assert tracker.update(2, {"d": math.nan}, reward=1.0) == ([], True)  # not measured: no verdict
+    assert len(tracker.update(3, {"d": 0.39}, reward=1.0)[0]) == 1
+
+
+def test_state_round_trip():
+    tracker = GuardTracker([GuardSpec("g", 0.05, on_trip="stop")])
+    tracker.update(0, {"g": 1.0}, 0.0)
+    tracker.update(5, {"g": 0.5}, 1.0)
+    again = GuardTracker([GuardSpec("g", 0.05, on_trip="stop")])
+    again.load_state_dict(tracker.state_dict())
+    assert again.state_dict() == tracker.state_dict() and again.tripped == {"g"}
+    assert again.update(6, {"g": 0.4}, 2.0)[0] == []  # already tripped before the resume: no second warning
+
+
+def test_parse_guards_splits_guard_keys_from_reward_options():
+    specs = parse_guards(
+        {"digit_correctness": {"tolerance": 0.05, "on_trip": "stop"}, "diversity": {"tolerance": 0.2, "relative": True}}
+    )
+    assert specs[0] == GuardSpec("digit_correctness", 0.05, False, "stop", {})
+    assert specs[1].is_monitor and specs[1].relative
+    assert parse_guards({"bright": {"reward": "ink", "target": "bold"}})[0].options == {
+        "reward": "ink",
+        "target": "bold",
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("guards.ink.tolerance=0.1", "'guards.ink' is also a trained reward"),
+        ("guards.g.tolerance=-1", "'guards.g.tolerance' must be >= 0"),
+        ("guards.g.on_trip=halt", "'guards.g.on_trip' must be one of 'warn', 'stop'"),
+        ("guards.g.weight=1", "'guards.g.weight' has no meaning"),
+        ("guards.diversity.target=bold", "'guards.diversity' is a monitor"),
+        ("output.image_every=3", "'output.image_every' (3) must be a multiple of 'train.eval_every' (10)"),
+    ],
+)
+def test_config_refuses_bad_guards(override, message):
+    with pytest.raises(ConfigError, match="^default config \\+ command line: ") as err:
+        load_config(None, ["rewards.ink.target=prompt", override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_diversity_guard_needs_two_seeds():
+    with pytest.raises(ConfigError, match="guards.diversity needs 'train.eval_seeds' >= 2"):
+        load_config(None, ["guards.diversity.tolerance=0.2", "train.eval_seeds=1"])
+
+
+# -- planted degradations on the held-out evaluation (real rewards, images made to degrade) ---------------
+
+
+PROMPTS = [Prompt("a bold 3", {}), Prompt("a thin 7", {})]
+
+
+def _digits_like(seed: int, n: int) -> torch.Tensor:
+    """(n, 3, 8, 8) sparse bright strokes on black, different per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(n, 1, 8, 8, generator=gen) > 0.6).float()
+    return mask.expand(n, 3, 8, 8) * 0.9
+
+
+def _evaluation(guards):
+    trained = build_multi_reward({"ink": {"target": "thin"}})
+    specs = parse_guards(guards)
+    scored = {s.name: s.options for s in specs if not s.is_monitor}
+    guard_reward = build_multi_reward(scored) if scored else None
+    return HeldOutEvaluation(PROMPTS, 3, 1000, trained, specs, guard_reward)
+
+
+def _sampler(transform):
+    def sample(prompts, seeds):
+        return transform(torch.cat([_digits_like(s, 1) for s in seeds]))
+
+    return sample
+
+
+def test_healthy_run_does_not_trip_and_reads_no_drift():
+    ev = _evaluation({"bright": {"reward": "ink", "target": "bold", "tolerance": 0.02}, "diversity": {}})
+    same = _sampler(lambda x: x)
+    for it in range(3):
+        result = ev.run(same, same, it)
+        assert result.trips == [] and result.healthy
+    assert result.metrics["eval/drift"] == 0.0 and result.metrics["eval/diversity_ratio"] == pytest.approx(1.0)
+    assert result.metrics["guard/bright"] == result.metrics["guard/bright_best"]
+    assert ev.tracker.kept_iteration == 2
+
+
+def test_black_images_trip_the_brightness_guard():
+    ev = _evaluation({"bright": {"reward": "ink", "target": "bold", "tolerance": 0.02, "on_trip": "stop"}})
+    base = _sampler(lambda x: x)
+    assert ev.run(base, base, 0).trips == []
+    fading = ev.run(_sampler(lambda x: x * 0.3), base, 10)  # the "thin" reward rises by dimming the strokes
+    assert fading.metrics["eval/reward_mean"] > ev.tracker.best["bright"].reward
+    assert [t.name for t in fading.trips] == ["bright"] and fading.trips[0].on_trip == "stop"
+    assert fading.metrics["eval/drift"] > 0.1 and not fading.healthy
+    assert ev.tracker.kept_iteration == 0  # the base evaluation is the last one every guard vouched for
+
+
+def test_collapsed_samples_trip_the_diversity_guard():
+    ev = _evaluation({"diversity": {"tolerance": 0.5, "relative": True}})
+    base = _sampler(lambda x: x)
+    ev.run(base, base, 0)
+
+    def collapsed(prompts, seeds):  # every seed gives the same, slightly dimmer image (reward up)
+        return _digits_like(0, 1).expand(len(seeds), -1, -1, -1) * 0.8
+
+    result = ev.run(collapsed, base, 5)
+    assert result.metrics["eval/diversity"] == 0.0 and [t.name for t in result.trips] == ["diversity"]

@@ -1,0 +1,104 @@
+"""The Sol-RL two-stage pipeline in the training loop, on the embedded digits model."""
+
+from __future__ import annotations
+
+import torch
+from solrl_setup import small_config, small_trainer
+
+import flowrl.rollouts.collect as collect_module
+import flowrl.solrl.pipeline as pipeline
+from flowrl.policy.precision import build_explore
+from flowrl.prompts.batch import sample_groups
+from flowrl.runtime import seeded_noise
+from flowrl.solrl.seeds import candidate_seeds
+from flowrl.solrl.selection import select_seeds
+
+
+def _record(monkeypatch, module, name):
+    """Wrap ``module.name`` so every call's positional arguments and result are recorded."""
+    calls = []
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def test_candidate_seeds_are_a_function_of_seed_iteration_and_position():
+    a = candidate_seeds(7, 3, 2, 6)
+    assert a.shape == (2, 6) and a.dtype == torch.int64
+    assert torch.equal(a, candidate_seeds(7, 3, 2, 6))
+    assert torch.equal(candidate_seeds(7, 3, 5, 6)[:2], a)  # more prompts: the first rows are unchanged
+    assert not torch.equal(candidate_seeds(7, 4, 2, 6), a) and not torch.equal(candidate_seeds(8, 3, 2, 6), a)
+    assert len(set(a.reshape(-1).tolist())) == 12
+
+
+def test_stage_two_regenerates_the_selected_seeds_from_the_stage_one_noise(monkeypatch):
+    trainer = small_trainer(small_config("solrl.selection=max_variance"))
+    explored = _record(monkeypatch, pipeline, "chunked_solve")
+    regenerated = _record(monkeypatch, collect_module, "chunked_solve")
+    stage1 = _record(monkeypatch, trainer.solrl, "explore_stage")
+    chosen = _record(monkeypatch, trainer.solrl, "select")
+    metrics = trainer.train_step()
+
+    (args1, kwargs1, _), (args2, _, _) = explored[0], regenerated[0]
+    noise1, noise2 = args1[2], args2[2]  # chunked_solve(model, cond, x_init, sigmas, ...)
+    assert len(args1[3]) == 2 + 1 and len(args2[3]) == 3 + 1  # explore steps, then the full step count
+    assert kwargs1["solver"] == "dpmpp_2m"
+    rows = chosen[0][2]  # (P, K) candidate indices
+    p, k, n = rows.shape[0], rows.shape[1], 6
+    assert (p, k) == (2, 4) and noise1.shape[0] == p * n and noise2.shape[0] == p * k
+    flat = (torch.arange(p)[:, None] * n + rows).reshape(-1)
+    assert torch.equal(noise2, noise1[flat])  # bit for bit: the same initial noise
+    seeds = stage1[0][2].seeds
+    kept = torch.gather(seeds, 1, rows).reshape(-1).tolist()
+    assert torch.equal(noise2.cpu(), seeded_noise(trainer.latent_shape, kept))
+    # the selection rule was applied to each prompt's stage-1 rewards
+    rewards = stage1[0][2].rewards
+    for prompt in range(p):
+        assert torch.equal(rows[prompt], select_seeds(rewards[prompt], k, "max_variance"))
+    assert {"solrl/kendall_tau", "solrl/extreme_overlap", "solrl/explore_candidates_per_s"} <= set(metrics)
+    assert metrics["solrl/explore_candidates_per_s"] > 0 and metrics["train/skipped_updates"] == 0.0
+
+
+def test_stage_two_batch_rows_are_the_selected_candidates_in_prompt_order(monkeypatch):
+    """Row r of the trained batch is prompt r // K's candidate ``chosen[r // K, r % K]``.
+
+    With a fresh LoRA (B = 0) the fp32 merged explore copy computes what the policy computes, so with the
+    same solver and step count each regenerated seed's reward equals its explored reward: a wrong row
+    mapping would pair different seeds and different images.
+    """
+    trainer = small_trainer(small_config("solrl.precision=fp32", "solrl.explore_steps=3"))
+    chosen = _record(monkeypatch, trainer.solrl, "select")
+    stage1 = _record(monkeypatch, trainer.solrl, "explore_stage")
+    state = trainer.generator.get_state()
+    batch, info = trainer.collect()
+    prompts = sample_groups(trainer.train_prompts, 2, 4, torch.Generator().set_state(state))
+    assert batch.prompts == prompts.texts and torch.equal(batch.group_ids, prompts.group_ids)
+    rows = chosen[0][2]
+    explored = torch.gather(stage1[0][2].rewards, 1, rows).reshape(-1)
+    assert torch.allclose(batch.rewards.double(), explored, atol=1e-4)
+    assert len(set(explored.tolist())) > 4  # distinct seeds, distinct rewards: the match is not trivial
+    assert float(info["solrl/extreme_overlap"]) == 1.0
+
+
+def test_the_explore_copy_is_refreshed_from_the_trained_weights_every_iteration():
+    trainer = small_trainer(small_config("solrl.precision=fp32"))
+    explore = trainer.solrl.explore
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in explore.module.state_dict().items()}
+
+    trainer.train_step()  # updates the LoRA and (DiffusionNFT) soft-updates the sampling adapter "old"
+    stale = weights()
+    fresh = build_explore(trainer.policy, "fp32", adapter=trainer.objective.sampling_adapter)
+    assert any(not torch.equal(stale[k], v) for k, v in fresh.module.state_dict().items())
+    trainer.train_step()  # the second iteration explores with the refreshed copy
+    fresh_before_update = fresh.module.state_dict()
+    now = weights()
+    assert all(torch.equal(now[k], v) for k, v in fresh_before_update.items())
+    assert not any(p.requires_grad for p in explore.module.parameters())

@@ -49,7 +49,7 @@ BLUR_SIGMAS = (1.0, 2.0)  # the two gradient scales
 MIN_CONTRAST = 0.08  # a contrast below this is not stretched (blank images stay blank)
 NO_CONTRAST = 0.02  # at or below this contrast the reader sees nothing: uniform probabilities
 HIDDEN = 256
-SKELETON_THRESHOLDS = (0.2, 0.3, 0.4)  # training skeletons: three ways to binarise each digit
+SKELETON_THRESHOLDS = (0.2, 0.35, 0.55)  # training skeletons: three ways to binarise each digit
 
 
 def default_weights_path() -> Path:

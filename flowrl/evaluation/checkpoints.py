@@ -12,6 +12,7 @@ and ``flowrl demo`` all sample through here.
 from __future__ import annotations
 
 import copy
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,25 @@ def read_run_config(run_dir: str | Path) -> Config:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no {RUN_CONFIG}); pass a folder `flowrl train` wrote")
-    return load_config(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    if "guards" not in raw or "guards" in _config_sections():
+        return load_config(path)
+    # a config without a ``guards`` section of its own: the guards are read by run_guards, the rest validated
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_path = Path(tmp) / RUN_CONFIG
+        copy_path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "guards"}, sort_keys=False))
+        try:
+            return load_config(copy_path)
+        except ValueError as err:
+            raise ValueError(str(err).replace(str(copy_path), str(path))) from None
+
+
+def _config_sections() -> set[str]:
+    import dataclasses
+
+    from ..config import Config
+
+    return {f.name for f in dataclasses.fields(Config)}
 
 
 def run_guards(run_dir: str | Path) -> dict[str, dict[str, Any]]:

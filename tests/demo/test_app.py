@@ -1,0 +1,146 @@
+"""The demo without a browser: the app builds without launching, path checks, comparisons, one model per base."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from run_folders import make_run
+
+from flowrl.demo.app import DemoState, build_app
+from flowrl.demo.registry import RunRegistry
+from flowrl.evaluation.checkpoints import CheckpointBank, read_run_config
+from flowrl.evaluation.table import markdown_table, table_cells
+
+FORM = ("a bold handwritten 3", "0-2", "ode", 4, 1.0, 0.7)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    make_run(root / "run-a", seed=1)
+    make_run(root / "run-b", seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def state(runs):
+    return DemoState(RunRegistry([runs]), CheckpointBank())
+
+
+def test_the_app_builds_without_launching(runs):
+    import gradio as gr
+
+    app = build_app(RunRegistry([runs]))
+    assert isinstance(app, gr.Blocks)
+    ids = {getattr(block, "elem_id", None) for block in app.blocks.values()}
+    assert {"prompt", "seeds", "sampler", "steps", "generate", "grid", "table", "checkpoints", "curves"} <= ids
+    assert not app.is_running
+
+
+def test_runs_are_found_and_base_comes_first(runs):
+    registry = RunRegistry([runs])
+    assert registry.labels == ["base", "run-a", "run-b"]
+    assert RunRegistry([runs / "run-a"]).labels == ["base", "run-a"]
+
+
+def test_no_argument_serves_the_embedded_model_and_the_default_runs_folder(tmp_path, monkeypatch, runs):
+    monkeypatch.chdir(tmp_path)
+    assert RunRegistry().labels == ["base"]  # no runs/ yet: the embedded model alone
+    (tmp_path / "runs").mkdir()
+    os.symlink(runs / "run-a", tmp_path / "runs" / "digits")
+    registry = RunRegistry()
+    assert registry.labels == ["base", "digits"]
+    assert registry.checkpoints["base"].model_path == "flowrl-digits"
+
+
+@pytest.mark.parametrize("path", ["..", "../..", "/etc", "run-a/../../..", "/tmp", "\x00"])
+def test_paths_outside_the_start_folders_are_refused(runs, path):
+    registry = RunRegistry([runs / "run-a"])
+    with pytest.raises(ValueError, match="outside the folders|enter a path"):
+        registry.add(path)
+    assert registry.labels == ["base", "run-a"]
+
+
+def test_a_symlink_out_of_the_start_folder_is_refused(runs, tmp_path):
+    inside = tmp_path / "start"
+    inside.mkdir()
+    os.symlink(runs / "run-b", inside / "escape")
+    registry = RunRegistry([inside])
+    with pytest.raises(ValueError, match="outside the folders"):
+        registry.add("escape")
+
+
+def test_a_run_under_the_start_folder_can_be_added(runs):
+    registry = RunRegistry([runs])
+    with pytest.raises(ValueError, match="no finished run"):
+        registry.add(str(runs / "run-a" / "lora"))
+    assert registry.add(str(runs / "run-a")) == ["run-a"]
+
+
+def test_a_comparison_samples_the_same_seeds_for_every_checkpoint(state, runs):
+    configured = set(read_run_config(runs / "run-a").rewards)
+    comparison = state.compare(*FORM, ["base", "run-a", "run-b"], None)
+    assert comparison.labels == ["base", "run-a", "run-b"] and comparison.seeds == (0, 1, 2)
+    for label in comparison.labels:
+        assert comparison.images[label].shape == (3, 3, 8, 8)
+        assert set(comparison.scores[label]) == {"total", *configured}
+        assert torch.isfinite(comparison.scores[label]["total"]).all()
+    assert not torch.equal(comparison.images["base"], comparison.images["run-a"])
+    rows = {f.label: f for f in comparison.figures}
+    assert rows["base"].drift is None and rows["run-a"].drift.mean > 0
+    headers, cells = table_cells(comparison.figures)
+    assert headers[:2] == ["checkpoint", "reward total"] and [c[0] for c in cells] == comparison.labels
+    assert "| run-a |" in markdown_table(comparison.figures)  # the same figures flowrl eval writes
+    items = state.gallery_items(comparison)
+    assert len(items) == 9 and "seed 0" in items[0][1] and "total" in items[0][1]
+
+
+def test_checkpoints_share_one_model_as_named_adapters_and_match_flowrl_sample(state, runs):
+    from flowrl.policy import build_policy
+    from flowrl.rollouts.chunked import sample_images
+
+    comparison = state.compare(*FORM, ["run-a", "run-b", "base"], None)
+    assert len(state.bank._models) == 1  # one base model for both runs
+    transformer = state.bank._models["flowrl-digits"].transformer
+    assert len(transformer.peft_config) == 2  # one named adapter per checkpoint, switched
+    cfg = read_run_config(runs / "run-a")
+    policy = build_policy(cfg, lora=runs / "run-a")  # what `flowrl sample --lora` builds
+    with torch.no_grad():
+        expected = sample_images(policy.model, [FORM[0]] * 3, [0, 1, 2], policy.sigmas(4), resolution=policy.resolution)
+    torch.testing.assert_close(comparison.images["run-a"], expected, atol=1e-5, rtol=0)
+
+
+def test_an_sde_sampler_is_reproducible_per_seed(state):
+    one = state.compare("a thin handwritten 7", "4, 5", "flow", 4, 1.0, 0.7, ["run-a"], None)
+    two = state.compare("a thin handwritten 7", "5", "flow", 4, 1.0, 0.7, ["run-a"], None)
+    ode = state.compare("a thin handwritten 7", "5", "ode", 4, 1.0, 0.7, ["run-a"], None)
+    torch.testing.assert_close(one.images["run-a"][1:], two.images["run-a"], atol=1e-6, rtol=0)
+    assert not torch.allclose(two.images["run-a"], ode.images["run-a"])
+
+
+def test_a_reward_that_cannot_read_the_prompt_is_reported_not_fatal(state):
+    comparison = state.compare(
+        "a bold handwritten digit", "0, 1", "ode", 4, 1.0, 0.7, ["base"], ["ink", "digit_correctness"]
+    )
+    assert any(e.startswith("digit_correctness") for e in comparison.errors)  # no digit in the prompt
+    assert torch.isfinite(comparison.scores["base"]["ink"]).all()
+    assert torch.isnan(comparison.scores["base"]["total"]).all()
+
+
+def test_bad_input_raises_one_line(state):
+    with pytest.raises(ValueError, match="steps must be an integer between 1 and"):
+        state.compare("a bold handwritten 3", "0", "ode", 0, 1.0, 0.7, ["base"], None)
+
+
+@pytest.mark.slow
+def test_a_run_with_an_ema_checkpoint_offers_trained_and_ema(tmp_path):
+    run = make_run(tmp_path / "nft", seed=3, config="configs/nft/digits_fast.yaml")
+    registry = RunRegistry([run])
+    assert registry.labels == ["base", "nft", "nft · trained", "nft · ema"]
+    state = DemoState(registry, CheckpointBank())
+    comparison = state.compare(*FORM, registry.labels, None)
+    images = comparison.images
+    assert not torch.allclose(images["nft · trained"], images["nft · ema"])
+    torch.testing.assert_close(images["nft"], images["nft · ema"], atol=1e-5, rtol=0)  # the run ships its EMA

@@ -169,7 +169,7 @@ def validate_advantage(section: AdvantageConfig, group_size: int, where: str) ->
 
 def _default_objective() -> dict[str, Any]:
     # the objective's own dataclass holds its defaults; the embedded job adds a KL guard
-    return {"name": "flow_grpo", "kl_beta": 0.04}
+    return {"name": "flow_grpo", "kl_beta": 0.004}  # per-step kernel KL: 0.04 on s^2 before (docs/alignment.md)
 
 
 @dataclass
@@ -184,6 +184,7 @@ class MemoryConfig:
     offload_vae: bool = False  # VAE on the CPU outside decoding
     free_encoders_when_cached: bool = False  # encode every train/eval prompt once, then drop the encoders
     attention_backend: Literal["sdpa", "xformers"] = "sdpa"  # xformers: CUDA + `pip install xformers`
+    compile: Literal["none", "default", "reduce-overhead", "max-autotune"] = "none"  # torch.compile the denoiser
 
 
 @dataclass

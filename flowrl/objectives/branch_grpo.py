@@ -29,7 +29,7 @@ from ..policy.lora import adapters_disabled
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
 from .base import Objective, RolloutBatch, check_ranges
-from .flow_grpo import clipped_policy_loss, gaussian_mean_kl, kl_scale
+from .flow_grpo import check_ratio_norm, policy_terms, transition_kl
 from .planning import EdgeMicrobatch, chunk_children, plan_tree_edges
 
 
@@ -39,13 +39,16 @@ class BranchGRPO(Objective):
 
     Args:
         clip_range: PPO epsilon (1e-3).
-        kl_beta: weight of the KL to the base model (0: the reference has none).
+        kl_beta: weight of the KL between the per-step kernels of theta and the base model (0: the
+            reference has none); the same meaning for every ``sampler.sde`` (docs/alignment.md).
         updates_per_iteration: optimizer steps per iteration.
+        ratio_norm: GRPO-Guard's ratio normalisation (off; :func:`flowrl.objectives.flow_grpo.guard_log_ratio`).
     """
 
     clip_range: float = 1e-3
     kl_beta: float = 0.0
     updates_per_iteration: int = 1
+    ratio_norm: bool = False
     name: str = "branch_grpo"
     rollout = "tree"
 
@@ -56,6 +59,7 @@ class BranchGRPO(Objective):
             "updates_per_iteration": self.updates_per_iteration >= 1,
         }
         check_ranges(checks, self, "flowrl/objectives/branch_grpo.py")
+        check_ratio_norm(self.ratio_norm, self.updates_per_iteration, self.name)
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[EdgeMicrobatch]]:
         """Every (step, frontier chunk) with a trained edge once, in random order."""
@@ -74,7 +78,10 @@ class BranchGRPO(Objective):
         x_next = tr.nodes[t + 1][children]
         step = branch_step(step_fn, x[local], v[local], sigma, sigma_next, level, scale, prev_sample=x_next)
         old = tr.log_probs[t][children]
-        per_edge, ratio = clipped_policy_loss(step.log_prob, old, tb.advantages[t][children], self.clip_range)
+        old_mean = step.mean.detach() if self.ratio_norm else None  # theta is the rollout policy (one update)
+        per_edge, ratio = policy_terms(
+            step, old, old_mean, tb.advantages[t][children], self.clip_range, sigma - sigma_next
+        )
         loss = per_edge.sum() * mb.weight
         stats = {
             "ratio": float(ratio.detach().mean()),
@@ -86,8 +93,7 @@ class BranchGRPO(Objective):
             with torch.no_grad(), adapters_disabled(model.transformer):
                 v_ref = model.velocity(x, tr.sigmas[t].float().expand(len(parents)), cond)
             ref = branch_step(step_fn, x[local], v_ref[local], sigma, sigma_next, level, scale, prev_sample=x_next)
-            s = kl_scale(tr.sde, step, sigma, sigma_next, level)
-            kl = gaussian_mean_kl(step.mean, ref.mean, s).sum() * mb.weight
+            kl = transition_kl(step.mean, ref.mean, step.std).sum() * mb.weight
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return loss, stats

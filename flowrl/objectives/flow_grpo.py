@@ -4,11 +4,22 @@ For a stored transition x_j -> x_{j+1} of sample i:
 
     rho   = exp(log p_theta(x_{j+1} | x_j) - log p_old(x_{j+1} | x_j))
     L_pg  = mean_i max(-A_i rho, -A_i clip(rho, 1 - eps, 1 + eps))
-    KL    = mean_elements (mu_theta - mu_ref)^2 / (2 s_j^2)       (reference = LoRA switched off)
+    KL    = mean_elements (mu_theta - mu_ref)^2 / (2 std_j^2)     (reference = LoRA switched off)
     L     = L_pg + beta * KL
+
+``std_j`` is the step's transition std (``s_j sqrt(sigma_j - sigma_{j+1})`` for the Flow-SDE), so
+KL is the KL between the two per-step Gaussian kernels and ``kl_beta`` means the same for every
+``sampler.sde``. The reference SD3 trainer divides by ``s_j^2`` instead (a KL ``|dt|`` times
+smaller): its ``beta`` equals flowrl's ``kl_beta / |dt|`` (docs/alignment.md).
+
+With ``ratio_norm`` (GRPO-Guard's RatioNorm) the ratio is taken on a step-independent scale,
+``rho' = exp(c [log p_theta - log p_old + mean (mu_theta - mu_old)^2 / (2 c^2)])`` with ``c = std_j``,
+and the step's policy loss is divided by ``sigma_j - sigma_{j+1}``.
 
 References:
     Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL", 2025.
+    Wang et al., "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via
+    Regulated Clipping", 2025 (yifan123/flow_grpo ``scripts/train_sd3_GRPO_Guard.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +31,6 @@ from torch import Tensor
 
 from ..models.adapter import ModelAdapter, select_cond
 from ..policy.lora import adapters_disabled
-from ..samplers.flow_sde import flow_sde_diffusion
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.types import SDEStep
 from .base import Microbatch, Objective, RolloutBatch, check_ranges
@@ -53,15 +63,82 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, s: Tensor) -> Tensor:
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * s.reshape(-1) ** 2)
 
 
-def kl_scale(sde: str, step: SDEStep, sigma: Tensor, sigma_next: Tensor, level: float) -> Tensor:
-    """The std in the KL denominator, shape (b, 1).
+def transition_kl(mean: Tensor, other: Tensor, std: Tensor) -> Tensor:
+    """Closed-form ``KL(N(mean, std^2) || N(other, std^2))`` of two per-step kernels, averaged over elements.
 
-    Flow-GRPO's diffusion ``s`` for the Flow-SDE (as the reference computes it), the transition std
-    for every other SDE step.
+    The same for every SDE step: ``std`` is the step's own transition std (``SDEStep.std``).
+
+    Args:
+        mean: (b, ...) transition mean of the trained policy.
+        other: (b, ...) transition mean of the other policy (reference, anchor, rollout).
+        std: (b, 1, ..., 1) or (b,) the step's transition std.
+
+    Returns:
+        (b,) KL; 0 where the step is deterministic (std 0).
     """
-    if sde == "flow":
-        return flow_sde_diffusion(sigma.view(-1, 1), sigma_next.view(-1, 1), level).to(step.mean.device)
-    return step.std.reshape(len(sigma), 1)
+    std = std.reshape(-1)
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    return torch.where(std > 0, gaussian_mean_kl(mean, other, safe), torch.zeros_like(safe))
+
+
+def guard_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    """GRPO-Guard's normalised log-ratio ``c [(log p - log p_old) + mean (mu - mu_old)^2 / (2 c^2)]``, ``c = std``.
+
+    With log-probs averaged over elements (``reduce="mean"``) and ``x' = mu_old + c z`` this is
+    ``mean((mu - mu_old) z)``: the mean-shift bias of the log-ratio removed, on a scale that does not
+    depend on the step's noise.
+
+    Args:
+        log_prob: (b,) log-density of the stored transitions under theta (mean over elements).
+        old_log_prob: (b,) the same under the rollout policy.
+        mean: (b, ...) theta's transition mean.
+        old_mean: (b, ...) the rollout policy's transition mean.
+        std: (b, 1, ..., 1) the step's transition std (> 0).
+
+    Returns:
+        (b,) the normalised log-ratio (``exp`` of it is RatioNorm's ratio).
+    """
+    c = std.reshape(-1)
+    dims = tuple(range(1, mean.ndim))
+    bias = ((mean - old_mean) ** 2).mean(dim=dims) / (2 * c**2)
+    return c * (log_prob - old_log_prob + bias)
+
+
+def policy_terms(
+    step: SDEStep, old_log_prob: Tensor, old_mean: Tensor | None, advantages: Tensor, clip_range: float, dt: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-sample clipped loss and ratio, plain or with GRPO-Guard's RatioNorm.
+
+    Args:
+        step: the recomputed step (log_prob (b,), mean, std).
+        old_log_prob: (b,) rollout-time log-density.
+        old_mean: (b, ...) the rollout policy's mean for RatioNorm; None = the plain ratio.
+        advantages: (b,) advantages.
+        clip_range: epsilon.
+        dt: (b,) ``sigma - sigma_next`` (> 0); RatioNorm divides each sample's loss by it.
+
+    Returns:
+        (loss (b,), ratio (b,)).
+    """
+    if old_mean is None:
+        return clipped_policy_loss(step.log_prob, old_log_prob, advantages, clip_range)
+    log_ratio = guard_log_ratio(step.log_prob, old_log_prob, step.mean, old_mean, step.std)
+    loss, ratio = clipped_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_range)
+    return loss / dt.reshape(-1), ratio
+
+
+def check_ratio_norm(ratio_norm: bool, updates_per_iteration: int, where: str) -> None:
+    """RatioNorm reads the rollout policy's means from theta, which holds only with one update per iteration.
+
+    Raises:
+        ValueError: ratio_norm with several updates per iteration (one line: the fix).
+    """
+    if ratio_norm and updates_per_iteration > 1:
+        raise ValueError(
+            f"{where}: objective.ratio_norm needs the rollout policy's means, which are theta's only with "
+            f"objective.updates_per_iteration=1 (got {updates_per_iteration}); set it to 1, or use "
+            "objective.name=sage_grpo, which keeps a frozen copy of the rollout policy"
+        )
 
 
 @dataclass
@@ -70,13 +147,16 @@ class FlowGRPO(Objective):
 
     Args:
         clip_range: PPO epsilon (reference default 1e-4).
-        kl_beta: weight of the KL to the base model (0 disables the reference pass).
+        kl_beta: weight of the KL between the per-step kernels of theta and the base model (0 disables the
+            reference pass); the reference SD3 trainer's beta is ``kl_beta / |dt|`` (docs/alignment.md).
         updates_per_iteration: optimizer steps per iteration (the reference does 2).
+        ratio_norm: GRPO-Guard's ratio normalisation (off); needs ``updates_per_iteration = 1``.
     """
 
     clip_range: float = 1e-4
     kl_beta: float = 0.0
     updates_per_iteration: int = 1
+    ratio_norm: bool = False
     name: str = "flow_grpo"
     rollout = "sde"
 
@@ -87,6 +167,7 @@ class FlowGRPO(Objective):
             "updates_per_iteration": self.updates_per_iteration >= 1,
         }
         check_ranges(checks, self, "flowrl/objectives/flow_grpo.py")
+        check_ratio_norm(self.ratio_norm, self.updates_per_iteration, self.name)
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""
@@ -103,8 +184,9 @@ class FlowGRPO(Objective):
         step_fn = get_sde_step(traj.sde)  # the step that drew x_next, so the ratio starts at 1
         step = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
         keep = batch.keep[idx].float()
-        per_sample, ratio = clipped_policy_loss(
-            step.log_prob, traj.log_probs[idx, j], batch.advantages[idx], self.clip_range
+        old_mean = step.mean.detach() if self.ratio_norm else None  # theta is the rollout policy (one update)
+        per_sample, ratio = policy_terms(
+            step, traj.log_probs[idx, j], old_mean, batch.advantages[idx], self.clip_range, sigma - sigma_next
         )
         denom = keep.sum().clamp(min=1.0)
         loss = (per_sample * keep).sum() / denom
@@ -116,8 +198,7 @@ class FlowGRPO(Objective):
         if self.kl_beta > 0:
             with torch.no_grad(), adapters_disabled(model.transformer):
                 ref = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
-            s = kl_scale(traj.sde, step, sigma, sigma_next, level)
-            kl = (gaussian_mean_kl(step.mean, ref.mean, s) * keep).sum() / denom
+            kl = (transition_kl(step.mean, ref.mean, step.std) * keep).sum() / denom
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return loss, stats

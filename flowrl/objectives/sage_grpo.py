@@ -52,7 +52,7 @@ from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
 from ..samplers.types import SDEStep
 from .base import Microbatch, Objective, RolloutBatch, check_ranges
-from .flow_grpo import clipped_policy_loss, gaussian_mean_kl
+from .flow_grpo import policy_terms, transition_kl
 from .planning import EdgeMicrobatch, chunk_children, plan_transitions, plan_tree_edges
 
 ANCHOR = "anchor"
@@ -118,13 +118,6 @@ def adapt_kl_weight(beta: float, kl: float, target: float, rate: float, lo: floa
     """``clamp(beta (1 + clip(kl / target - 1, -rate, rate)), lo, hi)``: up when kl > target."""
     error = min(max(kl / target - 1.0, -rate), rate)
     return min(max(beta * (1.0 + error), lo), hi)
-
-
-def transition_kl(mean: Tensor, other: Tensor, std: Tensor) -> Tensor:
-    """Closed-form ``KL(N(mean, s^2) || N(other, s^2))`` averaged over elements: (b,); 0 where s = 0."""
-    std = std.reshape(-1)
-    safe = torch.where(std > 0, std, torch.ones_like(std))
-    return torch.where(std > 0, gaussian_mean_kl(mean, other, safe), torch.zeros_like(safe))
 
 
 class Edges(NamedTuple):
@@ -221,6 +214,8 @@ class SageGRPO(Objective):
         updates_per_iteration: optimizer steps per iteration.
         tree: train on branching tree rollouts (``sampler.tree``), one loss term per edge with
             BranchGRPO's depth-wise advantages and edge weighting, instead of flat trajectories.
+        ratio_norm: GRPO-Guard's ratio normalisation (off; :func:`flowrl.objectives.flow_grpo.guard_log_ratio`);
+            later updates of an iteration read ``mu_old`` from the frozen "rollout" adapter.
     """
 
     clip_range: float = 1e-4
@@ -235,6 +230,7 @@ class SageGRPO(Objective):
     kl_rate: float = 0.2
     updates_per_iteration: int = 1
     tree: bool = False
+    ratio_norm: bool = False
     name: str = "sage_grpo"
 
     def __post_init__(self) -> None:
@@ -265,7 +261,7 @@ class SageGRPO(Objective):
     @property
     def uses_rollout_adapter(self) -> bool:
         """A frozen copy of the rollout policy is needed only when theta moves within an iteration."""
-        return self.updates_per_iteration > 1 and self.step_kl_weight > 0
+        return self.updates_per_iteration > 1 and (self.step_kl_weight > 0 or self.ratio_norm)
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "anchor" adapter (K > 0) and the "rollout" adapter (several updates per iteration)."""
@@ -315,15 +311,18 @@ class SageGRPO(Objective):
             return branch_step(step_fn, x, v, sigma, sigma_next, level, edges.noise_scale, prev_sample=edges.x_next)
 
         step = recompute()
-        per_edge, ratio = clipped_policy_loss(step.log_prob, edges.old_log_prob, edges.advantages, self.clip_range)
+        rollout_adapter = ROLLOUT if self.iteration_updates > 0 else "current"
+        old_mean = self._other_mean(rollout_adapter, step, recompute) if self.ratio_norm else None
+        per_edge, ratio = policy_terms(
+            step, edges.old_log_prob, old_mean, edges.advantages, self.clip_range, sigma - sigma_next
+        )
         scale = self.step_scale(edges.sde, edges.sigmas, edges.levels, edges.noise_scales, edges.step)
         policy = scale * (per_edge * edges.weights).sum()
         anchor_mean = self._other_mean(self._anchor_adapter(), step, recompute)
         kl_anchor = (transition_kl(step.mean, anchor_mean, step.std) * edges.weights).sum()
         kl_step = torch.zeros((), dtype=policy.dtype)
         if self.step_kl_weight > 0:
-            rollout_adapter = ROLLOUT if self.iteration_updates > 0 else "current"
-            old_mean = self._other_mean(rollout_adapter, step, recompute)
+            old_mean = old_mean if old_mean is not None else self._other_mean(rollout_adapter, step, recompute)
             kl_step = (transition_kl(step.mean, old_mean, step.std) * edges.weights).sum()
         kl_eff = self.anchor_weight * kl_anchor + self.step_kl_weight * kl_step
         self._kl_sum += float(kl_eff.detach())

@@ -1,0 +1,231 @@
+"""Sol-RL on the embedded digits model: explore-stage speed, and two-stage vs single-stage DiffusionNFT.
+
+Usage::
+
+    python -m bench.solrl speed  [--prompts 8] [--candidates 16] [--rounds 5]
+    python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40]
+
+``speed``: candidates per second of each explore setting against the full-precision rollout
+(the stage-2 setting: the LoRA policy, ``sampler.num_steps`` DPM-Solver++(2M) steps), in one
+process, the variants interleaved round by round so they see the same machine load. A
+candidate's cost is what stage 1 pays for it: sampling, VAE decode and scoring. Printed with
+each variant: the per-prompt Kendall tau of its rewards against the full-precision rewards of the
+same seeds, and the share of the full-precision ``best_worst`` selection (K of N per prompt) it
+picks too.
+
+``budget``: ``configs/nft/digits_fast.yaml`` (single stage) and ``configs/solrl/digits.yaml``
+(two stage) train from the same base model, prompts, seed and rewards (both use the solrl
+config's ``rewards``) for the same training wall time (evaluation excluded), alternating one
+iteration each so they share the machine's load. Evaluated every ``--eval-every-s`` seconds of
+each arm's own training time: the held-out reward (``Trainer.evaluate``) and the model's
+evaluation report (the digits reader's accuracy and stroke widths, when the model has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.config import Config, load_config
+from flowrl.models.digits import EVAL_REPORTS
+from flowrl.policy import build_policy
+from flowrl.policy.precision import build_explore
+from flowrl.prompts.batch import collate
+from flowrl.prompts.sets import load_prompts
+from flowrl.recipe import build_reward, load_run_prompts
+from flowrl.rollouts.chunked import chunked_solve
+from flowrl.runtime import configure_threads, seeded_noise
+from flowrl.solrl.diagnostics import kendall_tau
+from flowrl.solrl.explore import explore_transformer
+from flowrl.solrl.selection import select_seeds
+from flowrl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+SOLRL = REPO / "configs/solrl/digits.yaml"
+SINGLE = REPO / "configs/nft/digits_fast.yaml"
+
+VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, steps (None = sampler.num_steps)
+    ("full precision (stage 2)", None, {}, None),
+    ("full precision, 10 steps", None, {}, 10),
+    ("fp32 merged, 3 steps", "fp32", {}, 3),
+    ("int8_dynamic, 5 steps", "int8_dynamic", {}, None),
+    ("int8_dynamic, 3 steps", "int8_dynamic", {}, 3),
+    ("int8_dynamic, 2 steps", "int8_dynamic", {}, 2),
+    ("nvfp4 W4A4 emulated, 6 steps", "nvfp4", {"activations": True}, 6),
+]
+
+
+def machine() -> str:
+    """Date, torch, CPU, cores, threads and the load average."""
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    return (
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+        f"load {' '.join(load)}"
+    )
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def candidates(policy: Any, module: Any, reward: Any, batch: Any, cond: Any, noise: torch.Tensor, steps: int) -> Any:
+    """Stage-1 work for ``noise.shape[0]`` candidates: sample, decode, score. Returns (rewards (B,), seconds)."""
+    start = time.perf_counter()
+    chunk = 40
+    with explore_transformer(policy.model, module) if module is not None else nullcontext():
+        latents = chunked_solve(policy.model, cond, noise, policy.sigmas(steps), solver="dpmpp_2m", chunk_size=chunk)
+    with torch.no_grad():
+        images = torch.cat([policy.model.decode(latents[i : i + chunk]) for i in range(0, latents.shape[0], chunk)])
+    total = reward(images, batch.texts, **batch.metadata).total
+    return total, time.perf_counter() - start
+
+
+def speed(args: argparse.Namespace) -> None:
+    cfg = load_config(SOLRL)
+    torch.manual_seed(cfg.train.seed)
+    policy = build_policy(cfg, trainable=True)
+    reward = build_reward(cfg)
+    chosen = load_prompts(cfg.prompts.train)[: args.prompts]
+    batch = collate(chosen, repeats=args.candidates)
+    cond = policy.model.encode_prompt(batch.texts)
+    seeds = [1000 + j for j in range(len(batch.texts))]
+    noise = seeded_noise(policy.latent_shape, seeds)
+    variants = {}
+    for name, precision, options, steps in VARIANTS:
+        module = None if precision is None else build_explore(policy, precision, **options).module
+        variants[name] = (module, steps or cfg.sampler.num_steps)
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    rewards: dict[str, torch.Tensor] = {}
+    for round_ in range(args.rounds + 1):  # round 0 warms up (and gives the rewards: deterministic)
+        for name, (module, steps) in variants.items():
+            total, seconds = candidates(policy, module, reward, batch, cond, noise, steps)
+            rewards[name] = total.double()
+            if round_:
+                rates[name].append(len(seeds) / seconds)
+    k = cfg.prompts.group_size
+    reference = rewards[VARIANTS[0][0]].reshape(args.prompts, -1)
+    base = statistics.median(rates[VARIANTS[0][0]])
+    print(f"Machine: {machine()}")
+    print(
+        f"{args.prompts} prompts x {args.candidates} candidates (sample + decode + score), "
+        f"rewards {sorted(cfg.rewards)}; median (min-max) of {args.rounds} interleaved rounds\n"
+    )
+    print("| variant | steps | candidates/s | vs full precision | per-prompt Kendall tau | best_worst overlap |")
+    print("|---|---|---|---|---|---|")
+    for name, (_, steps) in variants.items():
+        got = rewards[name].reshape(args.prompts, -1)
+        taus = [kendall_tau(a, b) for a, b in zip(got, reference)]
+        overlap = [
+            len(set(select_seeds(a, k).tolist()) & set(select_seeds(b, k).tolist())) / k for a, b in zip(got, reference)
+        ]
+        r = rates[name]
+        print(
+            f"| {name} | {steps} | {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f}) "
+            f"| {statistics.median(r) / base:.2f}x | {statistics.mean(taus):.3f} | {statistics.mean(overlap):.3f} |",
+            flush=True,
+        )
+
+
+# --------------------------------------------------------------------------- budget
+
+
+class Arm:
+    """One training run of the comparison: its trainer, its own training clock and its evaluations."""
+
+    def __init__(self, name: str, cfg: Config):
+        self.name, self.cfg = name, cfg
+        torch.manual_seed(cfg.train.seed)
+        train_prompts, eval_prompts = load_run_prompts(cfg)
+        self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), build_reward(cfg), train_prompts, eval_prompts)
+        self.report = EVAL_REPORTS.get(cfg.model.path)
+        self.clock = 0.0
+        self.rows: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        self.last = self.trainer.train_step()
+        self.clock += time.perf_counter() - start
+
+    def evaluate(self) -> dict[str, float]:
+        row = {"train_s": self.clock, "iteration": float(self.trainer.iteration)}
+        row.update({k: v for k, v in self.trainer.evaluate().items() if k.count("/") == 1})
+        if self.report is not None:
+            row.update({f"eval/{k}": v for k, v in self.report(self.trainer.sample).items()})
+        row.update({k: v for k, v in self.last.items() if k.startswith("solrl/")})
+        self.rows.append(row)
+        return row
+
+
+def first_reach(rows: list[dict[str, float]], key: str, target: float) -> float | None:
+    """Training seconds at which ``key`` first reaches ``target`` (linear between evaluations), or None."""
+    for before, after in zip(rows, rows[1:]):
+        if after[key] >= target:
+            if before[key] >= target:
+                return before["train_s"]
+            share = (target - before[key]) / (after[key] - before[key])
+            return before["train_s"] + share * (after["train_s"] - before["train_s"])
+    return None
+
+
+def budget(args: argparse.Namespace) -> None:
+    two = load_config(SOLRL, ["train.progress=false"])
+    one = load_config(SINGLE, ["train.progress=false"])
+    one.rewards = two.rewards  # the same task for both arms
+    arms = [Arm("single-stage DiffusionNFT", one), Arm("two-stage Sol-RL", two)]
+    print(f"Machine: {machine()}; rewards {two.rewards}", flush=True)
+    for arm in arms:
+        print(f"{arm.name}: {arm.evaluate()}", flush=True)
+    next_eval = {arm.name: args.eval_every_s for arm in arms}
+    while any(arm.clock < args.budget_s for arm in arms):
+        for arm in arms:
+            if arm.clock >= args.budget_s:
+                continue
+            arm.step()
+            if arm.clock >= next_eval[arm.name] or arm.clock >= args.budget_s:
+                next_eval[arm.name] += args.eval_every_s
+                print(f"{arm.name}: {arm.evaluate()}", flush=True)
+    keys = [k for k in arms[0].rows[-1] if k.startswith("eval/")]
+    print(f"\nMachine at the end: {machine()}")
+    print(f"Same training wall budget {args.budget_s:.0f} s per arm (evaluation excluded)\n")
+    print("| arm | iterations | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for arm in arms:
+        start, end = arm.rows[0], arm.rows[-1]
+        cells = " | ".join(f"{start[k]:.3f} -> {end[k]:.3f}" for k in keys)
+        print(f"| {arm.name} | {int(end['iteration'])} | {cells} |")
+    for key in ("eval/reward_mean", "eval/accuracy"):
+        if key not in arms[0].rows[-1]:
+            continue
+        target = arms[0].rows[-1][key]
+        times = [first_reach(arm.rows, key, target) for arm in arms]
+        shown = ", ".join(f"{a.name} {t:.0f} s" if t is not None else f"{a.name} never" for a, t in zip(arms, times))
+        ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] > 0 else ""
+        print(f"\nfirst reaching the single-stage final {key} ({target:.3f}): {shown}{ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("speed", "budget"))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--candidates", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--eval-every-s", type=float, default=40.0)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    configure_threads(args.threads)
+    speed(args) if args.part == "speed" else budget(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -250,10 +250,11 @@ GUARD_PANEL = ("eval/diversity_ratio",)  # monitors drawn beside the guards (gua
 
 
 def _guard_series(rows: Sequence[dict[str, float]]) -> dict[str, list[tuple[int, float]]]:
-    """Guard and monitor curves of a run: name -> [(step, value)], from its ``guard/*`` rows."""
-    names = sorted(
-        {k for r in rows for k in r if k.startswith("guard/") and not k.endswith("_best")} - {"guard/tripped"}
-    )
+    """Guard and monitor curves of a run: name -> [(step, value)], from its ``guard/<name>`` rows.
+
+    A guard is a ``guard/<name>`` that also logs ``guard/<name>_best`` (the update guards' counters do not).
+    """
+    names = sorted({k.removesuffix("_best") for r in rows for k in r if k.startswith("guard/") and k.endswith("_best")})
     if not names:
         return {}
     out = {}

@@ -43,7 +43,7 @@ def make_run(
     folder: Path,
     *,
     seed: int = 0,
-    scale: float = 0.3,
+    scale: float = 0.05,
     config: str | None = None,
     overrides: list[str] | None = None,
     ema: bool = False,
@@ -85,7 +85,7 @@ def make_run(
     return folder
 
 
-def make_wan_run(folder: Path, model_dir: Path, *, seed: int = 0, scale: float = 0.5) -> Path:
+def make_wan_run(folder: Path, model_dir: Path, *, seed: int = 0, scale: float = 0.1) -> Path:
     """A run folder on a saved tiny Wan2.1 pipeline (16x16 clips of 5 frames)."""
     from tiny_wan import tiny_wan_pipeline
 

@@ -136,7 +136,7 @@ def test_bad_input_raises_one_line(state):
 
 @pytest.mark.slow
 def test_a_run_with_an_ema_checkpoint_offers_trained_and_ema(tmp_path):
-    run = make_run(tmp_path / "nft", seed=3, config="configs/nft/digits_fast.yaml")
+    run = make_run(tmp_path / "nft", seed=3, config="configs/nft/digits_fast.yaml", ema=True)
     registry = RunRegistry([run])
     assert registry.labels == ["base", "nft", "nft · trained", "nft · ema"]
     state = DemoState(registry, CheckpointBank())

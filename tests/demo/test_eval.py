@@ -1,0 +1,87 @@
+"""`flowrl eval`: per-checkpoint means with CIs, diversity, drift and guards, as JSON and markdown."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from run_folders import make_run
+
+from flowrl.cli import main
+from flowrl.evaluation.checkpoints import CheckpointBank
+from flowrl.evaluation.compare import EvalSettings, checkpoints_of, evaluate_checkpoints, guard_spec, reward_spec
+from flowrl.evaluation.metrics import mean_ci
+from flowrl.evaluation.table import checkpoint_figures, figures_json, markdown_table, table_cells
+from flowrl.prompts.files import Prompt
+
+GUARDS = {"jpeg_incompressibility": {"tolerance": 0.05}}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("eval") / "run", seed=1, guards=GUARDS)
+
+
+def test_table_figures_match_the_metrics():
+    images = torch.rand(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    base = torch.rand(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    total = torch.arange(6.0)
+    row = checkpoint_figures(
+        "x", images, ids, total, {"r": total, "nan": torch.full((6,), float("nan"))}, base_images=base
+    )
+    assert row.total == mean_ci(total) and row.rewards["nan"].n == 0
+    assert row.diversity.n == 2 and row.drift.n == 6 and row.samples == 6
+    assert figures_json([row])[0]["rewards"]["nan"]["mean"] is None  # strict JSON
+    headers, cells = table_cells([row])
+    assert headers == ["checkpoint", "reward total", "r", "nan", "diversity", "drift", "n"]
+    assert cells[0][1] == f"{2.5:.4f} ± {row.total.half_width:.4f}" and cells[0][3] == "n/a"
+    one_seed = checkpoint_figures("y", images[:2], torch.tensor([0, 1]), total[:2], {})
+    assert one_seed.diversity is None and one_seed.drift is None
+
+
+def test_evaluate_scores_base_and_run_on_the_same_seeds(run):
+    prompts = [Prompt("a bold handwritten 3", {}), Prompt("a thin handwritten 8", {})]
+    rewards, guards = reward_spec([run]), guard_spec([run])
+    assert set(rewards) == {"ink", "jpeg_compressibility"} and set(guards) == {"jpeg_incompressibility"}
+    checkpoints = checkpoints_of([run])
+    assert [c.label for c in checkpoints] == ["base", "run"]
+    rows = evaluate_checkpoints(CheckpointBank(), checkpoints, prompts, rewards, guards, EvalSettings(seeds=3, steps=4))
+    base, aligned = rows
+    assert base.samples == aligned.samples == 6 and base.drift is None and aligned.drift.mean > 0
+    assert set(aligned.rewards) == {"ink", "jpeg_compressibility"} and set(aligned.guards) == {"jpeg_incompressibility"}
+    assert aligned.diversity.n == 2 and math.isfinite(aligned.diversity.mean)
+    again = evaluate_checkpoints(
+        CheckpointBank(), checkpoints, prompts, rewards, guards, EvalSettings(seeds=3, steps=4)
+    )
+    assert figures_json(again) == figures_json(rows)  # fixed seeds, deterministic sampling
+    assert "guard: jpeg_incompressibility" in markdown_table(rows)
+
+
+def test_eval_command_writes_json_and_markdown(run, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a bold handwritten 3\na thin handwritten 8\n")
+    out = tmp_path / "eval"
+    code = main(["eval", str(run), "--prompts", str(prompts), "--seeds", "2", "--steps", "3", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["num_prompts"] == 2 and report["seeds_per_prompt"] == 2
+    labels = [c["label"] for c in report["checkpoints"]]
+    assert labels == ["base", "run"]
+    assert report["checkpoints"][1]["guards"]["jpeg_incompressibility"]["n"] == 4
+    table = (out / "eval.md").read_text()
+    assert table.startswith("| checkpoint | reward total | ink | jpeg_compressibility |") and "| run |" in table
+    assert "| run |" in capsys.readouterr().out
+
+
+def test_eval_command_with_chosen_rewards_and_a_bad_run(run, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a bold handwritten 1\n")
+    out = tmp_path / "e"
+    args = ["eval", str(run), "--prompts", str(prompts), "--seeds", "2", "--steps", "2", "--out", str(out)]
+    assert main([*args, "--rewards", "jpeg_compressibility"]) == 0
+    assert set(json.loads((out / "eval.json").read_text())["checkpoints"][0]["rewards"]) == {"jpeg_compressibility"}
+    assert main(["eval", str(tmp_path), "--prompts", str(prompts)]) == 2
+    assert "is not a run folder" in capsys.readouterr().err

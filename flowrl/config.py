@@ -603,12 +603,12 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
 
 
 def validate_guards(cfg: Config, where: str) -> None:
-    """Check the ``guards`` section (:func:`flowrl.evaluation.guard_rewards.parse_guards`) and ``output.image_every``.
+    """Check the ``guards`` section (:func:`flowrl.guard_spec.parse_guards`) and ``output.image_every``.
 
     Raises:
         ConfigError: one line naming the key and the fix.
     """
-    from .evaluation.guard_rewards import parse_guards
+    from .guard_spec import parse_guards
 
     try:
         specs = parse_guards(cfg.guards, cfg.rewards)

@@ -331,6 +331,20 @@ def image_grid(images: Tensor, rows: int, scale: int = 1, pad: int = 1) -> Tenso
     return canvas
 
 
+def thumbnails(images: Tensor, max_side: int = 256) -> Tensor:
+    """Images (N, 3, H, W) (videos: their middle frame) area-downsampled so no side exceeds ``max_side``.
+
+    A logged grid of 20 prompts x 4 seeds at 1024 px would be 20k x 4k pixels; at 256 it stays small.
+    """
+    images = middle_frame(images).detach().float().cpu()
+    h, w = images.shape[-2:]
+    factor = max(h, w) / max_side
+    if factor <= 1:
+        return images
+    size = (max(1, round(h / factor)), max(1, round(w / factor)))
+    return torch.nn.functional.interpolate(images, size=size, mode="area")
+
+
 def save_png(image: Tensor, path: Path) -> None:
     """Save a (3, H, W) image in [0, 1] as PNG (atomic)."""
     from PIL import Image

@@ -39,6 +39,7 @@ from .outputs import (
     require_wandb,
     save_before_after,
     save_reward_curve,
+    thumbnails,
     write_json,
     write_text_atomic,
 )
@@ -170,7 +171,7 @@ class Run:
             seeds = self.cfg.train.eval_seeds
             rows = min(len(self.trainer.eval_prompts), GRID_MAX_PROMPTS)
             scale = max(1, 64 // self.trainer.resolution[0])
-            logger.log_images(result.iteration, image_grid(result.images[: rows * seeds], rows, scale))
+            logger.log_images(result.iteration, image_grid(thumbnails(result.images[: rows * seeds]), rows, scale))
 
     def _save_best_guard(self, result: HeldOutResult) -> None:
         """``checkpoints/best-guard/``: the eval LoRA (diffusers layout) of an evaluation every guard vouches for."""

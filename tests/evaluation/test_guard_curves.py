@@ -27,3 +27,16 @@ def test_reward_curve_gets_a_guard_panel(tmp_path):
     save_reward_curve(ROWS, with_guards)
     save_reward_curve([{k: v for k, v in r.items() if not k.startswith("guard/digit")} for r in ROWS], without)
     assert Image.open(with_guards).size == (1100, 360) and Image.open(without).size == (600, 360)
+
+
+def test_logged_grids_use_thumbnails_of_large_images():
+    import torch
+
+    from flowrl.outputs import thumbnails
+
+    big = torch.rand(2, 3, 1024, 512)
+    small = thumbnails(big)
+    assert small.shape == (2, 3, 256, 128)
+    torch.testing.assert_close(small[0, 0, 0, 0], big[0, 0, :4, :4].mean())  # area average
+    assert thumbnails(torch.rand(3, 3, 16, 16)).shape == (3, 3, 16, 16)
+    assert thumbnails(torch.rand(1, 5, 3, 8, 8)).shape == (1, 3, 8, 8)  # a clip: its middle frame

@@ -27,6 +27,7 @@ REWARDS = {"ink": {"weight": 1.0, "target": "bold"}, "jpeg_compressibility": {"w
 
 def rewards_file(folder: Path, rewards: dict) -> str:
     """A config layer that sets the rewards section (a file's rewards replace the earlier ones whole)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
     path = folder.parent / f"{folder.name}-rewards.yaml"
     path.write_text(yaml.safe_dump({"rewards": rewards}))
     return str(path)
@@ -94,6 +95,7 @@ def make_wan_run(folder: Path, model_dir: Path, *, seed: int = 0, scale: float =
         (model_dir / "flowrl.json").write_text(
             json.dumps({"resolution": 16, "num_frames": 5, "max_sequence_length": 8})
         )
+    folder.parent.mkdir(parents=True, exist_ok=True)
     prompts = folder.parent / "wan_prompts.txt"
     prompts.write_text("a red fox running\na blue cat jumping slowly\n")
     config = folder.parent / f"{folder.name}.yaml"

@@ -144,3 +144,36 @@ def test_a_run_with_an_ema_checkpoint_offers_trained_and_ema(tmp_path):
     images = comparison.images
     assert not torch.allclose(images["nft · trained"], images["nft · ema"])
     torch.testing.assert_close(images["nft"], images["nft · ema"], atol=1e-5, rtol=0)  # the run ships its EMA
+
+
+@pytest.mark.slow
+def test_video_checkpoints_play_as_clips_with_a_frame_strip(tmp_path):
+    from PIL import Image
+    from run_folders import make_wan_run
+
+    from flowrl.demo.app import _first_seed
+    from flowrl.demo.plots import frame_strip
+
+    run = make_wan_run(tmp_path / "runs" / "wan", tmp_path / "wan-model")
+    registry = RunRegistry([tmp_path / "runs"])
+    assert registry.labels == ["base (wan-model)", "wan"]
+    state = DemoState(registry, CheckpointBank())
+    comparison = state.compare("a red fox running", "0, 1", "ode", 2, 1.0, 0.7, registry.labels, None)
+    assert comparison.is_video and comparison.images["wan"].shape == (2, 5, 3, 16, 16)
+    items = state.gallery_items(comparison)
+    assert len(items) == 4 and all(str(path).endswith(".gif") for path, _ in items)
+    with Image.open(items[0][0]) as gif:
+        assert gif.n_frames == 5  # the clip plays, frame by frame
+    strip = frame_strip(_first_seed(comparison), size=16)
+    assert strip.shape[1] < strip.shape[2]  # two rows (base, aligned) of five frames
+    assert "temporal_consistency" in comparison.scores["wan"]
+    assert run.name == "wan"
+
+
+def test_the_demo_command_binds_loopback_unless_asked():
+    from flowrl.cli import build_parser, parse_command_line
+
+    ns = parse_command_line(build_parser(), ["demo"])
+    assert ns.host == "127.0.0.1" and ns.share is False and ns.runs == []
+    ns = parse_command_line(build_parser(), ["demo", "runs/a", "--host", "0.0.0.0", "--share", "--port", "7861"])
+    assert ns.host == "0.0.0.0" and ns.share and ns.port == 7861 and ns.runs == ["runs/a"]

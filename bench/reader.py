@@ -114,6 +114,33 @@ def real_table(judges: Judges) -> list[str]:
     return rows
 
 
+def swell_fade_table(judges: Judges) -> list[str]:
+    """Markdown rows: accuracy and mean top probability as test digits swell into blobs or fade.
+
+    Swelling: gray dilation with a k x k box at 32x32, area to 16x16 (the "bold" hack). Fading:
+    gray erosion with a k x k box, ink x 0.3 (the "thin" hack: dimmer and broken strokes).
+    """
+    from flowrl.models.digits.reader import resample
+    from flowrl.rewards.digit_data import digit_part
+
+    _, images, labels = digit_part("test")
+    big = resample(torch.as_tensor(images)[:, None])
+    labels = torch.as_tensor(labels)
+    rows = [
+        "| test digits, 16x16 | mean ink | reader acc | reader top prob | reward CNN acc | reward CNN top prob |",
+        "|---|---|---|---|---|---|",
+    ]
+    cases = [(f"dilated {k}x{k} at 32", F.max_pool2d(big, k, 1, k // 2)) for k in (3, 7, 9, 11, 13)]
+    cases += [(f"eroded {k}x{k} at 32, ink x0.3", -F.max_pool2d(-big, k, 1, k // 2) * 0.3) for k in (3, 7, 9)]
+    for name, x in cases:
+        x = F.interpolate(x, size=(16, 16), mode="area")
+        (pr, tr), (pc, tc) = judges.reader(x), judges.reward_classifier(x)
+        reader = f"{100 * float((pr == labels).float().mean()):.1f} % | {float(tr.mean()):.2f}"
+        reward = f"{100 * float((pc == labels).float().mean()):.1f} % | {float(tc.mean()):.2f}"
+        rows.append(f"| {name} | {float(x.mean()):.3f} | {reader} | {reward} |")
+    return rows
+
+
 def sample_pipeline(model: Path, seeds: int) -> dict[str, tuple[Tensor, Tensor]]:
     """Samples of a flowrl-digits pipeline: {style: (images (10 * seeds, 3, H, W), labels)}."""
     from diffusers import StableDiffusion3Pipeline
@@ -176,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     judges = Judges()
     print("\n".join(real_table(judges)))
+    print()
+    print("\n".join(swell_fade_table(judges)))
     if not args.no_samples:
         samples = sample_pipeline(args.model, args.seeds)
         print()

@@ -122,6 +122,12 @@ def test_bad_input_is_one_clear_error() -> None:
         read_digits(torch.rand(2, 2, 8, 8))
     with pytest.raises(ValueError, match="images must be"):
         read_digits(torch.rand(8, 8))
+    with pytest.raises(ValueError, match="empty batch"):
+        read_digits(torch.rand(0, 3, 16, 16))
+    nan = torch.rand(2, 3, 16, 16)
+    nan[1, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        read_digits(nan)
     with pytest.raises(TypeError, match="torch.Tensor"):
         read_digits(np.zeros((1, 3, 8, 8)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="labels must be"):

@@ -62,10 +62,14 @@ def default_weights_path() -> Path:
 
 
 def to_gray(images: Tensor) -> Tensor:
-    """Gray (B, 1, H, W) float32 from images (B, 3, H, W) or (B, 1, H, W) in [0, 1].
+    """Gray (B, 1, H, W) float32 on the CPU from images (B, 3, H, W) or (B, 1, H, W) in [0, 1].
+
+    Values outside [0, 1] are clipped.
 
     Raises:
-        ValueError: the shape is not (B, 3 or 1, H, W) with H, W >= 4.
+        TypeError: images is not a tensor.
+        ValueError: the shape is not (B, 3 or 1, H, W) with B >= 1 and H, W >= 4, or a value is
+            NaN or inf.
     """
     if not isinstance(images, Tensor):
         raise TypeError(f"images must be a torch.Tensor (B, 3, H, W); got {type(images).__name__}")
@@ -73,7 +77,12 @@ def to_gray(images: Tensor) -> Tensor:
         raise ValueError(
             f"images must be (B, 3, H, W) or (B, 1, H, W) with H, W >= 4, white ink on black; got {tuple(images.shape)}"
         )
-    return images.detach().float().cpu().mean(dim=1, keepdim=True).clamp(0, 1)
+    if images.shape[0] == 0:
+        raise ValueError("images is an empty batch (0, C, H, W); pass at least one image")
+    gray = images.detach().float().cpu().mean(dim=1, keepdim=True)
+    if not torch.isfinite(gray).all():
+        raise ValueError("images contain NaN or inf; decode or clamp them to [0, 1] first")
+    return gray.clamp(0, 1)
 
 
 def resample(gray: Tensor, size: int = SIZE) -> Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..evaluation.checkpoints import CheckpointBank
 from ..evaluation.table import table_cells
-from .generation import Comparison, caption, reward_names, run_comparison, scoring_spec
+from .generation import Comparison, caption, guards_of, reward_names, run_comparison, scoring_spec
 from .plots import REWARD_KEYS, curves_figure, frame_strip, metric_keys, read_rows, save_gif, to_pil, upscale
 from .registry import RunRegistry
 from .validation import MAX_PROMPT_CHARS, MAX_SEEDS, MAX_STEPS, samplers, validate_request
@@ -55,7 +55,8 @@ class DemoState:
         report = None
         if progress is not None:
             report = lambda i, n, what: progress((i, n), desc=f"sampling {what}" if i < n else what)  # noqa: E731
-        return run_comparison(self.bank, chosen, request, spec, progress=report)
+        guards = guards_of(list(self.registry.checkpoints.values()))
+        return run_comparison(self.bank, chosen, request, spec, progress=report, guards=guards)
 
     def gallery_items(self, comparison: Comparison) -> list[tuple[Any, str]]:
         """(image or GIF path, caption) per checkpoint and seed, checkpoints in rows."""

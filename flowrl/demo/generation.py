@@ -8,6 +8,8 @@ like with like.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -15,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..evaluation.checkpoints import Checkpoint, CheckpointBank, generate
-from ..evaluation.compare import build_rewards, reward_spec
+from ..evaluation.compare import build_rewards, guard_spec, reward_spec
 from ..evaluation.table import CheckpointFigures, checkpoint_figures
 from ..prompts.files import Prompt
 from .validation import Request
@@ -55,6 +57,11 @@ def reward_names(registry_checkpoints: Sequence[Checkpoint]) -> list[str]:
     return list(reward_spec(runs)) if runs else ["ink"]
 
 
+def guards_of(checkpoints: Sequence[Checkpoint]) -> dict[str, dict[str, Any]]:
+    """The guard rewards of the runs the checkpoints belong to (their ``guards:`` sections)."""
+    return guard_spec(list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None)))
+
+
 def scoring_spec(checkpoints: Sequence[Checkpoint], names: Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """Reward specs for ``names`` (the runs' options where a run configures the name; registry defaults otherwise)."""
     runs = list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None))
@@ -73,7 +80,7 @@ def _score(spec: dict[str, dict[str, Any]], images: Tensor, prompt: str, errors:
     total = torch.zeros(len(images))
     for name, options in spec.items():
         try:
-            _, parts = score(build_rewards({name: options}), images, prompts)
+            _, parts = score(_built(json.dumps({name: options}, sort_keys=True, default=str)), images, prompts)
         except ValueError as err:  # RewardError is a ValueError
             errors.append(f"{name}: {str(err).splitlines()[0]}")
             failed = True
@@ -85,12 +92,19 @@ def _score(spec: dict[str, dict[str, Any]], images: Tensor, prompt: str, errors:
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _built(spec: str) -> Any:
+    """A reward built once per spec (JSON text) and reused by later requests."""
+    return build_rewards(json.loads(spec))
+
+
 def run_comparison(
     bank: CheckpointBank,
     checkpoints: Sequence[Checkpoint],
     request: Request,
     spec: dict[str, dict[str, Any]],
     progress: Progress | None = None,
+    guards: dict[str, dict[str, Any]] | None = None,
 ) -> Comparison:
     """Sample every checkpoint on the request's prompt and seeds, score and summarise them.
 
@@ -100,6 +114,7 @@ def run_comparison(
         request: the validated request.
         spec: reward specs to score with.
         progress: called as ``progress(done, total, label)`` before each checkpoint.
+        guards: the runs' guard rewards (``guards:`` entries as reward options), scored for the table.
 
     Returns:
         The :class:`Comparison`.
@@ -126,6 +141,7 @@ def run_comparison(
         progress(len(ordered), len(ordered), "scoring")
     errors: list[str] = []
     scores = {label: _score(spec, imgs, request.prompt, errors) for label, imgs in images.items()}
+    guard_scores = {label: _score(guards or {}, imgs, request.prompt, errors) for label, imgs in images.items()}
     errors = list(dict.fromkeys(errors))
     bases = {c.model_path: images[c.label] for c in ordered if c.kind == "base"}
     figures = []
@@ -134,7 +150,15 @@ def run_comparison(
         base = None if c.kind == "base" else bases.get(c.model_path)
         ids = torch.zeros(len(seeds), dtype=torch.long)
         figures.append(
-            checkpoint_figures(c.label, images[c.label], ids, scores[c.label]["total"], parts, base_images=base)
+            checkpoint_figures(
+                c.label,
+                images[c.label],
+                ids,
+                scores[c.label]["total"],
+                parts,
+                base_images=base,
+                guards={k: v for k, v in guard_scores[c.label].items() if k != "total"},
+            )
         )
     return Comparison([c.label for c in ordered], images, scores, figures, request.seeds, errors)
 

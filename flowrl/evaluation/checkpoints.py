@@ -12,14 +12,12 @@ and ``flowrl demo`` all sample through here.
 from __future__ import annotations
 
 import copy
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 import torch
-import yaml
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -61,33 +59,18 @@ def read_run_config(run_dir: str | Path) -> Config:
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no {RUN_CONFIG}); pass a folder `flowrl train` wrote")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if "guards" not in raw or "guards" in _config_sections():
-        return load_config(path)
-    # a config without a ``guards`` section of its own: the guards are read by run_guards, the rest validated
-    with tempfile.TemporaryDirectory() as tmp:
-        copy_path = Path(tmp) / RUN_CONFIG
-        copy_path.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "guards"}, sort_keys=False))
-        try:
-            return load_config(copy_path)
-        except ValueError as err:
-            raise ValueError(str(err).replace(str(copy_path), str(path))) from None
-
-
-def _config_sections() -> set[str]:
-    import dataclasses
-
-    from ..config import Config
-
-    return {f.name for f in dataclasses.fields(Config)}
+    return load_config(path)
 
 
 def run_guards(run_dir: str | Path) -> dict[str, dict[str, Any]]:
-    """The ``guards:`` section of a run's ``config.yaml`` (rewards evaluated but never trained on); {} when absent."""
-    path = Path(run_dir) / RUN_CONFIG
-    raw = yaml.safe_load(path.read_text()) if path.is_file() else None
-    guards = (raw or {}).get("guards") or {}
-    return {str(k): dict(v or {}) for k, v in guards.items()} if isinstance(guards, dict) else {}
+    """The reward guards of a run's ``guards:`` section: name -> reward options ({} when it has none).
+
+    Monitors (``diversity``) are left out: no reward scores them, and the table reports diversity anyway.
+    """
+    from ..guard_spec import parse_guards
+
+    cfg = read_run_config(run_dir)
+    return {g.name: dict(g.options) for g in parse_guards(cfg.guards, cfg.rewards) if not g.is_monitor}
 
 
 def is_run_dir(path: Path) -> bool:

@@ -65,24 +65,18 @@ def reward_spec(run_dirs: Sequence[Path], names: Sequence[str] | None = None) ->
 
 
 def guard_spec(run_dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
-    """The union of the runs' ``guards:`` sections, as reward specs (weights dropped: guards are scored alone)."""
+    """The union of the runs' reward guards (``guards:`` entries as reward options; first run wins a name)."""
     union: dict[str, dict[str, Any]] = {}
     for run in run_dirs:
-        for name, spec in run_guards(run).items():
-            union.setdefault(name, spec)
+        for name, options in run_guards(run).items():
+            union.setdefault(name, options)
     return union
 
 
-GUARD_CONTROL_KEYS = ("weight", "tolerance", "stop", "patience", "mode", "min_delta", "keep_best")
-"""Keys of a ``guards:`` entry that steer the guard in training rather than build its reward."""
-
-
-def build_rewards(spec: dict[str, dict[str, Any]], guards: bool = False) -> Any:
-    """A :class:`~flowrl.rewards.combine.MultiReward` of a spec (guards: each with weight 1, control keys dropped)."""
+def build_rewards(spec: dict[str, dict[str, Any]]) -> Any:
+    """A :class:`~flowrl.rewards.combine.MultiReward` of a ``rewards:``-style spec (guards: weight 1 each)."""
     from ..rewards import build_multi_reward
 
-    if guards:
-        spec = {k: {o: v for o, v in s.items() if o not in GUARD_CONTROL_KEYS} for k, s in spec.items()}
     return build_multi_reward(spec)
 
 
@@ -140,7 +134,7 @@ def evaluate_checkpoints(
     if settings.seeds < 1:
         raise ValueError(f"--seeds must be >= 1; got {settings.seeds}")
     reward = build_rewards(rewards)
-    guard = build_rewards(guards, guards=True) if guards else None
+    guard = build_rewards(guards) if guards else None
     rows_prompts = [p for p in prompts for _ in range(settings.seeds)]
     texts = [p.text for p in rows_prompts]
     seeds = [settings.first_seed + j for _ in prompts for j in range(settings.seeds)]

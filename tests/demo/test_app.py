@@ -19,7 +19,7 @@ FORM = ("a bold handwritten 3", "0-2", "ode", 4, 1.0, 0.7)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    make_run(root / "run-a", seed=1)
+    make_run(root / "run-a", seed=1, guards={"jpeg_incompressibility": {"tolerance": 0.05}})
     make_run(root / "run-b", seed=2)
     return root
 
@@ -92,6 +92,7 @@ def test_a_comparison_samples_the_same_seeds_for_every_checkpoint(state, runs):
     assert rows["base"].drift is None and rows["run-a"].drift.mean > 0
     headers, cells = table_cells(comparison.figures)
     assert headers[:2] == ["checkpoint", "reward total"] and [c[0] for c in cells] == comparison.labels
+    assert "guard: jpeg_incompressibility" in headers  # run-a's guards, as flowrl eval reports them
     assert "| run-a |" in markdown_table(comparison.figures)  # the same figures flowrl eval writes
     items = state.gallery_items(comparison)
     assert len(items) == 9 and "seed 0" in items[0][1] and "total" in items[0][1]

@@ -3,7 +3,7 @@
 Usage: ``python -m bench.reader [--model DIR] [--seeds 20] [--no-samples] [--grid PNG]``.
 
 Part 1 reads the held-out ``test`` part of the real digits (:mod:`flowrl.rewards.digit_data`),
-plain and transformed (:data:`flowrl.models.digits.reader.VARIANTS`, plus the embedded model's own
+plain and transformed (:data:`flowrl.models.digits.reader_checks.VARIANTS`, plus the embedded model's own
 style data drawn by :func:`flowrl.rewards.stroke.draw_strokes` at a thin and a bold pen), with three
 judges: the reader, the ``digit_correctness`` reward classifier (its prediction is the digit whose
 prompt it scores highest) and the reference SVC (fed the 8x8 area-pooled gray image). It also
@@ -65,7 +65,7 @@ class Judges:
 
 def real_variants() -> tuple[dict[str, Tensor], Tensor]:
     """The transformed test digits: {name: (N, 1, H, W)} and the labels (N,)."""
-    from flowrl.models.digits.reader import VARIANTS, transformed_digits
+    from flowrl.models.digits.reader_checks import VARIANTS, transformed_digits
     from flowrl.rewards.digit_data import digit_part
     from flowrl.rewards.stroke import draw_strokes
 
@@ -92,7 +92,7 @@ def svc_overlap() -> int:
 
 def real_table(judges: Judges) -> list[str]:
     """Markdown rows: accuracy of each judge on each transformed test set; top probability on no-digit images."""
-    from flowrl.models.digits.reader import unreadable_images
+    from flowrl.models.digits.reader_checks import unreadable_images
 
     variants, labels = real_variants()
     names = list(judges.all())
@@ -120,7 +120,7 @@ def swell_fade_table(judges: Judges) -> list[str]:
     Swelling: gray dilation with a k x k box at 32x32, area to 16x16 (the "bold" hack). Fading:
     gray erosion with a k x k box, ink x 0.3 (the "thin" hack: dimmer and broken strokes).
     """
-    from flowrl.models.digits.reader import resample
+    from flowrl.models.digits.reader_features import resample
     from flowrl.rewards.digit_data import digit_part
 
     _, images, labels = digit_part("test")

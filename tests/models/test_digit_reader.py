@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.models.digits import reader
-from flowrl.models.digits.reader import (
-    VARIANTS,
-    read_digits,
-    reader_accuracy,
-    reader_probabilities,
-    reader_report,
-    transformed_digits,
-    unreadable_images,
-)
+from flowrl.models.digits import reader, reader_augment, reader_checks, reader_features
+from flowrl.models.digits.reader import read_digits, reader_accuracy, reader_probabilities, reader_report
+from flowrl.models.digits.reader_checks import VARIANTS, transformed_digits, unreadable_images
 from flowrl.rewards.digit_data import digit_part
 
 
@@ -94,17 +87,23 @@ def test_trained_only_on_the_reader_part() -> None:
     reward_idx, _, _ = digit_part("reward")
     test_idx, _, _ = digit_part("test")
     assert report["train_part"] == "reader"
-    assert report["train_indices_sha256"] == reader._indices_digest(reader_idx)
+    assert report["train_indices_sha256"] == reader.indices_digest(reader_idx)
     assert not set(reader_idx) & set(reward_idx)
     assert not set(reader_idx) & set(test_idx)
 
 
 def test_never_loads_the_reward_classifier(monkeypatch) -> None:
-    tree = ast.parse(Path(reader.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-    }
-    assert {m for m in imported if m and "flowrl" in m} == {"flowrl.rewards.digit_data"}
+    flowrl_imports, relative = set(), set()
+    for module in (reader, reader_augment, reader_checks, reader_features):
+        for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                relative.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module.startswith("flowrl"):
+                flowrl_imports.add(node.module)
+            elif isinstance(node, ast.Import):
+                flowrl_imports |= {a.name for a in node.names if a.name.startswith("flowrl")}
+    assert flowrl_imports == {"flowrl.rewards.digit_data"}
+    assert relative <= {"reader_augment", "reader_features"}
     from flowrl.rewards import digit_classifier
 
     def refuse(*args, **kwargs):
@@ -154,7 +153,7 @@ def test_weight_file_errors(tmp_path: Path) -> None:
 def test_thinning_gives_one_pixel_skeletons() -> None:
     bar = torch.zeros(1, 12, 12, dtype=torch.bool)
     bar[0, 2:10, 4:8] = True  # a 4-pixel-wide vertical bar
-    skeleton = reader.thin(bar)
+    skeleton = reader_augment.thin(bar)
     assert skeleton.any()
     assert (skeleton.sum(dim=2) <= 1).all()  # one pixel per row
     assert not (skeleton & ~bar).any()

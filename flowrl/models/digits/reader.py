@@ -18,6 +18,11 @@ blind spots:
   deformation (Simard et al., 2003), blur and noise. Blobs, blank and noise images are trained
   towards the uniform distribution, so an unreadable image is not read with confidence.
 
+The fixed maths lives in :mod:`~flowrl.models.digits.reader_features`, the augmentation in
+:mod:`~flowrl.models.digits.reader_augment` and the transformed test digits of the checks in
+:mod:`~flowrl.models.digits.reader_checks`; this module holds the MLP, the public API, training
+and the weights file.
+
 Public API: :func:`read_digits`, :func:`reader_probabilities`, :func:`reader_accuracy`,
 :func:`train_reader`. Regenerate the shipped weights with::
 
@@ -27,8 +32,8 @@ Public API: :func:`read_digits`, :func:`reader_probabilities`, :func:`reader_acc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -36,164 +41,20 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .reader_augment import SKELETON_THRESHOLDS, augmented_features, skeleton_distances
+from .reader_features import MIN_CONTRAST, N_FEATURES, NO_CONTRAST, contrast, features, to_gray
 
 WEIGHTS_FILENAME = "digit_reader.safetensors"
 REGENERATE_COMMAND = "python -m flowrl.models.digits.reader --out flowrl/assets/digit_reader.safetensors"
 FORMAT = "flowrl.digit_reader/1"
-SIZE = 32  # canonical side in pixels
-ORIENTATIONS = 8  # unsigned gradient orientation bins over [0, pi)
-INK_RADIUS = 7.0  # ink spread (radius of gyration, pixels) after normalisation
-BLUR_SIGMAS = (1.0, 2.0)  # the two gradient scales
-MIN_CONTRAST = 0.08  # a contrast below this is not stretched (blank images stay blank)
-NO_CONTRAST = 0.02  # at or below this contrast the reader sees nothing: uniform probabilities
 HIDDEN = 256
-SKELETON_THRESHOLDS = (0.2, 0.35, 0.55)  # training skeletons: three ways to binarise each digit
 
 
 def default_weights_path() -> Path:
     """Path of the shipped reader weights inside the installed ``flowrl`` package."""
     return Path(__file__).resolve().parents[2] / "assets" / WEIGHTS_FILENAME
-
-
-# --------------------------------------------------------------------------------------------
-# canonical form and features (fixed maths, no learned parameters)
-
-
-def to_gray(images: Tensor) -> Tensor:
-    """Gray (B, 1, H, W) float32 on the CPU from images (B, 3, H, W) or (B, 1, H, W) in [0, 1].
-
-    Values outside [0, 1] are clipped.
-
-    Raises:
-        TypeError: images is not a tensor.
-        ValueError: the shape is not (B, 3 or 1, H, W) with B >= 1 and H, W >= 4, or a value is
-            NaN or inf.
-    """
-    if not isinstance(images, Tensor):
-        raise TypeError(f"images must be a torch.Tensor (B, 3, H, W); got {type(images).__name__}")
-    if images.ndim != 4 or images.shape[1] not in (1, 3) or min(images.shape[2:]) < 4:
-        raise ValueError(
-            f"images must be (B, 3, H, W) or (B, 1, H, W) with H, W >= 4, white ink on black; got {tuple(images.shape)}"
-        )
-    if images.shape[0] == 0:
-        raise ValueError("images is an empty batch (0, C, H, W); pass at least one image")
-    gray = images.detach().float().cpu().mean(dim=1, keepdim=True)
-    if not torch.isfinite(gray).all():
-        raise ValueError("images contain NaN or inf; decode or clamp them to [0, 1] first")
-    return gray.clamp(0, 1)
-
-
-def resample(gray: Tensor, size: int = SIZE) -> Tensor:
-    """Resample (B, 1, H, W) to (B, 1, size, size): area average when shrinking, bilinear when enlarging."""
-    if gray.shape[-2:] == (size, size):
-        return gray
-    if gray.shape[-2] >= size and gray.shape[-1] >= size:
-        return F.interpolate(gray, size=(size, size), mode="area")
-    return F.interpolate(gray, size=(size, size), mode="bilinear", align_corners=False)
-
-
-def gaussian_blur(x: Tensor, sigma: float | Tensor) -> Tensor:
-    """Separable Gaussian blur of x (B, 1, H, W); sigma a float or (B,) per image (0 = no blur)."""
-    b = x.shape[0]
-    sig = torch.as_tensor(sigma, dtype=x.dtype).expand(b).clamp_min(1e-3)
-    radius = max(1, int(math.ceil(3 * float(sig.max()))))
-    taps = torch.arange(-radius, radius + 1, dtype=x.dtype)
-    kernel = torch.exp(-0.5 * (taps[None] / sig[:, None]) ** 2)
-    kernel = kernel / kernel.sum(dim=1, keepdim=True)  # (B, K)
-    k = kernel.shape[1]
-    # grouped conv: one kernel per image
-    y = F.conv2d(F.pad(x.transpose(0, 1), (radius, radius, 0, 0), mode="replicate"), kernel.view(b, 1, 1, k), groups=b)
-    y = F.conv2d(F.pad(y, (0, 0, radius, radius), mode="replicate"), kernel.view(b, 1, k, 1), groups=b)
-    return y.transpose(0, 1)
-
-
-def contrast(gray: Tensor) -> Tensor:
-    """Ink contrast (B,) of gray images (B, 1, H, W).
-
-    At 32x32: the brightest 2x2 block mean minus the darkest 4x4 block mean (the background).
-    """
-    x = resample(gray)
-    return F.avg_pool2d(x, 2).amax(dim=(1, 2, 3)) - F.avg_pool2d(x, 4).amin(dim=(1, 2, 3))
-
-
-def normalise(gray: Tensor) -> Tensor:
-    """The canonical form: (B, 1, H, W) in [0, 1] -> (B, 1, 32, 32).
-
-    Resample to 32x32; subtract the background (the darkest 4x4 block mean); divide by the ink
-    level (the brightest 2x2 block mean above background), but never by less than
-    ``MIN_CONTRAST``, so a blank image stays blank; then an affine resample that moves the ink's
-    centre of mass to the centre and scales its radius of gyration to ``INK_RADIUS`` pixels (scale
-    factor clipped to [0.6, 2.5]).
-    """
-    x = resample(gray)
-    b = x.shape[0]
-    background = F.avg_pool2d(x, 4).amin(dim=(1, 2, 3))
-    level = contrast(x).clamp_min(MIN_CONTRAST)
-    x = ((x - background.view(b, 1, 1, 1)) / level.view(b, 1, 1, 1)).clamp(0, 1)
-    coords = (torch.arange(SIZE, dtype=x.dtype) + 0.5) / SIZE * 2 - 1  # pixel centres in [-1, 1]
-    mass = x.sum(dim=(1, 2, 3)).clamp_min(1e-6)
-    cy = (x.sum(dim=3)[:, 0] * coords).sum(dim=1) / mass
-    cx = (x.sum(dim=2)[:, 0] * coords).sum(dim=1) / mass
-    spread = x[:, 0] * (
-        (coords.view(1, -1, 1) - cy.view(b, 1, 1)) ** 2 + (coords.view(1, 1, -1) - cx.view(b, 1, 1)) ** 2
-    )
-    radius = (spread.sum(dim=(1, 2)) / mass).sqrt() * SIZE / 2
-    empty = x.sum(dim=(1, 2, 3)) < 1.0
-    scale = (radius / INK_RADIUS).clamp(1 / 2.5, 1 / 0.6)  # sampling step: >1 shrinks the ink
-    scale = torch.where(empty, torch.ones_like(scale), scale)
-    cx = torch.where(empty, torch.zeros_like(cx), cx)
-    cy = torch.where(empty, torch.zeros_like(cy), cy)
-    theta = torch.zeros(b, 2, 3, dtype=x.dtype)
-    theta[:, 0, 0] = scale
-    theta[:, 1, 1] = scale
-    theta[:, 0, 2] = cx
-    theta[:, 1, 2] = cy
-    grid = F.affine_grid(theta, [b, 1, SIZE, SIZE], align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-
-
-def _cells(x: Tensor) -> Tensor:
-    """Sums over overlapping cells: (B, C, 16, 16) -> (B, C, 7, 7), cells of 4x4 at stride 2."""
-    b, c = x.shape[:2]
-    blocks = x.view(b, c, 8, 2, 8, 2).sum(dim=(3, 5))
-    return blocks[:, :, :-1, :-1] + blocks[:, :, 1:, :-1] + blocks[:, :, :-1, 1:] + blocks[:, :, 1:, 1:]
-
-
-def _oriented_gradients(x: Tensor, sigma: float) -> Tensor:
-    """HOG-like cells of x (B, 1, 32, 32): (B, ORIENTATIONS * 7 * 7), power- and L2-normalised.
-
-    After a Gaussian blur the image is area-halved to 16x16 and differentiated with central
-    differences. The gradient is written as its double-angle vector
-    ``m (cos 2t, sin 2t) = ((gx^2 - gy^2) / m, 2 gx gy / m)``, so opposite directions agree (unsigned
-    orientation); its response to orientation bin k is ``relu(<that vector, (cos 2p_k, sin 2p_k)>)``,
-    a soft bin. Responses are summed over 4x4 cells at stride 2 (7x7 cells of the 16x16 image).
-    """
-    g = F.avg_pool2d(gaussian_blur(x, sigma), 2)
-    p = F.pad(g, (1, 1, 1, 1), mode="replicate")
-    gx = (p[:, :, 1:-1, 2:] - p[:, :, 1:-1, :-2]) / 2
-    gy = (p[:, :, 2:, 1:-1] - p[:, :, :-2, 1:-1]) / 2
-    magnitude = (gx**2 + gy**2 + 1e-12).sqrt()
-    c, s = (gx**2 - gy**2) / magnitude, 2 * gx * gy / magnitude
-    phase = 2 * math.pi * torch.arange(ORIENTATIONS, dtype=x.dtype) / ORIENTATIONS
-    response = F.relu(c * phase.cos().view(1, -1, 1, 1) + s * phase.sin().view(1, -1, 1, 1))  # (B, O, 16, 16)
-    hist = _cells(response).flatten(1).sqrt()
-    return hist / (hist.norm(dim=1, keepdim=True) + 0.05)
-
-
-def features(gray: Tensor) -> Tensor:
-    """Reader features (B, 833) of gray images (B, 1, H, W) in [0, 1].
-
-    The canonical form (:func:`normalise`), then two oriented-gradient maps (blur sigma 1 and 2 px,
-    8 x 7 x 7 each) and a 7x7 ink map.
-    """
-    x = normalise(gray)
-    ink = _cells(F.avg_pool2d(x, 2)).flatten(1) / 16
-    return torch.cat([_oriented_gradients(x, s) for s in BLUR_SIGMAS] + [ink], dim=1)
-
-
-N_FEATURES = 2 * ORIENTATIONS * 49 + 49
 
 
 class ReaderHead(nn.Module):
@@ -246,255 +107,6 @@ def reader_accuracy(images: Tensor, labels: Tensor | Sequence[int], weights: str
     if labels.shape != (len(images),):
         raise ValueError(f"labels must be ({len(images)},) to match images; got {tuple(labels.shape)}")
     return float((read_digits(images, weights) == labels).float().mean())
-
-
-# --------------------------------------------------------------------------------------------
-# stroke-width augmentation: skeleton and distance transform
-
-
-def thin(binary: Tensor) -> Tensor:
-    """Zhang-Suen thinning of binary images (B, H, W) bool to one-pixel skeletons (B, H, W) bool.
-
-    Reference: Zhang & Suen, "A fast parallel algorithm for thinning digital patterns", CACM 1984.
-    """
-    x = binary.clone()
-    while True:
-        changed = False
-        for step in (0, 1):
-            p = F.pad(x.float(), (1, 1, 1, 1))[:, None]
-            # neighbours P2..P9, clockwise from north
-            shifts = [(-1, 0), (-1, 1), (0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1)]
-            h, w = x.shape[1:]
-            n = [p[:, 0, 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w] for dy, dx in shifts]
-            count = sum(n)
-            transitions = sum((n[i] == 0) & (n[(i + 1) % 8] == 1) for i in range(8))
-            p2, p4, p6, p8 = n[0], n[2], n[4], n[6]
-            if step == 0:
-                cond = (p2 * p4 * p6 == 0) & (p4 * p6 * p8 == 0)
-            else:
-                cond = (p2 * p4 * p8 == 0) & (p2 * p6 * p8 == 0)
-            remove = x & (count >= 2) & (count <= 6) & (transitions == 1) & cond
-            if remove.any():
-                x = x & ~remove
-                changed = True
-        if not changed:
-            return x
-
-
-def skeleton_distances(images: np.ndarray, threshold: float = 0.3) -> Tensor:
-    """Distance (pixels at 32x32) from every pixel to the digit's skeleton.
-
-    Args:
-        images: (N, h, w) gray digits in [0, 1].
-        threshold: ink level of the bicubic 32x32 upsample that counts as stroke.
-
-    Returns:
-        (N, 32, 32) float32; rendering ``clamp(width / 2 + 0.5 - d, 0, 1)`` draws the digit with
-        strokes ``width`` pixels wide.
-    """
-    from scipy.ndimage import distance_transform_edt
-
-    small = torch.as_tensor(images, dtype=torch.float32)[:, None]
-    big = F.interpolate(small, size=(SIZE, SIZE), mode="bicubic", align_corners=False)[:, 0]
-    skeleton = thin(big > threshold).numpy()
-    out = np.stack([distance_transform_edt(~s) if s.any() else np.full(s.shape, 99.0) for s in skeleton])
-    return torch.as_tensor(out, dtype=torch.float32)
-
-
-# --------------------------------------------------------------------------------------------
-# augmentation
-
-
-def _uniform(n: int, lo: float, hi: float, gen: torch.Generator) -> Tensor:
-    return lo + (hi - lo) * torch.rand(n, generator=gen)
-
-
-def _warp(x: Tensor, gen: torch.Generator, elastic: float = 1.5) -> Tensor:
-    """Random affine and elastic warp of x (B, 1, 32, 32), one bilinear resample.
-
-    Rotation +-15 deg, scale 0.8-1.2, aspect +-10 %, shear +-0.25, shift +-3 px, plus a smooth
-    elastic displacement field (5x5 control points, bicubic, up to ``elastic`` px; Simard et al. 2003).
-    """
-    b = x.shape[0]
-    angle = _uniform(b, -15, 15, gen) * math.pi / 180
-    scale = _uniform(b, 0.8, 1.2, gen)
-    aspect = _uniform(b, 0.9, 1.1, gen)
-    shear = _uniform(b, -0.25, 0.25, gen)
-    shift = _uniform(2 * b, -3, 3, gen).view(b, 2) * 2 / SIZE
-    cos, sin = angle.cos(), angle.sin()
-    rot = torch.stack([torch.stack([cos, -sin], 1), torch.stack([sin, cos], 1)], 1)
-    shr = torch.eye(2).repeat(b, 1, 1)
-    shr[:, 0, 1] = shear
-    scl = torch.diag_embed(torch.stack([scale * aspect, scale / aspect], 1))
-    inv = torch.linalg.inv(rot @ shr @ scl)  # affine_grid maps output -> input coordinates
-    theta = torch.cat([inv, -(inv @ shift[:, :, None])], dim=2)
-    grid = F.affine_grid(theta, [b, 1, SIZE, SIZE], align_corners=False)
-    field = torch.randn(b, 2, 5, 5, generator=gen) * _uniform(b, 0, elastic, gen).view(b, 1, 1, 1) * 2 / SIZE
-    field = F.interpolate(field, size=(SIZE, SIZE), mode="bicubic", align_corners=True)
-    return F.grid_sample(
-        x, grid + field.permute(0, 2, 3, 1), mode="bilinear", padding_mode="zeros", align_corners=False
-    )
-
-
-def _stroke(images8: Tensor, distances: Tensor, gen: torch.Generator) -> Tensor:
-    """Each digit (B, 8, 8) at 32x32 with a random stroke width, (B, 1, 32, 32).
-
-    Half are re-rendered from one of their skeletons (``distances`` (B, S, 32, 32), one per
-    threshold) at a width of 1-8 px; half are the gray upsample itself, eroded or dilated (3x3 or
-    5x5) or left alone.
-    """
-    b = images8.shape[0]
-    width = _uniform(b, 1.0, 8.0, gen).view(b, 1, 1, 1)
-    which = torch.randint(0, distances.shape[1], (b,), generator=gen)
-    rendered = (width / 2 + 0.5 - distances[torch.arange(b), which][:, None]).clamp(0, 1)
-    gray = resample(images8[:, None])
-    k = (torch.rand(b, generator=gen) < 0.5).view(b, 1, 1, 1)
-    dil = torch.where(k, F.max_pool2d(gray, 5, 1, 2), F.max_pool2d(gray, 3, 1, 1))
-    ero = torch.where(k, -F.max_pool2d(-gray, 5, 1, 2), -F.max_pool2d(-gray, 3, 1, 1))
-    pick = torch.randint(0, 4, (b,), generator=gen).view(b, 1, 1, 1)
-    gray = torch.where(pick == 1, dil, torch.where(pick == 2, ero, gray))
-    use_skeleton = (torch.rand(b, generator=gen) < 0.5).view(b, 1, 1, 1)
-    return torch.where(use_skeleton, rendered, gray)
-
-
-def _photometric(x: Tensor, gen: torch.Generator) -> Tensor:
-    """Blur, gamma, ink level and background of x (B, 1, 32, 32).
-
-    Blur sigma 0-1.2 px (half the time), gamma 0.6-1.6, ink level 0.3-1, a gray background 0-0.3
-    (a third of the time, always at least 0.2 below the ink).
-    """
-    b = x.shape[0]
-    blur = _uniform(b, 0.0, 1.2, gen) * (torch.rand(b, generator=gen) < 0.5)
-    x = gaussian_blur(x, blur).clamp(0, 1) ** _uniform(b, 0.6, 1.6, gen).view(b, 1, 1, 1)
-    level = _uniform(b, 0.3, 1.0, gen)
-    background = _uniform(b, 0.0, 0.3, gen) * (torch.rand(b, generator=gen) < 0.33)
-    background = torch.minimum(background, level - 0.2).clamp_min(0)
-    return background.view(b, 1, 1, 1) + (level - background).view(b, 1, 1, 1) * x
-
-
-def _junk(n: int, gen: torch.Generator) -> Tensor:
-    """Unreadable images (n, 1, 32, 32): filled ellipses (blobs), blank or uniform gray, noise."""
-    coords = (torch.arange(SIZE, dtype=torch.float32) + 0.5) - SIZE / 2
-    yy, xx = coords.view(1, -1, 1), coords.view(1, 1, -1)
-    cy, cx = _uniform(n, -5, 5, gen).view(n, 1, 1), _uniform(n, -5, 5, gen).view(n, 1, 1)
-    ry, rx = _uniform(n, 4, 16, gen).view(n, 1, 1), _uniform(n, 4, 16, gen).view(n, 1, 1)
-    r = (((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2).sqrt()
-    softness = _uniform(n, 0.05, 0.5, gen).view(n, 1, 1)
-    blob = ((1 - r) / softness).clamp(0, 1)
-    kind = torch.randint(0, 4, (n,), generator=gen).view(n, 1, 1)
-    blank = torch.zeros(n, SIZE, SIZE)
-    noise = torch.rand(n, SIZE, SIZE, generator=gen) * (torch.rand(n, SIZE, SIZE, generator=gen) < 0.3)
-    noise = gaussian_blur(noise[:, None], 0.7)[:, 0]
-    x = torch.where(kind <= 1, blob, torch.where(kind == 2, blank, noise))
-    return _photometric(x[:, None], gen)
-
-
-def _degrade(x: Tensor, gen: torch.Generator) -> list[tuple[Tensor, Tensor]]:
-    """Split x (B, 1, 32, 32) into groups resampled to 8, 12, 16, 24 or 32 px with noise (std 0-0.08)."""
-    sizes = torch.tensor([8, 12, 16, 24, 32])
-    which = sizes[torch.randint(0, len(sizes), (x.shape[0],), generator=gen)]
-    out = []
-    for size in sizes.tolist():
-        part = x[which == size]
-        if len(part):
-            part = F.interpolate(part, size=(size, size), mode="area") if size != SIZE else part
-            std = _uniform(len(part), 0.0, 0.08, gen).view(-1, 1, 1, 1)
-            out.append((which == size, (part + std * torch.randn(part.shape, generator=gen)).clamp(0, 1)))
-    return out
-
-
-def augmented_features(
-    images8: Tensor, distances: Tensor, labels: Tensor, gen: torch.Generator, junk_fraction: float = 0.1
-) -> tuple[Tensor, Tensor]:
-    """One augmented draw: features (B + J, 833) and soft targets (B + J, 10) (junk rows uniform)."""
-    x = _photometric(_warp(_stroke(images8, distances, gen), gen), gen)
-    n_junk = int(round(junk_fraction * len(x)))
-    x = torch.cat([x, _junk(n_junk, gen)])
-    targets = torch.cat([F.one_hot(labels, 10).float(), torch.full((n_junk, 10), 0.1)])
-    feats = torch.empty(len(x), N_FEATURES)
-    for mask, part in _degrade(x, gen):
-        feats[mask] = features(part)
-    return feats, targets
-
-
-# --------------------------------------------------------------------------------------------
-# transformed real digits: the checks (tests, bench/reader.py), not the training augmentation
-
-
-def _rotate(x: Tensor, degrees: float) -> Tensor:
-    theta = torch.zeros(len(x), 2, 3)
-    rad = math.radians(degrees)
-    theta[:, 0, 0] = theta[:, 1, 1] = math.cos(rad)
-    theta[:, 0, 1], theta[:, 1, 0] = -math.sin(rad), math.sin(rad)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-
-
-def _skeleton_render(images8: Tensor, width: float) -> Tensor:
-    return (width / 2 + 0.5 - skeleton_distances(images8[:, 0].numpy(), 0.3)[:, None]).clamp(0, 1)
-
-
-VARIANTS: dict[str, str] = {
-    "plain 8x8": "the real digits as they are",
-    "plain 16x16": "bilinear upsample",
-    "plain 32x32": "bilinear upsample",
-    "plain 64x64": "bilinear upsample",
-    "eroded 16x16": "32x32 upsample, gray erosion 5x5 (strokes 4 px thinner at 32), area to 16",
-    "dilated 16x16": "32x32 upsample, gray dilation 5x5 (strokes 4 px bolder at 32), area to 16",
-    "eroded 8x8": "the same erosion, area to 8",
-    "dilated 8x8": "the same dilation, area to 8",
-    "skeleton 1.5px 16x16": "thinned to the skeleton, drawn 1.5 px wide at 32, full contrast, area to 16",
-    "skeleton 6px 16x16": "thinned to the skeleton, drawn 6 px wide at 32, full contrast, area to 16",
-    "dim x0.35 8x8": "ink scaled by 0.35",
-    "gray bg 0.3 + noise 16x16": "16x16, background 0.3, ink 1, gaussian noise std 0.05",
-    "rotated +12 16x16": "rotated 12 degrees anticlockwise",
-    "rotated -12 16x16": "rotated 12 degrees clockwise",
-    "blurred 16x16": "gaussian blur sigma 1.5 px at 32, area to 16",
-}
-
-
-def transformed_digits(images8: Tensor, variant: str, seed: int = 0) -> Tensor:
-    """One of :data:`VARIANTS` of real digits (N, 1, 8, 8) in [0, 1] -> (N, 1, H, W) in [0, 1]."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; pick one of {sorted(VARIANTS)}")
-    big = resample(images8)
-    gen = torch.Generator().manual_seed(seed)
-    if variant.startswith("plain"):
-        size = int(variant.split()[-1].split("x")[0])
-        return images8 if size == 8 else resample(images8, size)
-    size = int(variant.split()[-1].split("x")[0])
-    if variant.startswith("eroded"):
-        out = -F.max_pool2d(-big, 5, 1, 2)
-    elif variant.startswith("dilated"):
-        out = F.max_pool2d(big, 5, 1, 2)
-    elif variant.startswith("skeleton"):
-        out = _skeleton_render(images8, float(variant.split()[1].removesuffix("px")))
-    elif variant.startswith("dim"):
-        out = big * 0.35
-    elif variant.startswith("gray bg"):
-        small = 0.3 + 0.7 * resample(images8, 16)
-        return (small + 0.05 * torch.randn(small.shape, generator=gen)).clamp(0, 1)
-    elif variant.startswith("rotated"):
-        out = _rotate(big, float(variant.split()[1]))
-    else:  # blurred
-        out = gaussian_blur(big, 1.5)
-    return F.interpolate(out.clamp(0, 1), size=(size, size), mode="area")
-
-
-def unreadable_images() -> dict[str, Tensor]:
-    """Images that show no digit (4, 1, 16, 16) each: blank, uniform gray, all white, a filled disk."""
-    coords = torch.arange(16, dtype=torch.float32) + 0.5 - 8
-    disk = ((coords.view(-1, 1) ** 2 + coords.view(1, -1) ** 2).sqrt() < 5.5).float()
-    return {
-        "blank": torch.zeros(4, 1, 16, 16),
-        "uniform gray": torch.full((4, 1, 16, 16), 0.5),
-        "all white": torch.ones(4, 1, 16, 16),
-        "filled disk": disk.expand(4, 1, 16, 16) * torch.tensor([1.0, 0.7, 0.5, 0.3]).view(4, 1, 1, 1),
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# training, saving, loading
 
 
 def _soft_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
@@ -574,7 +186,7 @@ def train_reader(
             "copies": copies,
             "n_train": len(labels),
             "train_part": "reader",
-            "train_indices_sha256": _indices_digest(indices),
+            "train_indices_sha256": indices_digest(indices),
             "test_accuracy": float((test_pred == torch.as_tensor(test_labels)).float().mean()),
             "train_seconds": round(seconds, 1),
             "threads": threads,
@@ -585,9 +197,8 @@ def train_reader(
         torch.set_num_threads(previous_threads)
 
 
-def _indices_digest(indices: np.ndarray) -> str:
-    import hashlib
-
+def indices_digest(indices: np.ndarray) -> str:
+    """sha256 hex digest of int64 indices (N,): the fingerprint of a training part in the weights' header."""
     return hashlib.sha256(np.asarray(indices, dtype=np.int64).tobytes()).hexdigest()
 
 

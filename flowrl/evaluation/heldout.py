@@ -5,6 +5,7 @@ Every ``train.eval_every`` iterations the run samples its eval prompts with fixe
 the objective's eval adapter (e.g. DiffusionNFT's EMA weights), then logs:
 
     eval/reward_mean, eval/<reward>   the trained rewards on the held-out samples
+    eval/reward_ci95                  half-width of reward_mean's 95 % interval (as ``flowrl eval`` reports it)
     guard/<name>                      each guard reward (never trained on), and guard/<name>_best
     eval/diversity                    mean over prompts of the per-prompt pairwise RMS distance
     eval/diversity_base, eval/diversity_ratio   the base model's diversity, and ours over it
@@ -25,7 +26,7 @@ from torch import Tensor
 from ..prompts.batch import collate
 from ..prompts.files import Prompt
 from .guard_rewards import GuardSpec, GuardTracker, Trip
-from .metrics import prompt_diversity, sample_drift
+from .metrics import mean_ci, prompt_diversity, sample_drift
 
 SampleFn = Callable[[list[Prompt], list[int]], Tensor]
 
@@ -125,7 +126,7 @@ class HeldOutEvaluation:
                 self.base_diversity = float(prompt_diversity(self.base_images.float() / 255, self.groups).mean())
         batch = collate(self.prompts)
         scored = self.reward(images, batch.texts, **batch.metadata)
-        metrics = {"eval/reward_mean": float(scored.total.mean())}
+        metrics = {"eval/reward_mean": float(scored.total.mean()), "eval/reward_ci95": mean_ci(scored.total).half_width}
         metrics.update({f"eval/{k}": float(v.float().nanmean()) for k, v in scored.components.items()})
         metrics.update(self._monitors(images))
         guards = self._guards(images, batch.texts, batch.metadata, metrics)

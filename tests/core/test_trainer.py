@@ -46,7 +46,7 @@ def test_one_iteration_updates_only_the_lora(tiny_sd3):
             assert torch.equal(p, frozen[n]), n
     assert any(not torch.equal(p, lora_b[n]) for n, p in tiny_sd3.transformer.named_parameters() if n in lora_b)
     ev = trainer.evaluate()
-    assert set(ev) == {"eval/reward_mean", "eval/ink", "eval/digit_correctness", "eval/drift"}  # + monitors
+    assert set(ev) == {"eval/reward_mean", "eval/reward_ci95", "eval/ink", "eval/digit_correctness", "eval/drift"}
 
 
 def test_state_dict_restores_exactly(tiny_sd3):

@@ -197,7 +197,7 @@ def test_flow_grpo_update_through_the_trainer_and_lora_loads_in_wan_pipeline(tmp
     assert (model.velocity(x, sigma, cond) - base).abs().max() > 1e-3  # the update moved the policy
     videos = trainer.sample(prompts, [7, 8])
     assert videos.shape == (2, 5, 3, 16, 16)
-    assert set(trainer.evaluate()) == {"eval/reward_mean", "eval/brightness", "eval/drift"}
+    assert set(trainer.evaluate()) == {"eval/reward_mean", "eval/reward_ci95", "eval/brightness", "eval/drift"}
     save_before_after(videos, videos, 2, tmp_path / "grid.png")  # middle frames
     assert (tmp_path / "grid.png").is_file()
 

@@ -309,8 +309,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     Returns:
         The exit code, 0.
     """
-    from .evaluation.checkpoints import CheckpointBank
-    from .evaluation.compare import (
+    from .comparison.checkpoints import CheckpointBank
+    from .comparison.evaluate import (
         EvalSettings,
         checkpoints_of,
         eval_meta,
@@ -344,9 +344,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     Returns:
         The exit code, 0 (after the server stops).
     """
+    from .comparison.checkpoints import CheckpointBank
     from .demo.app import build_app, launch
     from .demo.registry import RunRegistry
-    from .evaluation.checkpoints import CheckpointBank
     from .runtime import configure_threads
 
     configure_threads(None)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import Tensor
 
+from ..evaluation.table import CheckpointFigures, checkpoint_figures, figures_json, markdown_table
 from .checkpoints import Checkpoint, CheckpointBank, base_checkpoint, generate, read_run_config, run_guards
-from .table import CheckpointFigures, checkpoint_figures, figures_json, markdown_table
 
 if TYPE_CHECKING:
     from ..prompts.files import Prompt

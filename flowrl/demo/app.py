@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..evaluation.checkpoints import CheckpointBank
+from ..comparison.checkpoints import CheckpointBank
 from ..evaluation.table import table_cells
 from .generation import Comparison, caption, guards_of, reward_names, run_comparison, scoring_spec
 from .plots import REWARD_KEYS, curves_figure, frame_strip, metric_keys, read_rows, save_gif, to_pil, upscale

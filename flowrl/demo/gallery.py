@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..evaluation.checkpoints import CheckpointBank, base_checkpoint, run_checkpoints
-from ..evaluation.compare import sample_checkpoint
+from ..comparison.checkpoints import CheckpointBank, base_checkpoint, run_checkpoints
+from ..comparison.evaluate import sample_checkpoint
 from .plots import REWARD_KEYS, curves_figure, frame_strip, read_rows, save_figure, upscale
 
 GALLERY_SEED_BASE = 4_000_000

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..evaluation.checkpoints import Checkpoint, CheckpointBank, generate
-from ..evaluation.compare import build_rewards, guard_spec, reward_spec
+from ..comparison.checkpoints import Checkpoint, CheckpointBank, generate
+from ..comparison.evaluate import build_rewards, guard_spec, reward_spec
 from ..evaluation.table import CheckpointFigures, checkpoint_figures
 from ..prompts.files import Prompt
 from .validation import Request
@@ -72,7 +72,7 @@ def scoring_spec(checkpoints: Sequence[Checkpoint], names: Sequence[str] | None)
 
 def _score(spec: dict[str, dict[str, Any]], images: Tensor, prompt: str, errors: list[str]) -> dict[str, Tensor]:
     """Score with each reward on its own, so one reward that cannot read the prompt leaves the others."""
-    from ..evaluation.compare import score
+    from ..comparison.evaluate import score
 
     prompts = [Prompt(prompt, {})] * len(images)
     out: dict[str, Tensor] = {}

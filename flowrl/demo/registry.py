@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ..evaluation.checkpoints import Checkpoint, base_checkpoint, find_runs, run_checkpoints
+from ..comparison.checkpoints import Checkpoint, base_checkpoint, find_runs, run_checkpoints
 
 DEFAULT_RUNS = Path("runs")  # the parent of the default output.dir (runs/digits-bold-thin)
 

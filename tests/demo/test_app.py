@@ -8,9 +8,9 @@ import pytest
 import torch
 from run_folders import make_run
 
+from flowrl.comparison.checkpoints import CheckpointBank, read_run_config
 from flowrl.demo.app import DemoState, build_app
 from flowrl.demo.registry import RunRegistry
-from flowrl.evaluation.checkpoints import CheckpointBank, read_run_config
 from flowrl.evaluation.table import markdown_table, table_cells
 
 FORM = ("a bold handwritten 3", "0-2", "ode", 4, 1.0, 0.7)

@@ -10,8 +10,8 @@ import torch
 from run_folders import make_run
 
 from flowrl.cli import main
-from flowrl.evaluation.checkpoints import CheckpointBank
-from flowrl.evaluation.compare import EvalSettings, checkpoints_of, evaluate_checkpoints, guard_spec, reward_spec
+from flowrl.comparison.checkpoints import CheckpointBank
+from flowrl.comparison.evaluate import EvalSettings, checkpoints_of, evaluate_checkpoints, guard_spec, reward_spec
 from flowrl.evaluation.metrics import mean_ci
 from flowrl.evaluation.table import checkpoint_figures, figures_json, markdown_table, table_cells
 from flowrl.prompts.files import Prompt

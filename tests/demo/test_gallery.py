@@ -10,8 +10,8 @@ from PIL import Image
 from run_folders import make_run, make_wan_run
 
 from flowrl.cli import main
+from flowrl.comparison.checkpoints import CheckpointBank
 from flowrl.demo.gallery import build_gallery
-from flowrl.evaluation.checkpoints import CheckpointBank
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "docs" / "benchmarks-convergence.json"

@@ -235,13 +235,7 @@ class CheckpointBank:
         return name
 
     @contextmanager
-    def active(self, checkpoint: Checkpoint) -> Iterator[Policy]:
-        """Run with ``checkpoint`` active on its model; yields its policy (run guidance)."""
-        with self.activated(checkpoint, None) as policy:
-            yield policy
-
-    @contextmanager
-    def activated(self, checkpoint: Checkpoint, guidance_scale: float | None) -> Iterator[Policy]:
+    def activated(self, checkpoint: Checkpoint, guidance_scale: float | None = None) -> Iterator[Policy]:
         """Run with ``checkpoint``'s adapter active (the base model: every adapter off); yields its policy."""
         name = self.adapter_name(checkpoint)
         policy = self.policy(checkpoint, guidance_scale)

@@ -106,7 +106,7 @@ def sample_checkpoint(
     """Deterministic ODE samples of one checkpoint (steps: the run's evaluation steps when None)."""
     cfg = bank.config(checkpoint)
     n = steps or cfg.train.eval_steps or cfg.sampler.num_steps
-    with bank.active(checkpoint) as policy:
+    with bank.activated(checkpoint) as policy:
         return generate(policy, texts, seeds, steps=n, sampler="ode", frames=cfg.model.num_frames)
 
 

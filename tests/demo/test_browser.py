@@ -117,3 +117,19 @@ def test_bad_input_shows_an_error_and_the_app_keeps_working(page):
         "document.querySelector('#grid') && document.querySelector('#grid').innerText.includes('seed 2')",
         timeout=120_000,
     )
+
+
+def test_a_path_outside_the_start_folders_is_refused_visibly(page):
+    page.click("text=open another run folder")
+    box = page.get_by_label("run folder (under the folders the demo was started with)")
+    box.fill("../../../etc")
+    page.click("#add_run")
+    page.wait_for_selector("text=outside the folders this demo was started with", timeout=30_000)
+    assert page.locator("#checkpoints label").count() == 2  # still base and aligned only
+
+
+def test_the_training_curves_tab_plots_the_runs_metrics(page):
+    page.get_by_role("tab", name="Training curves").click()
+    page.wait_for_selector("#curves img", timeout=30_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo-curves.png"), full_page=True)

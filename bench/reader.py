@@ -182,6 +182,14 @@ def sample_table(judges: Judges, samples: dict[str, tuple[Tensor, Tensor]], mode
         size = f"{images.shape[-2]}x{images.shape[-1]}"
         cells = " | ".join(f"{100 * a:.1f} %" for a in accs)
         rows.append(f"| {style} | {size} | {cells} | {float(results[0][1].mean()):.2f} |")
+    rows += ["", "| reader, per digit | " + " | ".join(str(d) for d in range(10)) + " |", "|---|" + "---|" * 10]
+    for style, (images, labels) in samples.items():
+        right = judges.reader(images)[0] == labels
+        rows.append(
+            f"| {style} | "
+            + " | ".join(f"{100 * float(right[labels == d].float().mean()):.0f} %" for d in range(10))
+            + " |"
+        )
     return rows
 
 

@@ -79,6 +79,7 @@ class MeanCI:
 
     @property
     def half_width(self) -> float:
+        """Half the interval's width (the ``±`` of a table)."""
         return (self.high - self.low) / 2
 
 

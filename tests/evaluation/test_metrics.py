@@ -15,7 +15,8 @@ def test_diversity_matches_pairwise_loop():
     out = prompt_diversity(images, ids)
     for g, value in zip((0, 1), out.tolist()):
         rows = images[ids == g].double().reshape(-1, 48)
-        pairs = [(rows[i] - rows[j]).norm() / math.sqrt(48) for i in range(len(rows)) for j in range(len(rows)) if i != j]
+        n = len(rows)
+        pairs = [(rows[i] - rows[j]).norm() / math.sqrt(48) for i in range(n) for j in range(n) if i != j]
         assert value == pytest.approx(float(sum(pairs) / len(pairs)), abs=1e-12)
 
 

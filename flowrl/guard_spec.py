@@ -65,7 +65,7 @@ def parse_guards(section: Mapping[str, Any], rewards: Mapping[str, Any] = ()) ->
         if name in rewards:
             raise ValueError(
                 f"'guards.{name}' is also a trained reward (rewards.{name}); a guard is never trained on: "
-                "remove it from one of the two sections, or give the guard another label with `reward: <name>`"
+                "remove it from one of the two sections"
             )
         options = dict(entry)
         if "weight" in options:

@@ -184,6 +184,7 @@ class MemoryConfig:
     offload_vae: bool = False  # VAE on the CPU outside decoding
     free_encoders_when_cached: bool = False  # encode every train/eval prompt once, then drop the encoders
     attention_backend: Literal["sdpa", "xformers"] = "sdpa"  # xformers: CUDA + `pip install xformers`
+    compile: Literal["none", "default", "reduce-overhead", "max-autotune"] = "none"  # torch.compile the denoiser
 
 
 @dataclass

@@ -26,10 +26,10 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor, reduce: Reducti
     Returns:
         Tensor (B,) in the dtype of the inputs (callers pass fp32 or fp64).
     """
-    std = torch.broadcast_to(std, sample.shape)
-    safe = torch.where(std > 0, std, torch.ones_like(std))
+    positive = std > 0  # on std's own shape: log and squares of a per-sample std cost B ops, not B x C x H x W
+    safe = torch.where(positive, std, torch.ones_like(std))
     elem = -((sample - mean) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * math.log(2 * math.pi)
-    elem = torch.where(std > 0, elem, torch.zeros_like(elem))
+    elem = torch.where(positive, elem, torch.zeros_like(elem))
     dims = tuple(range(1, sample.ndim))
     if reduce == "mean":
         return elem.mean(dim=dims)

@@ -64,14 +64,17 @@ def rollout(
     step_fn = get_sde_step(sde)
     x = x_init.float()
     batch = x.shape[0]
-    latents, log_probs = [x], []
+    grid = sigmas.to(device=x.device, dtype=x.dtype)  # one transfer, not one host-to-device copy per step
+    levels = noise_levels.tolist()  # host floats, read once
+    latents = x.new_empty((batch, num_steps + 1, *x.shape[1:]))  # filled in place: no list, no stacking copy
+    log_probs = x.new_empty((batch, num_steps))
+    latents[:, 0] = x
     for i in range(num_steps):
-        sigma = sigmas[i].to(x.dtype).expand(batch)
-        sigma_next = sigmas[i + 1].to(x.dtype).expand(batch)
+        sigma, sigma_next = grid[i].expand(batch), grid[i + 1].expand(batch)
         v = velocity_fn(x, sigma)
         noise = None if noises is None else noises[:, i]
-        step = step_fn(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator)
+        step = step_fn(x, v, sigma, sigma_next, levels[i], noise=noise, generator=generator)
         x = step.sample.float()
-        latents.append(x)
-        log_probs.append(step.log_prob.float())
-    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), sigmas, noise_levels, sde)
+        latents[:, i + 1] = x
+        log_probs[:, i] = step.log_prob
+    return Trajectory(latents, log_probs, sigmas, noise_levels, sde)

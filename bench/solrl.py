@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.solrl speed  [--prompts 8] [--candidates 16] [--rounds 5]
-    python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40]
+    python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40] [--set solrl.candidates=8 ...]
 
 ``speed``: candidates per second of each explore setting against the full-precision rollout
 (the stage-2 setting: the LoRA policy, ``sampler.num_steps`` DPM-Solver++(2M) steps), in one
@@ -58,6 +58,7 @@ VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, 
     ("full precision, 10 steps", None, {}, 10),
     ("fp32 merged, 3 steps", "fp32", {}, 3),
     ("int8_dynamic, 5 steps", "int8_dynamic", {}, None),
+    ("int8_dynamic, 4 steps", "int8_dynamic", {}, 4),
     ("int8_dynamic, 3 steps", "int8_dynamic", {}, 3),
     ("int8_dynamic, 2 steps", "int8_dynamic", {}, 2),
     ("nvfp4 W4A4 emulated, 6 steps", "nvfp4", {"activations": True}, 6),
@@ -178,7 +179,7 @@ def first_reach(rows: list[dict[str, float]], key: str, target: float) -> float 
 
 
 def budget(args: argparse.Namespace) -> None:
-    two = load_config(SOLRL, ["train.progress=false"])
+    two = load_config(SOLRL, ["train.progress=false", *args.set])
     one = load_config(SINGLE, ["train.progress=false"])
     one.rewards = two.rewards  # the same task for both arms
     arms = [Arm("single-stage DiffusionNFT", one), Arm("two-stage Sol-RL", two)]
@@ -194,23 +195,20 @@ def budget(args: argparse.Namespace) -> None:
             if arm.clock >= next_eval[arm.name] or arm.clock >= args.budget_s:
                 next_eval[arm.name] += args.eval_every_s
                 print(f"{arm.name}: {arm.evaluate()}", flush=True)
-    keys = [k for k in arms[0].rows[-1] if k.startswith("eval/")]
+    keys = ["eval/reward_mean", *(k for k in ("eval/accuracy", "eval/width_gap") if k in arms[0].rows[-1])]
     print(f"\nMachine at the end: {machine()}")
     print(f"Same training wall budget {args.budget_s:.0f} s per arm (evaluation excluded)\n")
-    print("| arm | iterations | " + " | ".join(keys) + " |")
-    print("|---|---|" + "---|" * len(keys))
+    print("| arm | train s | iteration | " + " | ".join(keys) + " |")
+    print("|---|---|---|" + "---|" * len(keys))
     for arm in arms:
-        start, end = arm.rows[0], arm.rows[-1]
-        cells = " | ".join(f"{start[k]:.3f} -> {end[k]:.3f}" for k in keys)
-        print(f"| {arm.name} | {int(end['iteration'])} | {cells} |")
-    for key in ("eval/reward_mean", "eval/accuracy"):
-        if key not in arms[0].rows[-1]:
-            continue
-        target = arms[0].rows[-1][key]
-        times = [first_reach(arm.rows, key, target) for arm in arms]
-        shown = ", ".join(f"{a.name} {t:.0f} s" if t is not None else f"{a.name} never" for a, t in zip(arms, times))
-        ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] > 0 else ""
-        print(f"\nfirst reaching the single-stage final {key} ({target:.3f}): {shown}{ratio}")
+        for row in arm.rows:
+            cells = " | ".join(f"{row[k]:.3f}" for k in keys)
+            print(f"| {arm.name} | {row['train_s']:.0f} | {int(row['iteration'])} | {cells} |")
+    target = arms[0].rows[-1]["eval/reward_mean"]
+    times = [first_reach(arm.rows, "eval/reward_mean", target) for arm in arms]
+    shown = ", ".join(f"{a.name} {t:.0f} s" if t is not None else f"{a.name} never" for a, t in zip(arms, times))
+    ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] > 0 else ""
+    print(f"\nfirst reaching the single-stage final eval/reward_mean ({target:.3f}): {shown}{ratio}")
 
 
 def main() -> None:
@@ -222,6 +220,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--eval-every-s", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage arm")
     args = parser.parse_args()
     configure_threads(args.threads)
     speed(args) if args.part == "speed" else budget(args)

@@ -118,7 +118,7 @@ class Trainer:
         self._scoring_process: ScoringProcess | None = None
         self.guard = UpdateGuard(cfg.train.max_skipped_updates)
         self.solrl = SolRL(self) if cfg.solrl.mode != "off" else None  # Sol-RL rollouts (flowrl/solrl/pipeline.py)
-        self.heldout = HeldOutEvaluation.from_config(cfg, eval_prompts, reward, EVAL_SEED_BASE)  # + guards, monitors
+        self.heldout = HeldOutEvaluation.from_config(cfg, eval_prompts, reward, EVAL_SEED_BASE, collate)
 
     def scorer(self, prompts: PromptBatch) -> RolloutScorer:
         """A :class:`RolloutScorer` for this iteration's batch, in the ``train.rewards_async`` mode."""

@@ -23,15 +23,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..prompts.batch import collate
-from ..prompts.files import Prompt
 from .guard_rewards import GuardSpec, GuardTracker, Trip
 from .metrics import mean_ci, prompt_diversity, sample_drift
 
-SampleFn = Callable[[list[Prompt], list[int]], Tensor]
+SampleFn = Callable[[list[Any], list[int]], Tensor]  # (prompts, seeds) -> images
+CollateFn = Callable[[list[Any]], Any]  # prompts -> a batch with .texts and .metadata (flowrl.prompts.batch.collate)
 
 
-def heldout_inputs(prompts: Sequence[Prompt], seeds: int, seed_base: int) -> tuple[list[Prompt], list[int], Tensor]:
+def heldout_inputs(prompts: Sequence[Any], seeds: int, seed_base: int) -> tuple[list[Any], list[int], Tensor]:
     """Each prompt repeated ``seeds`` times with seeds ``seed_base + j``.
 
     Returns:
@@ -77,18 +76,23 @@ class HeldOutEvaluation:
         reward: the trained rewards (a MultiReward: ``(images, texts, **metadata) -> RewardOutput``).
         guards: the guard specs (:func:`~flowrl.evaluation.guard_rewards.parse_guards`).
         guard_reward: a MultiReward of the guards that are rewards (None when none is).
+        collate: prompts -> batch (``texts``, ``metadata``): :func:`flowrl.prompts.batch.collate`, passed
+            in so this package does not import the prompts package (which the models import).
     """
 
     def __init__(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[Any],
         seeds: int,
         seed_base: int,
         reward: Any,
         guards: Sequence[GuardSpec] = (),
         guard_reward: Any | None = None,
+        *,
+        collate: CollateFn,
     ):
         self.prompts, self.seeds, self.groups = heldout_inputs(prompts, seeds, seed_base)
+        self.batch = collate(self.prompts)
         self.per_prompt = seeds
         self.reward, self.guard_reward = reward, guard_reward
         self.tracker = GuardTracker(list(guards))
@@ -96,7 +100,9 @@ class HeldOutEvaluation:
         self.base_diversity = math.nan
 
     @classmethod
-    def from_config(cls, cfg: Any, prompts: Sequence[Prompt], reward: Any, seed_base: int) -> HeldOutEvaluation:
+    def from_config(
+        cls, cfg: Any, prompts: Sequence[Any], reward: Any, seed_base: int, collate: CollateFn
+    ) -> HeldOutEvaluation:
         """Build from a run config: ``train.eval_seeds`` and the ``guards`` section (rewards built here)."""
         from ..rewards import build_multi_reward
         from .guard_rewards import parse_guards
@@ -104,7 +110,7 @@ class HeldOutEvaluation:
         specs = parse_guards(cfg.guards, cfg.rewards)
         scored = {s.name: {**s.options, "weight": 1.0} for s in specs if not s.is_monitor}
         guard_reward = build_multi_reward(scored) if scored else None
-        return cls(prompts, cfg.train.eval_seeds, seed_base, reward, specs, guard_reward)
+        return cls(prompts, cfg.train.eval_seeds, seed_base, reward, specs, guard_reward, collate=collate)
 
     @property
     def has_guards(self) -> bool:
@@ -124,7 +130,7 @@ class HeldOutEvaluation:
             self.base_images = as_uint8(sample_base(self.prompts, self.seeds))
             if self.per_prompt >= 2:
                 self.base_diversity = float(prompt_diversity(self.base_images.float() / 255, self.groups).mean())
-        batch = collate(self.prompts)
+        batch = self.batch
         scored = self.reward(images, batch.texts, **batch.metadata)
         metrics = {"eval/reward_mean": float(scored.total.mean()), "eval/reward_ci95": mean_ci(scored.total).half_width}
         metrics.update({f"eval/{k}": float(v.float().nanmean()) for k, v in scored.components.items()})

@@ -8,6 +8,7 @@ import torch
 from flowrl.config import ConfigError, load_config
 from flowrl.evaluation.guard_rewards import GuardSpec, GuardTracker, parse_guards
 from flowrl.evaluation.heldout import HeldOutEvaluation
+from flowrl.prompts.batch import collate
 from flowrl.prompts.files import Prompt
 from flowrl.rewards import build_multi_reward
 
@@ -99,7 +100,7 @@ def _evaluation(guards):
     specs = parse_guards(guards)
     scored = {s.name: s.options for s in specs if not s.is_monitor}
     guard_reward = build_multi_reward(scored) if scored else None
-    return HeldOutEvaluation(PROMPTS, 3, 1000, trained, specs, guard_reward)
+    return HeldOutEvaluation(PROMPTS, 3, 1000, trained, specs, guard_reward, collate=collate)
 
 
 def _sampler(transform):

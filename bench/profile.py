@@ -36,7 +36,10 @@ is not the denoiser (decode, rewards) is overhead by that definition; the table 
 FLOPs of each phase are counted with ``FlopCounterMode`` (one extra, untimed iteration) and
 divided by the achieved matmul rate on the denoiser's shapes (``bench/flop_floor.py``): the floor.
 
-Sol-RL: add its config to ``OBJECTIVES`` (the row is printed as "not wired" while the file is missing).
+Sol-RL: ``OBJECTIVES["sol_rl"]`` points at ``configs/solrl/digits.yaml``; its row reads "not wired"
+while that file is missing and is profiled like the others once it lands (its explore-model passes
+run a separate merged copy of the denoiser, whose forward lands in "sampler"/"rest" until ``instrument``
+wraps that copy's ``forward`` too).
 """
 
 from __future__ import annotations

@@ -48,12 +48,11 @@ def sde_window_solve(
         )
     x = x_init if x_init.dtype == torch.float64 else x_init.float()
     batch = x.shape[0]
+    grid = sigmas.to(device=x.device, dtype=x.dtype)  # one transfer, not one host-to-device copy per step
+    levels = noise_levels.tolist()  # host floats, read once
     for i in range(num_steps):
-        sigma = sigmas[i].to(x.dtype).expand(batch)
-        sigma_next = sigmas[i + 1].to(x.dtype).expand(batch)
+        sigma, sigma_next = grid[i].expand(batch), grid[i + 1].expand(batch)
         noise = None if noises is None else noises[:, i]
         v = velocity_fn(x, sigma)
-        x = flow_sde_step(x, v, sigma, sigma_next, float(noise_levels[i]), noise=noise, generator=generator).sample.to(
-            x.dtype
-        )
+        x = flow_sde_step(x, v, sigma, sigma_next, levels[i], noise=noise, generator=generator).sample.to(x.dtype)
     return x

@@ -37,6 +37,7 @@ RewardFactory = Callable[..., RewardFn]
 _BUILTINS: dict[str, str] = {
     "digit_correctness": "flowrl.rewards.digits:digit_correctness",
     "ink": "flowrl.rewards.digits:ink",
+    "stroke_width": "flowrl.rewards.stroke:stroke_width_reward",
     "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",
     "pickscore": "flowrl.rewards.pickscore:pickscore",

@@ -324,7 +324,7 @@ def validate_solrl(cfg: Config, where: str) -> None:
 
 
 def _default_rewards() -> dict[str, dict[str, Any]]:
-    return {"stroke_width": {"weight": 1.0}, "digit_correctness": {"weight": 1.0}}
+    return {"ink": {"weight": 1.0, "target": "prompt"}, "digit_correctness": {"weight": 0.5}}
 
 
 @dataclass

@@ -15,10 +15,11 @@ picks too.
 
 ``budget``: ``configs/nft/digits_fast.yaml`` (single stage) and ``configs/solrl/digits.yaml``
 (two stage) train from the same base model, prompts, seed and rewards (both use the solrl
-config's ``rewards``) for the same training wall time (evaluation excluded), alternating one
-iteration each so they share the machine's load. Evaluated every ``--eval-every-s`` seconds of
-each arm's own training time: the held-out reward (``Trainer.evaluate``) and the model's
-evaluation report (the digits reader's accuracy and stroke widths, when the model has one).
+config's ``rewards``) for the same training wall time (evaluation excluded); the arm whose clock is
+behind takes the next iteration, so both progress together and share the machine's load.
+Evaluated every ``--eval-every-s`` seconds of each arm's own training time: the held-out reward
+(``Trainer.evaluate``) and the model's evaluation report (the digits reader's accuracy and stroke
+widths, when the model has one).
 """
 
 from __future__ import annotations
@@ -187,14 +188,12 @@ def budget(args: argparse.Namespace) -> None:
     for arm in arms:
         print(f"{arm.name}: {arm.evaluate()}", flush=True)
     next_eval = {arm.name: args.eval_every_s for arm in arms}
-    while any(arm.clock < args.budget_s for arm in arms):
-        for arm in arms:
-            if arm.clock >= args.budget_s:
-                continue
-            arm.step()
-            if arm.clock >= next_eval[arm.name] or arm.clock >= args.budget_s:
-                next_eval[arm.name] += args.eval_every_s
-                print(f"{arm.name}: {arm.evaluate()}", flush=True)
+    while any(arm.clock < args.budget_s for arm in arms):  # the arm behind on its clock steps next: both
+        arm = min((a for a in arms if a.clock < args.budget_s), key=lambda a: a.clock)  # see the same load
+        arm.step()
+        if arm.clock >= next_eval[arm.name] or arm.clock >= args.budget_s:
+            next_eval[arm.name] += args.eval_every_s
+            print(f"{arm.name}: {arm.evaluate()}", flush=True)
     keys = ["eval/reward_mean", *(k for k in ("eval/accuracy", "eval/width_gap") if k in arms[0].rows[-1])]
     print(f"\nMachine at the end: {machine()}")
     print(f"Same training wall budget {args.budget_s:.0f} s per arm (evaluation excluded)\n")

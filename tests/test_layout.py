@@ -359,3 +359,13 @@ def test_every_source_folder_is_a_package():
     folders = {path.parent for folder in SOURCES for path in (ROOT / folder).rglob("*.py")}
     bad = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file())
     assert not bad, f"folders with .py files but no __init__.py: {bad}"
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports test files by basename (no __init__.py): two test_x.py in different folders collide."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            other = seen[path.name].relative_to(ROOT)
+            pytest.fail(f"{path.relative_to(ROOT)} and {other} share a basename; rename one")
+        seen[path.name] = path

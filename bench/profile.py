@@ -53,6 +53,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -316,70 +317,12 @@ def tiny_sd3_64(folder: Path, seed: int = 0) -> Path:
 
     Transformer: 2 joint blocks, 2 heads x 16, patch 2 on a 4 x 64 x 64 latent (a one-block VAE,
     scale 1); two tiny CLIP text encoders on the digits tokenizer (the embedded prompts apply).
+    Built by the test suite's ``tiny_sd3_pipeline`` (tests/conftest.py), so bench and tests share one builder.
     """
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import tiny_sd3_pipeline
 
-    from flowrl.models.digits.model import build_digits_tokenizer
-
-    torch.manual_seed(seed)
-    tok = build_digits_tokenizer()
-    text = CLIPTextConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=8,
-        projection_dim=16,
-        bos_token_id=len(tok) - 2,
-        eos_token_id=len(tok) - 1,
-        pad_token_id=len(tok) - 1,
-    )
-    transformer = SD3Transformer2DModel(
-        sample_size=64,
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        caption_projection_dim=32,
-        pooled_projection_dim=32,
-        pos_embed_max_size=32,
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0,
-        scaling_factor=1.0,
-    )
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
-        vae=vae,
-        text_encoder=CLIPTextModelWithProjection(text),
-        tokenizer=tok,
-        text_encoder_2=CLIPTextModelWithProjection(text),
-        tokenizer_2=build_digits_tokenizer(),
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
+    pipe = tiny_sd3_pipeline(seed, size=64, num_layers=2, attention_head_dim=16, caption_projection_dim=32)
     pipe.save_pretrained(str(folder))
     (folder / "flowrl.json").write_text(json.dumps({"adapter": "sd3", "resolution": 64, "max_sequence_length": 6}))
     return folder

@@ -31,8 +31,23 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
 
 
-def tiny_sd3_pipeline(seed: int = 0):
-    """A random-init StableDiffusion3Pipeline: 8x8 images, 4 latent channels, 1 transformer layer."""
+def tiny_sd3_pipeline(
+    seed: int = 0,
+    *,
+    size: int = 8,
+    num_layers: int = 1,
+    attention_head_dim: int = 8,
+    caption_projection_dim: int = 16,
+):
+    """A random-init StableDiffusion3Pipeline (the real classes): 4 latent channels, a one-block VAE (scale 1).
+
+    Args:
+        seed: torch seed of the random weights.
+        size: image side in pixels (= latent side); patch 2, so (size / 2)^2 image tokens.
+        num_layers: joint transformer blocks.
+        attention_head_dim: width of each of the 2 heads.
+        caption_projection_dim: text tokens' projection width.
+    """
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -58,17 +73,17 @@ def tiny_sd3_pipeline(seed: int = 0):
         pad_token_id=len(tok) - 1,
     )
     transformer = SD3Transformer2DModel(
-        sample_size=8,
+        sample_size=size,
         patch_size=2,
         in_channels=4,
         out_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
+        num_layers=num_layers,
+        attention_head_dim=attention_head_dim,
         num_attention_heads=2,
         joint_attention_dim=32,
-        caption_projection_dim=16,
+        caption_projection_dim=caption_projection_dim,
         pooled_projection_dim=32,
-        pos_embed_max_size=4,
+        pos_embed_max_size=size // 2,
     )
     vae = AutoencoderKL(
         in_channels=3,
@@ -79,7 +94,7 @@ def tiny_sd3_pipeline(seed: int = 0):
         layers_per_block=1,
         latent_channels=4,
         norm_num_groups=4,
-        sample_size=8,
+        sample_size=size,
         use_quant_conv=False,
         use_post_quant_conv=False,
         shift_factor=0.0,

@@ -142,6 +142,29 @@ def prompt_style(prompt: str) -> str | None:
     return styles.pop() if styles else None
 
 
+def sample_styles(prompts: Sequence[str], styles: Any, batch_size: int) -> list[str | None]:
+    """Per-sample style: ``metadata["style"][i]`` when given and not None, else the prompt's style word.
+
+    Returns:
+        B entries, each "bold", "thin" or None.
+
+    Raises:
+        ValueError: counts disagree or a style is not "bold", "thin" or None.
+    """
+    if len(prompts) != batch_size:
+        raise ValueError(f"got {len(prompts)} prompts for {batch_size} images; pass one prompt per image")
+    given = [None] * batch_size if styles is None else list(styles)
+    if len(given) != batch_size:
+        raise ValueError(f"metadata style has {len(given)} entries for {batch_size} images; pass one per image")
+    out = []
+    for style, prompt in zip(given, prompts):
+        style = prompt_style(prompt) if style is None else str(style).lower()
+        if style not in (None, "bold", "thin"):
+            raise ValueError(f"metadata style {style!r} for prompt {prompt!r} must be 'bold', 'thin' or None")
+        out.append(style)
+    return out
+
+
 class Ink:
     """Stroke-weight reward from :func:`ink_amount` (ink in [0, 1]).
 
@@ -158,20 +181,6 @@ class Ink:
         self.target = target
         self.allows_nan = target == "prompt"
 
-    def _styles(self, prompts: Sequence[str], styles: Any, batch_size: int) -> list[str | None]:
-        if len(prompts) != batch_size:
-            raise ValueError(f"got {len(prompts)} prompts for {batch_size} images; pass one prompt per image")
-        given = [None] * batch_size if styles is None else list(styles)
-        if len(given) != batch_size:
-            raise ValueError(f"metadata style has {len(given)} entries for {batch_size} images; pass one per image")
-        out = []
-        for style, prompt in zip(given, prompts):
-            style = prompt_style(prompt) if style is None else str(style).lower()
-            if style not in (None, "bold", "thin"):
-                raise ValueError(f"metadata style {style!r} for prompt {prompt!r} must be 'bold', 'thin' or None")
-            out.append(style)
-        return out
-
     def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
         """Scores (B,) float32 for images (B, 3, H, W) in [0, 1]; NaN where not applicable."""
         ink = ink_amount(images)
@@ -179,7 +188,7 @@ class Ink:
             return ink
         if self.target == "thin":
             return 1.0 - ink
-        styles = self._styles(prompts, metadata.get("style"), images.shape[0])
+        styles = sample_styles(prompts, metadata.get("style"), images.shape[0])
         sign = torch.tensor([{"bold": 1.0, "thin": -1.0}.get(s, math.nan) for s in styles], device=ink.device)
         return torch.where(sign > 0, ink, torch.where(sign < 0, 1.0 - ink, sign)).float()
 

@@ -3,7 +3,7 @@
 A reward name resolves, in order, to:
 
 1. a factory registered with :func:`register_reward` or a built-in (``digit_correctness``,
-   ``ink``, ``jpeg_compressibility``, ``jpeg_incompressibility``);
+   ``ink``, ``ink_band``, ``stroke_width``, ``jpeg_compressibility``, ``jpeg_incompressibility``, ...);
 2. ``"remote:http://host:port"``: a reward served by ``flowrl serve-reward`` (client options
    ``timeout_s``, ``retries``, ``batch_size``, ... see :mod:`flowrl.rewards.remote`);
 3. a dotted path ``"package.module:factory"``;
@@ -37,6 +37,7 @@ RewardFactory = Callable[..., RewardFn]
 _BUILTINS: dict[str, str] = {
     "digit_correctness": "flowrl.rewards.digits:digit_correctness",
     "ink": "flowrl.rewards.digits:ink",
+    "ink_band": "flowrl.rewards.ink_band:ink_band",
     "stroke_width": "flowrl.rewards.stroke:stroke_width_reward",
     "jpeg_compressibility": "flowrl.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "flowrl.rewards.jpeg:jpeg_incompressibility",

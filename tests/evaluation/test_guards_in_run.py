@@ -136,3 +136,15 @@ def test_wandb_enabled_but_missing_is_one_line(pipeline, tmp_path, capsys, monke
         "output.wandb=false (TensorBoard logs either way)"
     )
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_wandb_offline_receives_the_rows_and_images(pipeline, tmp_path, monkeypatch):
+    """The real wandb package (in the dev extra), offline: a run writes its wandb files beside its metrics."""
+    wandb = pytest.importorskip("wandb", reason="wandb is in the dev extra: pip install -e '.[dev]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert _train(pipeline, out, "output.wandb=true", "train.iterations=2", "train.eval_every=1") == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), sorted(p.name for p in (out / "wandb").iterdir())
+    assert wandb.run is None  # the run was finished when training ended

@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bench.convergence result files (default: docs/benchmarks-convergence*.json when present)",
     )
     gal.add_argument("--seeds", type=int, default=4, help="fixed seeds per prompt in the before/after grids")
-    gal.add_argument("--prompts", type=int, default=10, help="eval prompts per grid (the run's first ones)")
+    gal.add_argument("--prompts", type=int, default=20, help="eval prompts per grid (the run's first ones; default 20)")
     gal.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
     gal.set_defaults(func=cmd_gallery)
 

@@ -21,7 +21,7 @@ from ..comparison.evaluate import sample_checkpoint
 from .plots import REWARD_KEYS, curves_figure, frame_strip, read_rows, save_figure, upscale
 
 GALLERY_SEED_BASE = 4_000_000
-MAX_PROMPTS = 10
+MAX_PROMPTS = 20
 DEFAULT_BENCHMARKS = ("docs/benchmarks-convergence.json", "docs/benchmarks-convergence-sage.json")
 
 
@@ -49,7 +49,7 @@ def before_after(
     seed_list = [GALLERY_SEED_BASE + j for _ in chosen for j in range(seeds)]
     before = sample_checkpoint(bank, base, texts, seed_list, steps)
     after = sample_checkpoint(bank, final, texts, seed_list, steps)
-    size = max(32, 2 * min(before.shape[-2:]))
+    size = max(64, min(before.shape[-2:]))  # tiny images at 8x or more (full zoom), big ones as they are
     left = image_grid(upscale(middle_frame(before), size), len(chosen))
     right = image_grid(upscale(middle_frame(after), size), len(chosen))
     gap = torch.ones(3, left.shape[1], 6)

@@ -420,9 +420,11 @@ def tb_served_python(run: Path) -> dict[str, list[tuple[int, float]]]:
 
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
+    scalars = events.PluginTagToContent("scalars")  # eval sample grids are image tensors: not compared here
     return {
         tag: [(e.step, float(make_ndarray(e.tensor_proto).item())) for e in events.Tensors(tag)]
         for tag in events.Tags()["tensors"]
+        if tag in scalars
     }
 
 

@@ -168,6 +168,9 @@ def sample_images(
     x_init = seeded_noise(model_latent_shape(model, resolution, frames), list(seeds)).to(model.device)
     cond = (encode or model.encode_prompt)(list(prompts))
     levels = torch.zeros(sigmas.shape[0] - 1, dtype=torch.float64)
-    traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size)
+    # zero levels: each step's noise is multiplied by a zero std; a private generator keeps the draws off
+    # torch's global RNG, so evaluating never moves the RNG state a checkpoint saves
+    quiet = torch.Generator().manual_seed(0)
+    traj = chunked_rollout(model, cond, x_init, sigmas, levels, chunk_size=chunk_size, generator=quiet)
     final = traj.latents[:, -1]
     return torch.cat([model.decode(final[i : i + chunk_size]) for i in range(0, final.shape[0], chunk_size)])

@@ -123,3 +123,12 @@ def test_eval_steps_sets_the_evaluation_grid_only(tiny_sd3):
     trainer.evaluate()
     # 2 eval prompts x 1 seed x 5 steps, not counted; twice: the first evaluation also draws the base model's samples
     assert sum(calls) == 2 * 2 * 5 and trainer.model.nfe == 0
+
+
+def test_evaluation_never_moves_the_global_rng(tiny_sd3):
+    """A checkpoint saves torch's global RNG: sampling and evaluating must not draw from it."""
+    trainer = _trainer(tiny_sd3)
+    before = torch.get_rng_state().clone()
+    trainer.evaluate()
+    trainer.sample(trainer.eval_prompts[:2], [5, 6])
+    assert torch.equal(before, torch.get_rng_state())

@@ -30,6 +30,12 @@ INK_BOLD = 0.3965  # 99th percentile of the real bold digits' ink
 OVERSHOOT_SLOPE = 4.0
 
 
+def check_band(low: float, high: float) -> None:
+    """Raise one ValueError line unless ``0 <= low < high <= 1``."""
+    if not 0.0 <= low < high <= 1.0:
+        raise ValueError(f"ink band needs 0 <= low < high <= 1; got low={low}, high={high}")
+
+
 def band_score(ink: Tensor, bold: Tensor, low: float = INK_THIN, high: float = INK_BOLD) -> Tensor:
     """Score of each ink value for its style on the band ``[low, high]``.
 
@@ -43,8 +49,7 @@ def band_score(ink: Tensor, bold: Tensor, low: float = INK_THIN, high: float = I
         (B,) float32 in [-1, 1]: ``u`` (bold) or ``1 - u`` (thin) inside the band, 1 at the style's
         end, falling at ``OVERSHOOT_SLOPE`` beyond it, clamped at -1.
     """
-    if not 0.0 <= low < high <= 1.0:
-        raise ValueError(f"ink band needs 0 <= low < high <= 1; got low={low}, high={high}")
+    check_band(low, high)
     u = (ink.float() - low) / (high - low)
     toward = torch.where(bold, u, 1.0 - u)  # 1 at the style's own end of the band
     score = torch.where(toward > 1.0, 1.0 - OVERSHOOT_SLOPE * (toward - 1.0), toward)
@@ -60,7 +65,7 @@ class InkBand:
     allows_nan = True
 
     def __init__(self, low: float = INK_THIN, high: float = INK_BOLD) -> None:
-        band_score(torch.zeros(1), torch.ones(1, dtype=torch.bool), low, high)  # validates the band
+        check_band(low, high)
         self.low, self.high = low, high
 
     def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:

@@ -324,7 +324,9 @@ def validate_solrl(cfg: Config, where: str) -> None:
 
 
 def _default_rewards() -> dict[str, dict[str, Any]]:
-    return {"ink": {"weight": 1.0, "target": "prompt"}, "digit_correctness": {"weight": 0.5}}
+    # the style scored on the real digits' ink band (rewards/ink_band.py): the plain ``ink`` ("more is better")
+    # is won by blotting and fading (docs/alignment.md)
+    return {"ink_band": {"weight": 1.0}, "digit_correctness": {"weight": 0.5}}
 
 
 @dataclass

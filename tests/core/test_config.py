@@ -13,13 +13,13 @@ def test_defaults_are_the_embedded_job():
     cfg = load_config()
     assert cfg.model.path == "flowrl-digits"
     assert cfg.objective["name"] == "flow_grpo"
-    assert set(cfg.rewards) == {"ink", "digit_correctness"}
+    assert set(cfg.rewards) == {"ink_band", "digit_correctness"}
 
 
 def test_overrides_merge_into_sections_and_rewards():
-    cfg = load_config(None, ["sampler.noise_level=0.5", "rewards.ink.weight=2", "train.threads=null"])
+    cfg = load_config(None, ["sampler.noise_level=0.5", "rewards.ink_band.weight=2", "train.threads=null"])
     assert cfg.sampler.noise_level == 0.5
-    assert cfg.rewards["ink"] == {"weight": 2, "target": "prompt"}
+    assert cfg.rewards["ink_band"] == {"weight": 2}
     assert "digit_correctness" in cfg.rewards
     assert cfg.train.threads is None
 

@@ -1,9 +1,19 @@
-"""Convergence harness: Flow-GRPO, DiffusionNFT and AWM on the embedded task, one process.
+"""Convergence harness: Flow-GRPO, DiffusionNFT, AWM, SAGE-GRPO, BranchGRPO (and Sol-RL) on the embedded task.
 
 Usage::
 
     python -m bench.convergence [--budget 300] [--eval-every-s 30] [--algos flow_grpo,diffusion_nft,awm]
     python -m bench.convergence --iterations 36 --eval-every-it 2 --eval-steps 10   # count-based budget
+    python -m bench.convergence --algos nft_fast,awm_fast --baseline docs/benchmarks-convergence.json \
+        --stop-confirmed --iterations 36 --eval-every-it 1   # stop each at the reader-confirmed target
+
+Every evaluation point also carries the independent reader's reading of the held-out samples
+(:mod:`flowrl.models.digits.reader`, trained on data the rewards never saw, a different model family):
+its accuracy on the prompted digit (``reader``, ``reader_bold``, ``reader_thin``) and the mean ink
+per style with its gap (``ink_gap``, the style measure). A target counts as **reached** only when the
+eval reward is at or above it AND the reader's accuracy is at or above the base model's on the same
+held-out samples (point 0): an algorithm that raises the reward by degrading the digits does not
+reach it (issue 14: an algorithm that hacks the reward sooner is slower, not faster).
 
 Besides wall time it counts model evaluations (NFE: rollout + training forwards) and a
 compute equivalent (NFE + 2 x the forwards that are backpropagated, i.e. forward+backward = 3),
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import time
@@ -43,6 +54,9 @@ CONFIGS = {
     "awm": REPO / "configs/awm/digits.yaml",
     "sage_grpo": REPO / "configs/sage/digits.yaml",
     "branch_grpo": REPO / "configs/branch/digits.yaml",
+    "nft_fast": REPO / "configs/nft/digits_fast.yaml",
+    "awm_fast": REPO / "configs/awm/digits_fast.yaml",
+    "solrl": REPO / "configs/solrl/digits.yaml",  # NFE counts the full-precision model only, not the explore copy
 }
 
 
@@ -70,6 +84,31 @@ def compute_equivalent(nfe: int, grad_nfe: int) -> int:
     So a train forward+backward counts 3 (rollout NFE + no-grad train NFE + 3 x grad NFE).
     """
     return nfe + 2 * grad_nfe
+
+
+def reader_figures(images: torch.Tensor, metadata: dict[str, list]) -> dict[str, float]:
+    """The independent reader's accuracy and the ink per style of held-out samples.
+
+    Args:
+        images: (N, 3, H, W) in [0, 1], the held-out evaluation's samples.
+        metadata: the eval batch's metadata with ``digit`` and ``style`` per sample (N each).
+    """
+    from flowrl.models.digits.evaluation import ink
+    from flowrl.models.digits.reader import read_digits
+
+    labels = torch.tensor(metadata["digit"])
+    bold = torch.tensor([s == "bold" for s in metadata["style"]])
+    right = (read_digits(images) == labels).float()
+    amount = ink(images)
+    figures = {
+        "reader": float(right.mean()),
+        "reader_bold": float(right[bold].mean()),
+        "reader_thin": float(right[~bold].mean()),
+        "ink_bold": float(amount[bold].mean()),
+        "ink_thin": float(amount[~bold].mean()),
+    }
+    figures["ink_gap"] = figures["ink_bold"] - figures["ink_thin"]
+    return figures
 
 
 def run_one(
@@ -113,6 +152,7 @@ def run_one(
     trainer.collect = counted_collect
 
     def point(wall: float) -> dict[str, float]:
+        held_out = trainer.evaluate_heldout()
         return {
             "wall_s": wall,
             "nfe": model.nfe,
@@ -120,10 +160,12 @@ def run_one(
             "rollout_nfe": model.rollout_nfe,
             "compute": compute_equivalent(model.nfe, model.grad_nfe),
             "iteration": trainer.iteration,
-            **trainer.evaluate(),
+            **held_out.metrics,
+            **reader_figures(held_out.images, trainer.heldout.batch.metadata),
         }
 
     points = [point(0.0)]
+    floor = points[0]["reader"]
     train_s, next_eval = 0.0, eval_every
 
     def done() -> bool:
@@ -131,7 +173,7 @@ def run_one(
             (budget is not None and train_s >= budget)
             or (iterations is not None and trainer.iteration >= iterations)
             or (nfe_budget is not None and compute_equivalent(model.nfe, model.grad_nfe) >= nfe_budget)
-            or (stop_at is not None and points[-1]["eval/reward_mean"] >= stop_at)
+            or (stop_at is not None and confirmed(points[-1], stop_at, floor))
         )
 
     while not done():
@@ -143,31 +185,49 @@ def run_one(
             points.append(point(train_s))
             next_eval += eval_every
             print(
-                f"  {name}: {train_s:6.1f}s it {trainer.iteration:4d} eval reward {points[-1]['eval/reward_mean']:.4f}",
+                f"  {name}: {train_s:6.1f}s it {trainer.iteration:4d} eval reward {points[-1]['eval/reward_mean']:.4f}"
+                f" reader {100 * points[-1]['reader']:.1f} % ink gap {points[-1]['ink_gap']:.3f}",
                 flush=True,
             )
     return points
 
 
+def confirmed(point: dict[str, float], target: float, reader_floor: float) -> bool:
+    """The reward reached ``target`` and the independent reader reads at least ``reader_floor`` (the base's)."""
+    return point["eval/reward_mean"] >= target and point.get("reader", reader_floor) >= reader_floor
+
+
 def first_reach(points: list[dict[str, float]], target: float) -> dict[str, float] | None:
-    """First eval point whose reward is >= target."""
+    """First eval point whose reward is >= target while the reader reads as well as the base (point 0)."""
+    floor = points[0].get("reader", 0.0)
+    return next((p for p in points if confirmed(p, target, floor)), None)
+
+
+def first_reward_only(points: list[dict[str, float]], target: float) -> dict[str, float] | None:
+    """First eval point whose reward is >= target, whatever the reader says."""
     return next((p for p in points if p["eval/reward_mean"] >= target), None)
 
 
 def plot(results: dict[str, list[dict[str, float]]], path: Path) -> None:
+    """Eval reward against wall time and compute, and the independent reader against compute."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), dpi=100)
     for name, points in results.items():
         axes[0].plot([p["wall_s"] for p in points], [p["eval/reward_mean"] for p in points], "o-", ms=3, label=name)
-        axes[1].plot([p["nfe"] for p in points], [p["eval/reward_mean"] for p in points], "o-", ms=3, label=name)
+        axes[1].plot([p["compute"] for p in points], [p["eval/reward_mean"] for p in points], "o-", ms=3, label=name)
+        if "reader" in points[0]:
+            axes[2].plot([p["compute"] for p in points], [100 * p["reader"] for p in points], "o-", ms=3, label=name)
     axes[0].set_xlabel("training wall time (s)")
-    axes[1].set_xlabel("model evaluations (per-sample NFE)")
-    for ax in axes:
+    axes[1].set_xlabel("compute equivalent (NFE + 2 x backpropagated NFE)")
+    axes[2].set_xlabel("compute equivalent")
+    for ax in axes[:2]:
         ax.set_ylabel("eval reward (held-out seeds)")
+    axes[2].set_ylabel("independent reader accuracy (%)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -175,8 +235,40 @@ def plot(results: dict[str, list[dict[str, float]]], path: Path) -> None:
     plt.close(fig)
 
 
+def _ratio(hit: dict[str, float] | None, base: dict[str, float] | None, key: str) -> str:
+    return f"{hit[key] / base[key]:.3f}" if hit and base and base.get(key) else "–"
+
+
+def _row(name: str, points: list[dict[str, float]], target: float | None, hit_base: dict | None) -> str:
+    """One table row of :func:`report`."""
+    hit = first_reach(points, target) if target is not None else None
+    raw = first_reward_only(points, target) if target is not None else None
+    first, last = points[0], points[-1]
+    cells = [
+        name,
+        f"{first['eval/reward_mean']:.4f}",
+        f"{last['eval/reward_mean']:.4f}",
+        str(last["iteration"]),
+        f"{100 * first.get('reader', math.nan):.1f} → {100 * last.get('reader', math.nan):.1f} %",
+        f"{first.get('ink_gap', math.nan):.3f} → {last.get('ink_gap', math.nan):.3f}",
+        str(raw["iteration"]) if raw else "not reached",
+        str(hit["iteration"]) if hit else "not reached",
+    ]
+    if hit is None:
+        return "| " + " | ".join(cells + ["–"] * 6) + " |"
+    cells += [
+        f"{100 * hit.get('reader', math.nan):.1f} % / {hit.get('ink_gap', math.nan):.3f}",
+        f"{hit['wall_s']:.0f}",
+        _ratio(hit, hit_base, "wall_s"),
+        _ratio(hit, hit_base, "nfe"),
+        f"{hit['compute']:,}",
+        _ratio(hit, hit_base, "compute"),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
 def report(results: dict[str, list[dict[str, float]]], budget: float | str, command: str) -> str:
-    """Markdown section with the table of time/NFE to Flow-GRPO's final reward."""
+    """Markdown section: time, NFE and compute to Flow-GRPO's final reward, confirmed by the reader."""
     base = results.get("flow_grpo")
     target = base[-1]["eval/reward_mean"] if base else None
     lines = [
@@ -185,25 +277,19 @@ def report(results: dict[str, list[dict[str, float]]], budget: float | str, comm
         f"{torch.get_num_threads()} thread(s); "
         f"date {dt.date.today().isoformat()}; budget {budget_text(budget)} per algorithm.",
         "",
-        "| algorithm | start reward | final reward | iterations | time to Flow-GRPO's final (s) | ratio "
-        "| NFE to it | NFE ratio "
-        "| compute-eq. to it | compute ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Target: Flow-GRPO's final eval reward {target:.4f}, reached only when the independent reader also "
+        "reads at least as well as the base model on the same held-out samples."
+        if target is not None
+        else "No Flow-GRPO baseline: no target.",
+        "",
+        "| algorithm | start reward | final reward | iterations | reader base → final | ink gap base → final "
+        "| reward-only hit (it.) | confirmed hit (it.) | reader / ink gap at hit | time (s) | time ratio "
+        "| NFE ratio | compute-eq. to it | compute ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     hit_base = first_reach(base, target) if base else None
     for name, points in results.items():
-        hit = first_reach(points, target) if target is not None else None
-        t = f"{hit['wall_s']:.0f}" if hit else "not reached"
-        n = f"{hit['nfe']:,}" if hit else "–"
-        ratio = f"{hit['wall_s'] / hit_base['wall_s']:.2f}" if hit and hit_base and hit_base["wall_s"] > 0 else "–"
-        nratio = f"{hit['nfe'] / hit_base['nfe']:.2f}" if hit and hit_base and hit_base["nfe"] > 0 else "–"
-        c = f"{hit['compute']:,}" if hit and "compute" in hit else "–"
-        cratio = f"{hit['compute'] / hit_base['compute']:.2f}" if hit and hit_base and hit_base.get("compute") else "–"
-        lines.append(
-            f"| {name} | {points[0]['eval/reward_mean']:.4f} | {points[-1]['eval/reward_mean']:.4f} "
-            f"| {points[-1]['iteration']} "
-            f"| {t} | {ratio} | {n} | {nratio} | {c} | {cratio} |"
-        )
+        lines.append(_row(name, points, target, hit_base))
     return "\n".join(lines)
 
 
@@ -225,10 +311,21 @@ def main(argv: list[str] | None = None) -> None:
         "--eval-steps", type=int, help="fixed ODE steps for evaluation (default: each run's sampler steps)"
     )
     parser.add_argument("--algos", default="flow_grpo,diffusion_nft,awm")
+    parser.add_argument(
+        "--baseline", type=Path, help="a benchmarks-convergence.json whose flow_grpo curve is the baseline (not re-run)"
+    )
+    parser.add_argument(
+        "--stop-confirmed",
+        action="store_true",
+        help="stop each algorithm at the baseline's final reward once the reader confirms it",
+    )
     parser.add_argument("--out", default=str(REPO / "docs"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to every algorithm")
     args = parser.parse_args(argv)
     results = {}
+    if args.baseline is not None:
+        results["flow_grpo"] = json.loads(args.baseline.read_text())["flow_grpo"]
+    stop_at = results["flow_grpo"][-1]["eval/reward_mean"] if args.stop_confirmed and results else None
     count_budget = args.iterations is not None or args.nfe_budget is not None
     budget = None if count_budget else args.budget
     for name in args.algos.split(","):
@@ -242,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             nfe_budget=args.nfe_budget,
             eval_every_it=args.eval_every_it,
             eval_steps=args.eval_steps,
+            stop_at=stop_at,
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 Usage::
 
     python -m bench.solrl speed  [--prompts 8] [--candidates 16] [--rounds 5]
-    python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40] [--set solrl.candidates=8 ...]
+    python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40] [--seed 0] [--set solrl.candidates=8 ...]
+    python -m bench.solrl modes  [--budget-s 240] [--eval-every-s 40] [--set ...] [--set-correct ...]
 
 ``speed``: candidates per second of each explore setting against the full-precision rollout
 (the stage-2 setting: the LoRA policy, ``sampler.num_steps`` DPM-Solver++(2M) steps), in one
@@ -14,12 +15,20 @@ same seeds, and the share of the full-precision ``best_worst`` selection (K of N
 picks too.
 
 ``budget``: ``configs/nft/digits_fast.yaml`` (single stage) and ``configs/solrl/digits.yaml``
-(two stage) train from the same base model, prompts, seed and rewards (both use the solrl
-config's ``rewards``) for the same training wall time (evaluation excluded); the arm whose clock is
-behind takes the next iteration, so both progress together and share the machine's load.
-Evaluated every ``--eval-every-s`` seconds of each arm's own training time: the held-out reward
-(``Trainer.evaluate``) and the model's evaluation report (the digits reader's accuracy and stroke
-widths, when the model has one).
+(two stage, with ``--set`` overrides) train from the same base model, prompts, seed and rewards
+(both use the solrl config's ``rewards``) for the same training wall time (evaluation excluded);
+the arm whose clock is behind takes the next iteration, so both progress together and share the
+machine's load. Evaluated every ``--eval-every-s`` seconds of each arm's own training time: the
+held-out reward (``Trainer.evaluate``) and the independent digit reader
+(:mod:`flowrl.models.digits.reader`) on ``bench.alignment``'s held-out seeds: its accuracy on the
+prompted digit (all, bold, thin) and the ink gap bold - thin. An arm reaches the target when its
+reward is at least the single-stage run's final reward and the reader's accuracy is at least the
+base model's on the same seeds; the speed-up is the ratio of the reaching times.
+
+``modes``: ``solrl.mode: regenerate`` (the two-stage DiffusionNFT arm above) against ``correct``
+(``configs/grpo/digits.yaml``'s Flow-GRPO trained directly on SDE rollouts drawn by the int8
+explore copy, with truncated importance weights), raced the same way; the target is the lower of
+the two final rewards, reader-confirmed as above.
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ from typing import Any
 
 import torch
 
+from bench.alignment import SEED_BASE
 from flowrl.config import Config, load_config
-from flowrl.models.digits import EVAL_REPORTS
+from flowrl.models.digits.evaluation import ink
+from flowrl.models.digits.prompts import DIGITS_SETS
+from flowrl.models.digits.reader import reader_accuracy
 from flowrl.policy import build_policy
 from flowrl.policy.precision import build_explore
 from flowrl.prompts.batch import collate
@@ -53,6 +65,9 @@ from flowrl.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 SOLRL = REPO / "configs/solrl/digits.yaml"
 SINGLE = REPO / "configs/nft/digits_fast.yaml"
+GRPO = REPO / "configs/grpo/digits.yaml"
+CORRECT = ["solrl.mode=correct", "solrl.precision=int8_dynamic"]  # Flow-GRPO on the int8 explore copy's rollouts
+READER_SEEDS = 20  # held-out seeds per prompt for the independent reader (bench.alignment's default)
 
 VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, steps (None = sampler.num_steps)
     ("full precision (stage 2)", None, {}, None),
@@ -140,15 +155,41 @@ def speed(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- budget
 
 
+def reader_figures(sample_fn: Any, seeds: int = READER_SEEDS) -> dict[str, float]:
+    """The independent reader on held-out seeds: its accuracy on the prompted digit and the ink gap.
+
+    The seeds and the trained phrasing are ``bench.alignment``'s (``SEED_BASE + i``, the 20
+    ``digits-styles`` prompts); the reading is :func:`flowrl.models.digits.reader.reader_accuracy`
+    and the ink :func:`flowrl.models.digits.evaluation.ink`, as there.
+
+    Args:
+        sample_fn: ``(prompts, seeds) -> images (B, 3, 8, 8)`` (``Trainer.sample``).
+        seeds: held-out seeds per prompt.
+
+    Returns:
+        ``reader``, ``reader_bold``, ``reader_thin`` (accuracy in [0, 1]) and ``ink_gap`` (bold - thin).
+    """
+    prompts = [p for p in DIGITS_SETS["digits-styles"]() for _ in range(seeds)]
+    images = sample_fn(prompts, [SEED_BASE + i % seeds for i in range(len(prompts))])
+    labels = torch.tensor([p.metadata["digit"] for p in prompts])
+    bold = torch.tensor([p.metadata["style"] == "bold" for p in prompts])
+    amount = ink(images)
+    return {
+        "reader": reader_accuracy(images, labels),
+        "reader_bold": reader_accuracy(images[bold], labels[bold]),
+        "reader_thin": reader_accuracy(images[~bold], labels[~bold]),
+        "ink_gap": float(amount[bold].mean() - amount[~bold].mean()),
+    }
+
+
 class Arm:
     """One training run of the comparison: its trainer, its own training clock and its evaluations."""
 
-    def __init__(self, name: str, cfg: Config):
-        self.name, self.cfg = name, cfg
+    def __init__(self, name: str, cfg: Config, reader_seeds: int = READER_SEEDS):
+        self.name, self.cfg, self.reader_seeds = name, cfg, reader_seeds
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), build_reward(cfg), train_prompts, eval_prompts)
-        self.report = EVAL_REPORTS.get(cfg.model.path)
         self.clock = 0.0
         self.rows: list[dict[str, float]] = []
         self.last: dict[str, float] = {}
@@ -159,70 +200,122 @@ class Arm:
         self.clock += time.perf_counter() - start
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out reward (``Trainer.evaluate``) and the reader's figures; appended to ``rows``."""
         row = {"train_s": self.clock, "iteration": float(self.trainer.iteration)}
         row.update({k: v for k, v in self.trainer.evaluate().items() if k.count("/") == 1})
-        if self.report is not None:
-            row.update({f"eval/{k}": v for k, v in self.report(self.trainer.sample).items()})
+        row.update({f"eval/{k}": v for k, v in reader_figures(self.trainer.sample, self.reader_seeds).items()})
         row.update({k: v for k, v in self.last.items() if k.startswith("solrl/")})
         self.rows.append(row)
         return row
 
 
-def first_reach(rows: list[dict[str, float]], key: str, target: float) -> float | None:
-    """Training seconds at which ``key`` first reaches ``target`` (linear between evaluations), or None."""
-    for before, after in zip(rows, rows[1:]):
-        if after[key] >= target:
-            if before[key] >= target:
-                return before["train_s"]
-            share = (target - before[key]) / (after[key] - before[key])
-            return before["train_s"] + share * (after["train_s"] - before["train_s"])
+def first_reach(
+    rows: list[dict[str, float]], key: str, target: float, floor: tuple[str, float] | None = None
+) -> float | None:
+    """Training seconds at which ``key`` first reaches ``target`` with ``floor`` held, or None.
+
+    The first evaluation where ``rows[i][key] >= target`` and (``floor = (other_key, minimum)``)
+    ``rows[i][other_key] >= minimum``; the time is interpolated linearly on ``key`` from the
+    previous evaluation when that one was below the target, else it is evaluation ``i``'s time.
+    """
+    for i, row in enumerate(rows):
+        if row[key] < target or (floor is not None and row[floor[0]] < floor[1]):
+            continue
+        before = rows[i - 1] if i else None
+        if before is None or before[key] >= target:
+            return row["train_s"]
+        share = (target - before[key]) / (row[key] - before[key])
+        return before["train_s"] + share * (row["train_s"] - before["train_s"])
     return None
 
 
-def budget(args: argparse.Namespace) -> None:
-    two = load_config(SOLRL, ["train.progress=false", *args.set])
-    one = load_config(SINGLE, ["train.progress=false"])
-    one.rewards = two.rewards  # the same task for both arms
-    arms = [Arm("single-stage DiffusionNFT", one), Arm("two-stage Sol-RL", two)]
-    print(f"Machine: {machine()}; rewards {two.rewards}", flush=True)
+def race(arms: list[Arm], budget_s: float, eval_every_s: float) -> None:
+    """Train every arm for ``budget_s`` seconds of its own clock, evaluating every ``eval_every_s``.
+
+    The arm whose clock is behind takes the next iteration, so the arms progress together and
+    share the machine's load (evaluation is not on the clock).
+    """
     for arm in arms:
         print(f"{arm.name}: {arm.evaluate()}", flush=True)
-    next_eval = {arm.name: args.eval_every_s for arm in arms}
-    while any(arm.clock < args.budget_s for arm in arms):  # the arm behind on its clock steps next: both
-        arm = min((a for a in arms if a.clock < args.budget_s), key=lambda a: a.clock)  # see the same load
+    next_eval = {arm.name: eval_every_s for arm in arms}
+    while any(arm.clock < budget_s for arm in arms):
+        arm = min((a for a in arms if a.clock < budget_s), key=lambda a: a.clock)
         arm.step()
-        if arm.clock >= next_eval[arm.name] or arm.clock >= args.budget_s:
-            next_eval[arm.name] += args.eval_every_s
+        if arm.clock >= next_eval[arm.name] or arm.clock >= budget_s:
+            next_eval[arm.name] += eval_every_s
             print(f"{arm.name}: {arm.evaluate()}", flush=True)
-    keys = ["eval/reward_mean", *(k for k in ("eval/accuracy", "eval/width_gap") if k in arms[0].rows[-1])]
+
+
+def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[float | None]:
+    """Print the evaluation table and when each arm first reaches ``target`` with the reader at base level.
+
+    Returns:
+        Each arm's reaching time (seconds of training), None where it never did.
+    """
+    base = arms[0].rows[0]["eval/reader"]  # every arm starts from the same base model and reads the same seeds
+    keys = ["eval/reward_mean", "eval/reader", "eval/reader_bold", "eval/reader_thin", "eval/ink_gap"]
     print(f"\nMachine at the end: {machine()}")
-    print(f"Same training wall budget {args.budget_s:.0f} s per arm (evaluation excluded)\n")
-    print("| arm | train s | iteration | " + " | ".join(keys) + " |")
-    print("|---|---|---|" + "---|" * len(keys))
+    print(f"Same training wall budget {budget_s:.0f} s per arm (evaluation excluded)\n")
+    print("| arm | train s | iteration | reward | reader | reader bold | reader thin | ink gap | reached |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arm in arms:
         for row in arm.rows:
             cells = " | ".join(f"{row[k]:.3f}" for k in keys)
-            print(f"| {arm.name} | {row['train_s']:.0f} | {int(row['iteration'])} | {cells} |")
-    target = arms[0].rows[-1]["eval/reward_mean"]
-    times = [first_reach(arm.rows, "eval/reward_mean", target) for arm in arms]
+            ok = row["eval/reward_mean"] >= target and row["eval/reader"] >= base
+            print(f"| {arm.name} | {row['train_s']:.0f} | {int(row['iteration'])} | {cells} | {'yes' if ok else ''} |")
+    times = [first_reach(arm.rows, "eval/reward_mean", target, ("eval/reader", base)) for arm in arms]
     shown = ", ".join(f"{a.name} {t:.0f} s" if t is not None else f"{a.name} never" for a, t in zip(arms, times))
-    ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] > 0 else ""
-    print(f"\nfirst reaching the single-stage final eval/reward_mean ({target:.3f}): {shown}{ratio}")
+    ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] else ""
+    print(
+        f"\ntarget: eval/reward_mean >= {target:.3f} ({what}) with the reader's accuracy >= the base model's "
+        f"{base:.3f} ({arms[0].reader_seeds} held-out seeds x 20 prompts): {shown}{ratio}"
+    )
+    return times
+
+
+def budget(args: argparse.Namespace) -> None:
+    seed = [f"train.seed={args.seed}"] if args.seed is not None else []
+    two = load_config(SOLRL, ["train.progress=false", *seed, *args.set])
+    one = load_config(SINGLE, ["train.progress=false", *seed])
+    one.rewards = two.rewards  # the same task for both arms
+    arms = [Arm("single-stage DiffusionNFT", one, args.reader_seeds), Arm("two-stage Sol-RL", two, args.reader_seeds)]
+    print(f"Machine: {machine()}; rewards {two.rewards}; two-stage overrides {args.set}", flush=True)
+    race(arms, args.budget_s, args.eval_every_s)
+    report(arms, args.budget_s, arms[0].rows[-1]["eval/reward_mean"], "the single-stage run's final reward")
+
+
+def modes(args: argparse.Namespace) -> None:
+    """``solrl.mode: regenerate`` (two-stage DiffusionNFT) against ``correct`` (Flow-GRPO on explore rollouts)."""
+    seed = [f"train.seed={args.seed}"] if args.seed is not None else []
+    regenerate = load_config(SOLRL, ["train.progress=false", *seed, *args.set])
+    correct = load_config(GRPO, ["train.progress=false", *seed, *CORRECT, *args.set_correct])
+    correct.rewards = regenerate.rewards
+    arms = [
+        Arm("regenerate (DiffusionNFT, two-stage)", regenerate, args.reader_seeds),
+        Arm("correct (Flow-GRPO, explore rollouts + IS)", correct, args.reader_seeds),
+    ]
+    print(f"Machine: {machine()}; rewards {regenerate.rewards}; correct arm {CORRECT + args.set_correct}", flush=True)
+    race(arms, args.budget_s, args.eval_every_s)
+    target = min(arm.rows[-1]["eval/reward_mean"] for arm in arms)
+    report(arms, args.budget_s, target, "the lower of the two final rewards")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("speed", "budget"))
+    parser.add_argument("part", choices=("speed", "budget", "modes"))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--eval-every-s", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage arm")
+    parser.add_argument("--seed", type=int, default=None, help="train.seed of every arm (default: the configs')")
+    parser.add_argument("--reader-seeds", type=int, default=READER_SEEDS, help="held-out reader seeds per prompt")
+    parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage (regenerate) arm")
+    parser.add_argument("--set-correct", nargs="*", default=[], help="key=value overrides of the `correct` arm")
     args = parser.parse_args()
     configure_threads(args.threads)
-    speed(args) if args.part == "speed" else budget(args)
+    {"speed": speed, "budget": budget, "modes": modes}[args.part](args)
 
 
 if __name__ == "__main__":

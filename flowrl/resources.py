@@ -19,6 +19,10 @@ The memory estimate reads the model's geometry without loading weights
   of one training chunk (``sampler.chunk_size`` rows; 28 values per token, hidden unit and layer,
   or layer inputs + 28 with ``memory.gradient_checkpointing``, calibrated on the H100
   measurements of docs/gpu-plan.md) and one VAE decode;
+- Sol-RL (``solrl.mode`` not ``off``): the explore copy of the denoiser at ``solrl.precision``
+  (alive through the run), and under ``regenerate`` stage 1 as its own phase: the final latents,
+  conditioning, one sampling chunk and one decode of ``prompts.per_iteration`` x
+  ``solrl.candidates`` candidates (:func:`_explore`);
 - one evaluation: its trajectory, images and activations (``train.eval_seeds`` x eval prompts);
 - the before/after grids (``output.grid_seeds`` x up to 20 eval prompts).
 
@@ -54,6 +58,7 @@ LORA_BYTES = 24  # per LoRA parameter: fp32 weight, gradient, 2 AdamW moments, 2
 GRID_MAX_PROMPTS = 20  # as flowrl.recipe: the before/after grid shows at most this many prompts
 EVAL_MIN_CHUNK = 64  # as the trainer: evaluation samples in chunks of max(sampler.chunk_size, 64)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_EXPLORE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8_dynamic": 1.0, "native_nvfp4": 0.5 + 1 / 16}  # per parameter
 
 
 class Part(NamedTuple):
@@ -275,6 +280,58 @@ def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]
     ]
 
 
+def _explore_bytes(cfg: Config) -> float:
+    """Bytes per denoiser parameter of the Sol-RL explore copy (:mod:`flowrl.policy.precision`).
+
+    Emulated NVFP4 / FP8 keep fake-quantised weights in ``model.dtype``; FP8 on CUDA stores E4M3
+    (``torch._scaled_mm``); native NVFP4 half a byte plus one E4M3 scale per 16 values.
+    """
+    precision = cfg.solrl.precision
+    if precision == "fp8_e4m3" and torch.device(cfg.model.device).type == "cuda":
+        return 1.0
+    return _EXPLORE_BYTES.get(precision, _DTYPE_BYTES[cfg.model.dtype])
+
+
+def _explore(cfg: Config, g: Geometry, z: Sizes, processes: int) -> tuple[list[Part], list[Part]]:
+    """Sol-RL: (the explore copy, alive through the run; stage 1 of ``regenerate``, a phase of its own).
+
+    The copy counts every denoiser parameter at :func:`_explore_bytes` (the quantised Linear layers
+    are nearly all of it). Stage 1 keeps one process's ``prompts.per_iteration`` x ``solrl.candidates``
+    final latents and conditioning, and runs one sampling chunk and one decode at a time.
+    """
+    s, p = cfg.solrl, cfg.prompts
+    if s.mode == "off":
+        return [], []
+    encoders = sum(n for name, n in g.params.items() if name.startswith("text_encoder"))
+    denoiser = sum(g.params.values()) - encoders - g.params.get("vae", 0)
+    copy = Part(
+        f"Sol-RL explore copy of the denoiser (solrl.precision={s.precision})",
+        denoiser * _explore_bytes(cfg),
+        "use solrl.precision=fp8_e4m3 (CUDA), int8_dynamic (CPU) or native_nvfp4 (Blackwell), or solrl.mode=off",
+    )
+    if s.mode != "regenerate":
+        return [copy], []
+    candidates = -(-p.per_iteration * s.candidates // processes)
+    size = f"prompts.per_iteration={p.per_iteration} x solrl.candidates={s.candidates}"
+    size += f" / {processes} processes" if processes > 1 else ""
+    fixes = ["lower solrl.candidates, prompts.per_iteration or model.resolution"] * 3
+    chunk = min(cfg.sampler.chunk_size, candidates)
+    stage1 = [
+        *_samples(cfg, g, z, "Sol-RL stage-1", candidates, 1, size, fixes),
+        *_chunk(
+            cfg,
+            g,
+            z,
+            f"explore chunk (sampler.chunk_size={chunk})",
+            chunk,
+            chunk,
+            ["lower sampler.chunk_size or model.resolution", "lower sampler.chunk_size or set memory.vae_slicing=true"],
+            training=False,
+        ),
+    ]
+    return [copy], stage1
+
+
 def _chunk(
     cfg: Config, g: Geometry, z: Sizes, what: str, chunk: int, rows: int, fixes: list[str], *, training: bool
 ) -> list[Part]:
@@ -344,8 +401,10 @@ def estimate_memory(
     steps = cfg.train.eval_steps or cfg.sampler.num_steps
     if training:
         evaluation = _evaluation(cfg, g, z, eval_prompts * cfg.train.eval_seeds, steps, "evaluation")
-        phase = max([_iteration(cfg, g, z, processes), evaluation], key=lambda parts: sum(p.nbytes for p in parts))
-        parts = _persistent(cfg, g, z, train_prompts, eval_prompts) + phase
+        explore_copy, stage1 = _explore(cfg, g, z, processes)
+        phases = [_iteration(cfg, g, z, processes), evaluation] + ([stage1] if stage1 else [])
+        phase = max(phases, key=lambda parts: sum(p.nbytes for p in parts))
+        parts = _persistent(cfg, g, z, train_prompts, eval_prompts) + explore_copy + phase
     else:
         parts = _weights(cfg, g) + _evaluation(cfg, g, z, EVAL_MIN_CHUNK, cfg.sampler.num_steps, "sampling")
     pool = "device" if torch.device(cfg.model.device).type == "cuda" else "host"
@@ -431,6 +490,17 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
             "train.eval_seeds or train.eval_steps",
         ),
     ]
+    if cfg.solrl.mode == "regenerate":  # Sol-RL stage 1, before the iteration's own rollout
+        o = cfg.solrl
+        rows.append(
+            (
+                -(-p.per_iteration * o.candidates // processes) * o.explore_steps,
+                f"Sol-RL stage 1 of one iteration (prompts.per_iteration={p.per_iteration} x "
+                f"solrl.candidates={o.candidates} x solrl.explore_steps={o.explore_steps}"
+                f"{f' / {processes} processes' if processes > 1 else ''})",
+                "solrl.candidates, solrl.explore_steps or prompts.per_iteration",
+            )
+        )
     for steps, what, keys in rows:
         if steps > MAX_SAMPLE_STEPS:
             raise ValueError(

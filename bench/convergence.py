@@ -320,8 +320,19 @@ def main(argv: list[str] | None = None) -> None:
         help="stop each algorithm at the baseline's final reward once the reader confirms it",
     )
     parser.add_argument("--out", default=str(REPO / "docs"))
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="no training: merge these benchmarks-convergence.json files (first has flow_grpo), plot and report",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value applied to every algorithm")
     args = parser.parse_args(argv)
+    command = "python -m bench.convergence " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    if args.merge:
+        merged = {k: v for path in args.merge for k, v in json.loads(path.read_text()).items()}
+        write_results(merged, Path(args.out), "merged curves", command.strip())
+        return
     results = {}
     if args.baseline is not None:
         results["flow_grpo"] = json.loads(args.baseline.read_text())["flow_grpo"]
@@ -341,16 +352,21 @@ def main(argv: list[str] | None = None) -> None:
             eval_steps=args.eval_steps,
             stop_at=stop_at,
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / "benchmarks-convergence.png")
-    (out / "benchmarks-convergence.json").write_text(json.dumps(results, indent=1))
-    command = "python -m bench.convergence " + " ".join(argv if argv is not None else os.sys.argv[1:])
     limits = [
         f"{args.iterations} iterations" if args.iterations else "",
         f"{args.nfe_budget:,.0f} compute-eq." if args.nfe_budget else "",
     ]
-    section = report(results, " / ".join(x for x in limits if x) if count_budget else args.budget, command.strip())
+    write_results(
+        results, Path(args.out), " / ".join(x for x in limits if x) if count_budget else args.budget, command.strip()
+    )
+
+
+def write_results(results: dict[str, list[dict[str, float]]], out: Path, budget: float | str, command: str) -> None:
+    """Write the curves (JSON), the plot and the markdown section into ``out``; print the section."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "benchmarks-convergence.png")
+    (out / "benchmarks-convergence.json").write_text(json.dumps(results, indent=1))
+    section = report(results, budget, command)
     print(section)
     update_docs(out / "benchmarks.md", section)
 

@@ -270,6 +270,26 @@ class Collective:
 
         return gather_object([value])
 
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's picklable ``value``, on every rank (what the other ranks pass is ignored)."""
+        if self.accelerator is None:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        """The accelerate FSDP plugin of an FSDP launch (GPUs); None otherwise (CPU gloo: flowrl shards itself)."""
+        if self.accelerator is None or "FSDP" not in str(self.accelerator.distributed_type):
+            return None
+        return self.accelerator.state.fsdp_plugin
+
+    @property
+    def device_type(self) -> str:
+        """The device type of this rank's process group (``cpu`` for gloo, ``cuda`` for NCCL)."""
+        return "cpu" if self.accelerator is None else self.accelerator.device.type
+
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         if self.accelerator is not None:
@@ -294,7 +314,8 @@ def join_launch() -> Collective:
     from accelerate import Accelerator
 
     accelerator = Accelerator()
-    check_plugin(str(accelerator.distributed_type))
+    plugin = accelerator.state.fsdp_plugin if "FSDP" in str(accelerator.distributed_type) else None
+    check_plugin(str(accelerator.distributed_type), None if plugin is None else int(plugin.fsdp_version))
     check_joined(launch_world_size(), accelerator.num_processes, str(accelerator.distributed_type))
     return Collective(accelerator)
 
@@ -317,30 +338,39 @@ def check_joined(launched: int, joined: int, distributed_type: str) -> None:
         kind = distributed_type.rsplit(".", 1)[-1]
         raise ValueError(
             f"accelerate launch started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
-            "FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
-            f"--num_processes {launched} (configs/accelerate/cpu_gloo.yaml)"
+            "accelerate's FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch "
+            f"--multi_gpu --num_processes {launched} (configs/accelerate/cpu_gloo.yaml), adding train.sharding=fsdp2 "
+            "to shard the model"
         )
 
 
-UNWIRED_PLUGINS = ("FSDP", "DEEPSPEED")
+UNWIRED_PLUGINS = ("DEEPSPEED",)
 
 
-def check_plugin(distributed_type: str) -> None:
-    """Refuse a sharding launch flowrl does not wire yet, instead of silently not sharding.
+def check_plugin(distributed_type: str, fsdp_version: int | None = None) -> None:
+    """Refuse a sharding launch flowrl does not wire, instead of silently not sharding.
+
+    An FSDP launch with ``fsdp_version: 2`` is wired (:mod:`flowrl.sharding`); FSDP1 and DeepSpeed
+    are not (deepspeed is not a flowrl dependency).
 
     Args:
         distributed_type: accelerate's ``DistributedType`` of the launch (e.g. ``"MULTI_GPU"``).
+        fsdp_version: the FSDP plugin's version on an FSDP launch.
 
     Raises:
-        ValueError: an FSDP or DeepSpeed launch (the transformer never goes through
-            ``accelerator.prepare``, so nothing would be sharded).
+        ValueError: a DeepSpeed or FSDP1 launch.
     """
     kind = distributed_type.rsplit(".", 1)[-1].upper()
+    if kind == "FSDP" and fsdp_version != 2:
+        raise ValueError(
+            f"accelerate launch with FSDP version {fsdp_version} is not wired into flowrl; set fsdp_version: 2 in the "
+            "launcher config (configs/accelerate/fsdp2.yaml)"
+        )
     if kind in UNWIRED_PLUGINS:
         raise ValueError(
             f"accelerate launch with {kind} is not wired into flowrl yet (the frozen base would not be sharded); "
-            "launch data-parallel with configs/accelerate/ddp.yaml (or multi_node.yaml with distributed_type: "
-            "MULTI_GPU) instead"
+            "shard with configs/accelerate/fsdp2.yaml (FSDP2), or launch data-parallel with "
+            "configs/accelerate/ddp.yaml"
         )
 
 

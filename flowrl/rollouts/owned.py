@@ -22,6 +22,7 @@ from torch import Tensor
 from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..prompts.batch import PromptBatch
 from ..rewards import RewardOutput
+from ..sharding import is_sharded
 
 OWNED_KEY = "flowrl.owned_rows"
 """Conditioning key of the (B,) bool mask of the rows this rank owns (stripped before the model sees it)."""
@@ -30,12 +31,17 @@ OWNED_KEY = "flowrl.owned_rows"
 class OwnedRows:
     """A velocity-only view of a model that evaluates it on the owned rows of each call.
 
+    A sharded denoiser (``train.sharding: fsdp2``, :mod:`flowrl.sharding`) gathers its weights with
+    collectives inside every call, so every rank must call it in lockstep: a call without owned rows
+    then evaluates one placeholder row (not counted in the NFE) and drops its output.
+
     Args:
         model: the sampling policy.
     """
 
     def __init__(self, model: ModelAdapter) -> None:
         self.model = model
+        self.lockstep = is_sharded(model.transformer)
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """``model.velocity`` on the rows whose ``cond[OWNED_KEY]`` is True, zeros elsewhere: (b, ...)."""
@@ -47,6 +53,10 @@ class OwnedRows:
         rows = owned.nonzero().squeeze(1)
         if len(rows):
             v[rows] = self.model.velocity(x[rows], sigma[rows], select_cond(cond, rows)).to(v.dtype)
+        elif self.lockstep:
+            nfe, first = self.model.nfe, torch.zeros(1, dtype=torch.long)
+            self.model.velocity(x[:1], sigma[:1], select_cond(cond, first))
+            self.model.nfe = nfe
         return v
 
 

@@ -90,9 +90,11 @@ def test_sharding_launches_that_are_not_wired_are_refused():
 
     from flowrl.distributed import check_plugin
 
-    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        with pytest.raises(ValueError, match="is not wired into flowrl yet .* configs/accelerate/ddp.yaml"):
-            check_plugin(str(kind))
+    with pytest.raises(ValueError, match="DEEPSPEED is not wired into flowrl yet .* configs/accelerate/fsdp2.yaml"):
+        check_plugin(str(DistributedType.DEEPSPEED))
+    with pytest.raises(ValueError, match="FSDP version 1 is not wired .* fsdp_version: 2"):
+        check_plugin(str(DistributedType.FSDP), 1)
+    check_plugin(str(DistributedType.FSDP), 2)  # FSDP2: flowrl/sharding.py
     for kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
         check_plugin(str(kind))
 
@@ -101,7 +103,7 @@ def test_processes_that_did_not_join_are_refused():
     from flowrl.distributed import check_joined
 
     check_joined(2, 2, "DistributedType.MULTI_CPU")
-    with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1 .*type NO.*--num_processes 2"):
+    with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1 .*type NO.*train.sharding=fsdp2"):
         check_joined(2, 1, "DistributedType.NO")
 
 

@@ -1,0 +1,258 @@
+"""Sharded training (FSDP2): the denoiser's frozen base and its LoRA split over the ranks.
+
+Under ``train.sharding: fsdp2`` every transformer block (the model's ``_no_split_modules``, or the
+accelerate FSDP plugin's wrap classes) and then the whole transformer go through PyTorch's
+``fully_shard``: each rank keeps ``1/W`` of every parameter, the frozen base as well as the LoRA
+adapters (``default`` and the objectives' frozen copies), as DTensors. A forward gathers a block's
+full weights just before it runs and frees them after; a backward reduce-scatters the LoRA
+gradients, summed over the ranks (divide factor 1), so AdamW updates each rank's shard of the
+one-process gradient.
+
+Those gathers are collectives: every rank must call the model the same number of times, in the
+same order (lockstep). The data-parallel path of :mod:`flowrl.distributed` calls the model only on
+chunks a rank owns, so under sharding
+
+- a rollout chunk without owned rows is evaluated on one placeholder row, its output dropped
+  (:class:`flowrl.rollouts.owned.OwnedRows`);
+- a planned micro-batch without owned rows runs a placeholder loss on one row, scaled by zero
+  (:func:`rank_microbatches`): its gradient is exactly zero, and its reduce-scatter matches
+  the owner's;
+- rank 0's evaluation, image grids and checkpoint gathers run on every rank at once
+  (:class:`Lockstep`: rank 0 announces each call, the other ranks make the same one).
+
+Checkpoints and the final LoRA hold full tensors (the one-process files); resume cuts them back into
+each rank's shard.
+
+References:
+    Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023;
+    PyTorch ``torch.distributed.fsdp.fully_shard`` (FSDP2, per-parameter DTensor sharding).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .distributed import Collective
+from .objectives.planning import owned_microbatch
+from .policy.lora import adapter_parameters, lora_state_dict
+
+SHARDINGS: tuple[str, ...] = ("none", "fsdp2")
+
+
+def run_sharding(cfg: Any, collective: Collective) -> str:
+    """The run's sharding: ``train.sharding``, or ``fsdp2`` on an accelerate FSDP launch (its plugin decides).
+
+    Raises:
+        ValueError: a combination sharding does not support yet, in one line naming the fix.
+    """
+    sharding = "fsdp2" if collective.fsdp_plugin is not None else cfg.train.sharding
+    if sharding == "none":
+        return sharding
+    if collective.world_size == 1:
+        raise ValueError(
+            "train.sharding=fsdp2 shards over the processes of a launch and this is one process; launch several, e.g. "
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m flowrl train ... "
+            "train.sharding=fsdp2 (or set train.sharding=none)"
+        )
+    if cfg.solrl.mode != "off":
+        raise ValueError(
+            f"train.sharding=fsdp2 does not support solrl.mode={cfg.solrl.mode} yet (its explore copy merges the "
+            "full LoRA into an unsharded transformer); set solrl.mode=off or train.sharding=none"
+        )
+    if cfg.memory.compile != "none":
+        raise ValueError(
+            f"train.sharding=fsdp2 does not support memory.compile={cfg.memory.compile} yet (the denoiser is compiled "
+            "before it is sharded); set memory.compile=none or train.sharding=none"
+        )
+    return sharding
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` went through ``fully_shard`` (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def block_classes(transformer: nn.Module, names: Iterable[str] | None = None) -> list[type[nn.Module]]:
+    """The block classes to shard one by one: ``names`` found in the model, else its ``_no_split_modules``.
+
+    Raises:
+        ValueError: the model has none of the classes (nothing to shard per block).
+    """
+    wanted = set(names or getattr(transformer, "_no_split_modules", None) or ())
+    found = {type(m) for m in transformer.modules() if type(m).__name__ in wanted}
+    if not found:
+        raise ValueError(
+            f"train.sharding=fsdp2: {type(transformer).__name__} has none of the block classes {sorted(wanted)} to "
+            "shard; list its block class in fsdp_transformer_layer_cls_to_wrap (configs/accelerate/fsdp2.yaml)"
+        )
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def shard_transformer(transformer: nn.Module, collective: Collective) -> list[nn.Parameter]:
+    """``fully_shard`` every block of ``transformer``, then the transformer itself, over the launch's ranks.
+
+    On an accelerate FSDP launch (GPUs) accelerate's own ``fsdp2_prepare_model`` shards, with the
+    plugin's wrap classes and settings; otherwise (e.g. CPU processes on gloo) the same per-block
+    ``fully_shard`` runs on a one-dimensional device mesh of all ranks. Gradients are reduce-scattered
+    as sums (divide factor 1), the sum the data-parallel path all-reduces.
+
+    Args:
+        transformer: the denoiser with its LoRA adapters attached (every adapter the objective adds:
+            they are sharded with it).
+        collective: the launch (several processes).
+
+    Returns:
+        The trainable parameters after sharding (new DTensor parameters; the optimizer takes these).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    plugin = collective.fsdp_plugin
+    if plugin is not None:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        fsdp2_prepare_model(collective.accelerator, transformer)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(collective.device_type, (collective.world_size,))
+        classes = tuple(block_classes(transformer))
+        for module in [m for m in transformer.modules() if isinstance(m, classes)]:
+            fully_shard(module, mesh=mesh)
+        fully_shard(transformer, mesh=mesh)
+    for module in transformer.modules():  # each sharded block reduces its own gradients: a plain SUM (gloo too)
+        if is_sharded(module):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def local_numel(module: nn.Module) -> tuple[int, int]:
+    """(parameter elements held by this rank, elements of the full model)."""
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+    return local, sum(p.numel() for p in module.parameters())
+
+
+def local_tensors(params: Sequence[Tensor]) -> list[Tensor]:
+    """Each parameter's local shard (the parameter itself when it is not sharded)."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+
+
+def full_tensors(value: Any) -> Any:
+    """``value`` (a tensor, or dicts / lists of them) with every DTensor gathered into a full tensor (collective)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: full_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full_tensors(v) for v in value)
+    return value
+
+
+def shard_like(full: Tensor, param: DTensor) -> DTensor:
+    """This rank's shard of ``full`` (a whole tensor of ``param``'s shape), placed like ``param`` (no communication)."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def lora_weights(transformer: nn.Module, adapter: str = "default") -> dict[str, Tensor]:
+    """One adapter's full weights as a peft state dict on the CPU (every rank must call it when sharded)."""
+    if not is_sharded(transformer):
+        return lora_state_dict(transformer, adapter)
+    from peft.utils import get_peft_model_state_dict
+
+    weights = get_peft_model_state_dict(transformer, adapter_name=adapter)
+    return {k: full_tensors(v.detach()).cpu().clone() for k, v in weights.items()}
+
+
+@torch.no_grad()
+def load_lora_shards(transformer: nn.Module, state: dict[str, Tensor], adapter: str = "default") -> None:
+    """Cut full LoRA weights (:func:`lora_weights`) into this rank's shards of ``adapter``.
+
+    Raises:
+        ValueError: the keys do not match the adapter's (a checkpoint from another config).
+    """
+    params = adapter_parameters(transformer, adapter)
+    if params.keys() != state.keys():
+        raise ValueError(
+            f"LoRA checkpoint does not match the model ({len(params.keys() - state.keys())} missing, "
+            f"{len(state.keys() - params.keys())} unexpected keys); use the same lora.rank/targets as the run that "
+            "wrote it"
+        )
+    for key, param in params.items():
+        param.to_local().copy_(shard_like(state[key], param).to_local())
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of full tensors: cut every per-parameter state tensor into the parameter's shard."""
+    for param, state in optimizer.state.items():
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in state.items():
+            if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                state[key] = shard_like(value, param)
+
+
+def rank_microbatches(
+    group: Sequence[Any], batch: Any, owned: Tensor | None, *, lockstep: bool = False
+) -> list[tuple[int, Any, bool]]:
+    """The micro-batches of one optimizer step this rank runs: ``(position in group, micro-batch, real)``.
+
+    Without ``lockstep`` these are the parts of the planned micro-batches on this rank's rows
+    (:func:`~flowrl.objectives.planning.owned_microbatch`; all of them on one process). With
+    ``lockstep`` (a sharded model) every planned micro-batch is run, in plan order: a micro-batch
+    without owned rows becomes a one-row placeholder (``real`` False) whose loss the trainer scales
+    by zero, so every rank runs as many forwards and backwards.
+
+    Args:
+        group: the step's micro-batches (``objective.plan``).
+        batch: the iteration's :class:`~flowrl.objectives.base.RolloutBatch`.
+        owned: (B,) bool, this rank's rows; None = one process.
+        lockstep: the model is sharded.
+    """
+    out = []
+    for i, mb in enumerate(group):
+        mine = owned_microbatch(mb, batch, owned)
+        if mine is not None:
+            out.append((i, mine, True))
+        elif lockstep:
+            noise = None if mb.noise is None else mb.noise[:1]
+            out.append((i, mb._replace(index=mb.index[:1], noise=noise), False))
+    return out
+
+
+class Lockstep:
+    """Rank 0's model calls outside training (evaluation, grids, checkpoint gathers), made on every rank.
+
+    Rank 0 runs the recipe (evaluates, logs, writes); before each call of a sharded model it
+    :meth:`announce` s the call, and the other ranks, waiting in :meth:`meet`, make the same call
+    with the same arguments (its result dropped). :meth:`meet` on rank 0 lets them go back to
+    training. Every rank calls :meth:`meet` at the same points of the loop.
+
+    Args:
+        collective: the launch.
+        calls: the calls that may be announced, by name (e.g. ``"sample"``: ``Trainer.sample``).
+    """
+
+    def __init__(self, collective: Collective, calls: dict[str, Callable[..., Any]]) -> None:
+        self.collective, self.calls = collective, calls
+        self.serving = False
+
+    def announce(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Rank 0: tell the other ranks to make call ``name`` now (no-op on the other ranks)."""
+        if self.collective.is_main:
+            self.collective.broadcast_object((name, args, kwargs))
+
+    def meet(self) -> None:
+        """Rank 0: release the other ranks; the others: make rank 0's announced calls until released."""
+        if self.collective.is_main:
+            self.collective.broadcast_object(None)
+            return
+        while (call := self.collective.broadcast_object(None)) is not None:
+            name, args, kwargs = call
+            self.calls[name](*args, **kwargs)

@@ -242,6 +242,9 @@ class TrainConfig:
     # several processes (accelerate launch): which samples of the global batch each rank owns (flowrl/distributed.py):
     # contiguous = whole prompt groups per rank | spread = every group split over the ranks
     placement: Literal["contiguous", "spread"] = "contiguous"
+    # several processes: none = every rank holds the whole denoiser | fsdp2 = its base and LoRA sharded over the
+    # ranks (flowrl/sharding.py; implied by an accelerate FSDP launch)
+    sharding: Literal["none", "fsdp2"] = "none"
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .resources import check_machine
 from .resume import Resume, check_resume_config, find_resume, prune_checkpoints
 from .rollouts.collect import rollout_kind
 from .runtime import configure_threads
+from .sharding import run_sharding
 from .trainer import Trainer, build_objective
 
 GRID_SEED_BASE = 2_000_000
@@ -116,6 +117,7 @@ class Run:
             cfg.model.device = str(self.collective.accelerator.device)
         kind = rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver)  # SAGE-GRPO's depends on its options
         batch_geometry(cfg, self.collective, kind)  # an impossible split fails before the model loads
+        run_sharding(cfg, self.collective)  # a combination sharding does not support yet fails here too
         check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
         if cfg.output.wandb and self.is_main:
             require_wandb()  # enabled but not installed: one line, before the model loads
@@ -175,12 +177,10 @@ class Run:
 
     def _save_best_guard(self, result: HeldOutResult) -> None:
         """``checkpoints/best-guard/``: the eval LoRA (diffusers layout) of an evaluation every guard vouches for."""
-        from .policy.lora import lora_state_dict
-
         trainer = self.trainer
         folder = self.out / "checkpoints" / "best-guard"
         folder.mkdir(parents=True, exist_ok=True)
-        trainer.model.save_lora(folder, lora_state_dict(trainer.model.transformer, trainer.objective.eval_adapter))
+        trainer.model.save_lora(folder, trainer.adapter_weights(trainer.objective.eval_adapter))
         figures = {k: v for k, v in result.metrics.items() if k.startswith(("guard/", "eval/"))}
         write_json(folder / "guard.json", {"iteration": result.iteration, "metrics": json_row(figures)})
 
@@ -189,6 +189,7 @@ class Run:
         trainer = self.trainer
         try:
             logger, before, start_eval = self._start() if self.is_main else (None, None, {})
+            self._meet()  # a sharded model: the other ranks made rank 0's start evaluation with it
             if self.resume is not None:
                 trainer.load_state_dict(self.resume.state)
             t0 = time.perf_counter()
@@ -204,13 +205,20 @@ class Run:
                 trainer.close()
             wall = time.perf_counter() - t0
             if not self.is_main:
+                self._meet()  # a sharded model: rank 0's end evaluation, final LoRA and grid
                 self.collective.barrier()  # rank 0 writes the final outputs
                 return {"iterations": trainer.iteration, "samples_seen": trainer.samples_seen, "start": {}, "end": {}}
             summary = self._finish(self.out, logger, before, start_eval, end_eval, wall)
+            self._meet()
             self.collective.barrier()
             return summary
         finally:
             self.collective.close()
+
+    def _meet(self) -> None:
+        """A sharded model: rank 0 lets the other ranks go on after its model calls (they made them too)."""
+        if self.trainer.lockstep is not None:
+            self.trainer.lockstep.meet()
 
     def _start(self) -> tuple[MetricsLogger, torch.Tensor, dict[str, float]]:
         """Rank 0: the base model's grid, the run folder and its metrics, and the start evaluation."""
@@ -264,6 +272,7 @@ class Run:
             )
             done = self.collective.any(done) if self.collective.world_size > 1 else done  # every rank stops together
             if logger is None:  # another rank: rank 0 evaluates, logs and checkpoints
+                self._meet()
                 if done:
                     break
                 continue
@@ -280,6 +289,7 @@ class Run:
                 self._save_checkpoint()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", s_per_it=f"{metrics['time/iteration_s']:.2f}")
             bar.update(1)
+            self._meet()
             if done:
                 break
         bar.close()
@@ -289,11 +299,9 @@ class Run:
         self, out: Path, logger: MetricsLogger, before: torch.Tensor, start: dict, end: dict, wall: float
     ) -> dict[str, Any]:
         trainer = self.trainer
-        from .policy.lora import lora_state_dict
-
         (out / "lora").mkdir(exist_ok=True)
         eval_adapter = trainer.objective.eval_adapter  # e.g. DiffusionNFT ships its EMA weights
-        trainer.model.save_lora(out / "lora", lora_state_dict(trainer.model.transformer, eval_adapter))
+        trainer.model.save_lora(out / "lora", trainer.adapter_weights(eval_adapter))
         after = self._grid()
         rows = min(len(trainer.eval_prompts), GRID_MAX_PROMPTS)
         scale = max(1, 64 // trainer.resolution[0])

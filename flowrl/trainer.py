@@ -29,9 +29,8 @@ from .distributed import (
 from .evaluation.heldout import HeldOutEvaluation, HeldOutResult
 from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
 from .objectives import OBJECTIVES, Objective, RolloutBatch
-from .objectives.planning import owned_microbatch
 from .policy import Policy
-from .policy.lora import adapter_names, adapters_disabled, load_lora_state, lora_state_dict, use_adapter
+from .policy.lora import adapter_names, adapters_disabled, load_lora_state, use_adapter
 from .policy.memory import trainable_attention
 from .prompts.batch import PromptBatch, collate, sample_groups
 from .prompts.cache import PromptCache
@@ -41,6 +40,17 @@ from .rollouts.chunked import sample_images, sigma_window_levels
 from .rollouts.collect import RolloutContext, collect_rollouts, rollout_kind
 from .rollouts.scoring import RolloutScorer, batch_index
 from .rollouts.scoring_process import ScoringProcess
+from .sharding import (
+    Lockstep,
+    full_tensors,
+    load_lora_shards,
+    local_tensors,
+    lora_weights,
+    rank_microbatches,
+    run_sharding,
+    shard_optimizer_state,
+    shard_transformer,
+)
 from .solrl.correction import ImportanceWeighted
 from .solrl.pipeline import SolRL
 from .tree.rollouts import tree_spec
@@ -94,13 +104,19 @@ class Trainer:
         s = cfg.sampler
         self.sigmas = policy.sigmas(s.num_steps)
         self.eval_sigmas = self.sigmas if cfg.train.eval_steps is None else policy.sigmas(cfg.train.eval_steps)
+        self.advantage = AdvantageEstimator.from_config(cfg.advantage)
+        self.objective = build_objective(cfg)
+        self.objective.setup(self.model)
+        self.collective = collective or Collective()
+        self.lockstep: Lockstep | None = None  # train.sharding=fsdp2: rank 0's evaluation runs on every rank
+        if run_sharding(cfg, self.collective) == "fsdp2":  # after setup: the objective's adapters are sharded too
+            self.params = shard_transformer(self.model.transformer, self.collective)
+            calls = {"sample": self.sample, "state": self.state_dict, "lora": self.adapter_weights}
+            self.lockstep = Lockstep(self.collective, calls)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
-        self.advantage = AdvantageEstimator.from_config(cfg.advantage)
-        self.objective = build_objective(cfg)
-        self.objective.setup(self.model)
         self.prompt_cache = PromptCache(self.model, cfg.prompts.cache_dir)
         if cfg.memory.free_encoders_when_cached:
             self._free_encoders()
@@ -109,7 +125,6 @@ class Trainer:
             sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         )
         self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
-        self.collective = collective or Collective()
         self.geometry = batch_geometry(cfg, self.collective, self.rollout_kind)
         self.owned = self.geometry.owned_mask() if self.collective.world_size > 1 else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -216,14 +231,16 @@ class Trainer:
         first: tuple[int, float] | None = None  # (position in the plan, ratio) of the first trained micro-batch
         update_stats: dict[str, float] = {}
         for group in self.objective.plan(batch, self.generator):
-            mine = [(position + i, m) for i, mb in enumerate(group) if (m := owned_microbatch(mb, batch, self.owned))]
+            parts = rank_microbatches(group, batch, self.owned, lockstep=self.lockstep is not None)
+            mine = [(position + i, mb, real) for i, mb, real in parts]
             position += len(group)
             self.optimizer.zero_grad(set_to_none=True)
             fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
             fault = agree_fault(self.collective, fault)
             if fault is None:
-                sum_gradients(self.params, self.collective)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+                if self.lockstep is None:  # sharded gradients are already summed (reduce-scatter)
+                    sum_gradients(self.params, self.collective)
+                grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm))
                 fault = tensor_fault("the gradient norm", grad_norm) or self._step()
             if fault is not None:  # nothing applied (_step undoes its own): no checkpoint holds bad weights
                 self.optimizer.zero_grad(set_to_none=True)
@@ -254,7 +271,9 @@ class Trainer:
         snapshot = StepSnapshot(self.params, self.optimizer)
         try:
             self.optimizer.step()
-            fault = weight_fault(self.params, self.cfg.train.max_lora_weight)
+            fault = weight_fault(local_tensors(self.params), self.cfg.train.max_lora_weight)
+            if self.lockstep is not None:  # each rank checked its shard
+                fault = agree_fault(self.collective, fault)
         except RuntimeError as err:
             if "overflow" not in str(err):
                 raise
@@ -264,15 +283,24 @@ class Trainer:
         return fault
 
     def _accumulate(
-        self, batch: RolloutBatch, mine: list[tuple[int, Any]], size: int
+        self, batch: RolloutBatch, mine: list[tuple[int, Any, bool]], size: int
     ) -> tuple[str | None, dict[str, float], tuple[int, float] | None]:
         """Backward this rank's micro-batches of one optimizer step of ``size`` micro-batches in all.
+
+        A placeholder micro-batch (``real`` False: a sharded model's lockstep) is backwarded with its
+        loss scaled by zero and is not counted (statistics, NFE).
 
         Returns (fault, summed stats, (plan position, ratio) of the first micro-batch).
         """
         totals: dict[str, float] = {}
         first = None
-        for pos, mb in mine:
+        for pos, mb, real in mine:
+            if not real:
+                nfe = self.model.nfe
+                loss, _ = self.objective.loss(self.model, batch, mb)
+                (loss * 0.0).backward()
+                self.model.nfe = nfe
+                continue
             loss, stats = self.objective.loss(self.model, batch, mb)
             fault = tensor_fault(f"the {self.objective.name} loss", loss)
             if fault is not None:
@@ -341,6 +369,8 @@ class Trainer:
         Sampled on ``train.eval_steps`` Euler steps (default: the rollout's ``sampler.num_steps``).
         Evaluation is not counted in the training NFE. ``base``: the base model (LoRA switched off).
         """
+        if self.lockstep is not None:  # a sharded model: the other ranks make the same calls
+            self.lockstep.announce("sample", prompts, seeds, base=base)
         batch, nfe = collate(prompts), self.model.nfe
         transformer = self.model.transformer
         switch = adapters_disabled(transformer) if base else use_adapter(transformer, self.objective.eval_adapter)
@@ -372,15 +402,17 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters."""
+        """Everything needed to continue exactly: LoRA, optimizer, RNGs and counters (full tensors when sharded)."""
+        if self.lockstep is not None:  # gathering the shards is collective
+            self.lockstep.announce("state")
         return {
-            "lora": lora_state_dict(self.model.transformer),
+            "lora": lora_weights(self.model.transformer),
             "adapters": {
-                n: lora_state_dict(self.model.transformer, n)
+                n: lora_weights(self.model.transformer, n)
                 for n in adapter_names(self.model.transformer)
                 if n != "default"
             },
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # detach from live tensors
+            "optimizer": self._optimizer_state(),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "iteration": self.iteration,
@@ -392,12 +424,25 @@ class Trainer:
             "heldout": self.heldout.state_dict(),  # reward-hacking guards' best values and trips
         }
 
+    def adapter_weights(self, adapter: str = "default") -> dict[str, Tensor]:
+        """One LoRA adapter's full weights on the CPU, as a peft state dict (gathered on every rank when sharded)."""
+        if self.lockstep is not None:
+            self.lockstep.announce("lora", adapter)
+        return lora_weights(self.model.transformer, adapter)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state, detached from the live tensors (shards gathered into full tensors)."""
+        state = copy.deepcopy(self.optimizer.state_dict())
+        return state if self.lockstep is None else full_tensors(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
-        load_lora_state(self.model.transformer, state["lora"])
+        load = load_lora_state if self.lockstep is None else load_lora_shards
+        load(self.model.transformer, state["lora"])
         for name, weights in state.get("adapters", {}).items():
-            load_lora_state(self.model.transformer, weights, name)
+            load(self.model.transformer, weights, name)
         self.optimizer.load_state_dict(state["optimizer"])
+        shard_optimizer_state(self.optimizer)  # sharded parameters: each rank keeps its shard of the moments
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.iteration = int(state["iteration"])

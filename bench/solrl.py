@@ -18,12 +18,14 @@ picks too.
 (two stage, with ``--set`` overrides) train from the same base model, prompts, seed and rewards
 (both use the solrl config's ``rewards``) for the same training wall time (evaluation excluded);
 the arm whose clock is behind takes the next iteration, so both progress together and share the
-machine's load. Evaluated every ``--eval-every-s`` seconds of each arm's own training time: the
-held-out reward (``Trainer.evaluate``) and the independent digit reader
-(:mod:`flowrl.models.digits.reader`) on ``bench.alignment``'s held-out seeds: its accuracy on the
+machine's load. Evaluated every ``--eval-every-s`` seconds of each arm's own training time by the
+held-out evaluation (``Trainer.evaluate_heldout``, ``--eval-seeds`` seeds x 20 prompts): its reward,
+and the independent digit reader (:mod:`flowrl.models.digits.reader`, through the convergence
+harness's :func:`bench.convergence.reader_figures`) on the same samples: its accuracy on the
 prompted digit (all, bold, thin) and the ink gap bold - thin. An arm reaches the target when its
 reward is at least the single-stage run's final reward and the reader's accuracy is at least the
-base model's on the same seeds; the speed-up is the ratio of the reaching times.
+base model's on the same seeds (:func:`bench.convergence.confirmed`); the speed-up is the ratio of
+the reaching times.
 
 ``modes``: ``solrl.mode: regenerate`` (the two-stage DiffusionNFT arm above) against ``correct``
 (``configs/grpo/digits.yaml``'s Flow-GRPO trained directly on SDE rollouts drawn by the int8
@@ -45,11 +47,8 @@ from typing import Any
 
 import torch
 
-from bench.alignment import SEED_BASE
+from bench.convergence import confirmed, reader_figures
 from flowrl.config import Config, load_config
-from flowrl.models.digits.evaluation import ink
-from flowrl.models.digits.prompts import DIGITS_SETS
-from flowrl.models.digits.reader import reader_accuracy
 from flowrl.policy import build_policy
 from flowrl.policy.precision import build_explore
 from flowrl.prompts.batch import collate
@@ -67,7 +66,7 @@ SOLRL = REPO / "configs/solrl/digits.yaml"
 SINGLE = REPO / "configs/nft/digits_fast.yaml"
 GRPO = REPO / "configs/grpo/digits.yaml"
 CORRECT = ["solrl.mode=correct", "solrl.precision=int8_dynamic"]  # Flow-GRPO on the int8 explore copy's rollouts
-READER_SEEDS = 20  # held-out seeds per prompt for the independent reader (bench.alignment's default)
+EVAL_SEEDS = 20  # held-out seeds per eval prompt (train.eval_seeds) for the reward and the reader: 400 samples
 
 VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, steps (None = sampler.num_steps)
     ("full precision (stage 2)", None, {}, None),
@@ -155,38 +154,11 @@ def speed(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- budget
 
 
-def reader_figures(sample_fn: Any, seeds: int = READER_SEEDS) -> dict[str, float]:
-    """The independent reader on held-out seeds: its accuracy on the prompted digit and the ink gap.
-
-    The seeds and the trained phrasing are ``bench.alignment``'s (``SEED_BASE + i``, the 20
-    ``digits-styles`` prompts); the reading is :func:`flowrl.models.digits.reader.reader_accuracy`
-    and the ink :func:`flowrl.models.digits.evaluation.ink`, as there.
-
-    Args:
-        sample_fn: ``(prompts, seeds) -> images (B, 3, 8, 8)`` (``Trainer.sample``).
-        seeds: held-out seeds per prompt.
-
-    Returns:
-        ``reader``, ``reader_bold``, ``reader_thin`` (accuracy in [0, 1]) and ``ink_gap`` (bold - thin).
-    """
-    prompts = [p for p in DIGITS_SETS["digits-styles"]() for _ in range(seeds)]
-    images = sample_fn(prompts, [SEED_BASE + i % seeds for i in range(len(prompts))])
-    labels = torch.tensor([p.metadata["digit"] for p in prompts])
-    bold = torch.tensor([p.metadata["style"] == "bold" for p in prompts])
-    amount = ink(images)
-    return {
-        "reader": reader_accuracy(images, labels),
-        "reader_bold": reader_accuracy(images[bold], labels[bold]),
-        "reader_thin": reader_accuracy(images[~bold], labels[~bold]),
-        "ink_gap": float(amount[bold].mean() - amount[~bold].mean()),
-    }
-
-
 class Arm:
     """One training run of the comparison: its trainer, its own training clock and its evaluations."""
 
-    def __init__(self, name: str, cfg: Config, reader_seeds: int = READER_SEEDS):
-        self.name, self.cfg, self.reader_seeds = name, cfg, reader_seeds
+    def __init__(self, name: str, cfg: Config):
+        self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.train.seed)
         train_prompts, eval_prompts = load_run_prompts(cfg)
         self.trainer = Trainer(cfg, build_policy(cfg, trainable=True), build_reward(cfg), train_prompts, eval_prompts)
@@ -200,31 +172,31 @@ class Arm:
         self.clock += time.perf_counter() - start
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out reward (``Trainer.evaluate``) and the reader's figures; appended to ``rows``."""
+        """Held-out evaluation (``Trainer.evaluate_heldout``) and the reader on its samples; appended to ``rows``."""
+        held_out = self.trainer.evaluate_heldout()
         row = {"train_s": self.clock, "iteration": float(self.trainer.iteration)}
-        row.update({k: v for k, v in self.trainer.evaluate().items() if k.count("/") == 1})
-        row.update({f"eval/{k}": v for k, v in reader_figures(self.trainer.sample, self.reader_seeds).items()})
+        row.update({k: v for k, v in held_out.metrics.items() if k.count("/") == 1})
+        row.update(reader_figures(held_out.images, self.trainer.heldout.batch.metadata))
         row.update({k: v for k, v in self.last.items() if k.startswith("solrl/")})
         self.rows.append(row)
         return row
 
 
-def first_reach(
-    rows: list[dict[str, float]], key: str, target: float, floor: tuple[str, float] | None = None
-) -> float | None:
-    """Training seconds at which ``key`` first reaches ``target`` with ``floor`` held, or None.
+def reach_time(rows: list[dict[str, float]], target: float) -> float | None:
+    """Training seconds at which an arm first reaches ``target``, reader-confirmed; None if it never does.
 
-    The first evaluation where ``rows[i][key] >= target`` and (``floor = (other_key, minimum)``)
-    ``rows[i][other_key] >= minimum``; the time is interpolated linearly on ``key`` from the
-    previous evaluation when that one was below the target, else it is evaluation ``i``'s time.
+    The first evaluation that :func:`bench.convergence.confirmed` accepts (reward >= ``target``, the
+    reader at least the base model's, row 0); its time is interpolated linearly on the reward from
+    the previous evaluation when that one was below the target, else it is that evaluation's time.
     """
+    floor = rows[0]["reader"]
     for i, row in enumerate(rows):
-        if row[key] < target or (floor is not None and row[floor[0]] < floor[1]):
+        if not confirmed(row, target, floor):
             continue
         before = rows[i - 1] if i else None
-        if before is None or before[key] >= target:
+        if before is None or before["eval/reward_mean"] >= target:
             return row["train_s"]
-        share = (target - before[key]) / (row[key] - before[key])
+        share = (target - before["eval/reward_mean"]) / (row["eval/reward_mean"] - before["eval/reward_mean"])
         return before["train_s"] + share * (row["train_s"] - before["train_s"])
     return None
 
@@ -252,8 +224,8 @@ def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[f
     Returns:
         Each arm's reaching time (seconds of training), None where it never did.
     """
-    base = arms[0].rows[0]["eval/reader"]  # every arm starts from the same base model and reads the same seeds
-    keys = ["eval/reward_mean", "eval/reader", "eval/reader_bold", "eval/reader_thin", "eval/ink_gap"]
+    base = arms[0].rows[0]["reader"]  # every arm starts from the same base model and reads the same seeds
+    keys = ["eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap"]
     print(f"\nMachine at the end: {machine()}")
     print(f"Same training wall budget {budget_s:.0f} s per arm (evaluation excluded)\n")
     print("| arm | train s | iteration | reward | reader | reader bold | reader thin | ink gap | reached |")
@@ -261,24 +233,33 @@ def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[f
     for arm in arms:
         for row in arm.rows:
             cells = " | ".join(f"{row[k]:.3f}" for k in keys)
-            ok = row["eval/reward_mean"] >= target and row["eval/reader"] >= base
+            ok = confirmed(row, target, base)
             print(f"| {arm.name} | {row['train_s']:.0f} | {int(row['iteration'])} | {cells} | {'yes' if ok else ''} |")
-    times = [first_reach(arm.rows, "eval/reward_mean", target, ("eval/reader", base)) for arm in arms]
+    times = [reach_time(arm.rows, target) for arm in arms]
     shown = ", ".join(f"{a.name} {t:.0f} s" if t is not None else f"{a.name} never" for a, t in zip(arms, times))
-    ratio = f"; speed-up {times[0] / times[1]:.2f}x" if None not in times and times[1] else ""
+    ratio = ""
+    if None not in times and times[1]:
+        ratio = f"; speed-up of {arms[1].name} over {arms[0].name}: {times[0] / times[1]:.2f}x"
+    seeds = arms[0].cfg.train.eval_seeds
     print(
         f"\ntarget: eval/reward_mean >= {target:.3f} ({what}) with the reader's accuracy >= the base model's "
-        f"{base:.3f} ({arms[0].reader_seeds} held-out seeds x 20 prompts): {shown}{ratio}"
+        f"{base:.3f} (the held-out evaluation's {seeds} seeds x 20 prompts): {shown}{ratio}"
     )
     return times
 
 
-def budget(args: argparse.Namespace) -> None:
+def _shared(args: argparse.Namespace) -> list[str]:
+    """Overrides of every arm: no progress bar, ``--eval-seeds`` held-out seeds per prompt, ``--seed``."""
     seed = [f"train.seed={args.seed}"] if args.seed is not None else []
-    two = load_config(SOLRL, ["train.progress=false", *seed, *args.set])
-    one = load_config(SINGLE, ["train.progress=false", *seed])
+    return ["train.progress=false", f"train.eval_seeds={args.eval_seeds}", *seed]
+
+
+def budget(args: argparse.Namespace) -> None:
+    shared = _shared(args)
+    two = load_config(SOLRL, [*shared, *args.set])
+    one = load_config(SINGLE, shared)
     one.rewards = two.rewards  # the same task for both arms
-    arms = [Arm("single-stage DiffusionNFT", one, args.reader_seeds), Arm("two-stage Sol-RL", two, args.reader_seeds)]
+    arms = [Arm("single-stage DiffusionNFT", one), Arm("two-stage Sol-RL", two)]
     print(f"Machine: {machine()}; rewards {two.rewards}; two-stage overrides {args.set}", flush=True)
     race(arms, args.budget_s, args.eval_every_s)
     report(arms, args.budget_s, arms[0].rows[-1]["eval/reward_mean"], "the single-stage run's final reward")
@@ -286,13 +267,13 @@ def budget(args: argparse.Namespace) -> None:
 
 def modes(args: argparse.Namespace) -> None:
     """``solrl.mode: regenerate`` (two-stage DiffusionNFT) against ``correct`` (Flow-GRPO on explore rollouts)."""
-    seed = [f"train.seed={args.seed}"] if args.seed is not None else []
-    regenerate = load_config(SOLRL, ["train.progress=false", *seed, *args.set])
-    correct = load_config(GRPO, ["train.progress=false", *seed, *CORRECT, *args.set_correct])
+    shared = _shared(args)
+    regenerate = load_config(SOLRL, [*shared, *args.set])
+    correct = load_config(GRPO, [*shared, *CORRECT, *args.set_correct])
     correct.rewards = regenerate.rewards
     arms = [
-        Arm("regenerate (DiffusionNFT, two-stage)", regenerate, args.reader_seeds),
-        Arm("correct (Flow-GRPO, explore rollouts + IS)", correct, args.reader_seeds),
+        Arm("regenerate (DiffusionNFT, two-stage)", regenerate),
+        Arm("correct (Flow-GRPO, explore rollouts + IS)", correct),
     ]
     print(f"Machine: {machine()}; rewards {regenerate.rewards}; correct arm {CORRECT + args.set_correct}", flush=True)
     race(arms, args.budget_s, args.eval_every_s)
@@ -310,7 +291,7 @@ def main() -> None:
     parser.add_argument("--eval-every-s", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None, help="train.seed of every arm (default: the configs')")
-    parser.add_argument("--reader-seeds", type=int, default=READER_SEEDS, help="held-out reader seeds per prompt")
+    parser.add_argument("--eval-seeds", type=int, default=EVAL_SEEDS, help="held-out seeds per eval prompt")
     parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage (regenerate) arm")
     parser.add_argument("--set-correct", nargs="*", default=[], help="key=value overrides of the `correct` arm")
     args = parser.parse_args()

@@ -1,0 +1,39 @@
+"""bench/solrl.py: the reader-confirmed reaching time, and a tiny race of both parts (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import solrl
+
+
+def _row(t: float, reward: float, reader: float) -> dict[str, float]:
+    return {"train_s": t, "eval/reward_mean": reward, "reader": reader}
+
+
+def test_the_reaching_time_is_interpolated_on_the_reward():
+    rows = [_row(0, 1.0, 0.9), _row(10, 1.1, 0.9), _row(20, 1.3, 0.95)]
+    assert solrl.reach_time(rows, 1.2) == pytest.approx(15.0)
+    assert solrl.reach_time(rows, 1.0) == 0.0
+    assert solrl.reach_time(rows, 1.31) is None
+
+
+def test_a_reward_the_reader_does_not_confirm_does_not_count():
+    rows = [_row(0, 1.0, 0.9), _row(10, 1.4, 0.85), _row(20, 1.3, 0.9), _row(30, 1.5, 0.95)]
+    assert solrl.reach_time(rows, 1.25) == 20.0  # reward reached at 10 s, but the reader fell below the base's 0.9
+    assert solrl.reach_time(rows, 1.45) == pytest.approx(27.5)  # 1.3 -> 1.5 between 20 and 30 s
+    assert solrl.reach_time([_row(0, 1.0, 0.9), _row(10, 1.4, 0.8)], 1.2) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["budget", "modes"])
+def test_a_tiny_race_prints_the_reader_confirmed_table(capsys, monkeypatch, part):
+    monkeypatch.setattr(
+        "sys.argv", ["solrl", part, "--budget-s", "1", "--eval-every-s", "1", "--eval-seeds", "2", "--threads", "1"]
+    )
+    solrl.main()
+    out = capsys.readouterr().out
+    assert out.count("| reached |") == 1 and "Machine at the end:" in out and " load " in out
+    assert "with the reader's accuracy >= the base model's" in out
+    table = [line for line in out.splitlines() if line.startswith("| ") and "train s" not in line]
+    assert len(table) >= 4 and all(len(line.split("|")) == 11 for line in table)  # 2 arms x (base + >= 1 point)

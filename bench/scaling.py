@@ -205,8 +205,10 @@ def rollout_points(rounds: int) -> dict[str, Any]:
     flops = {key: _counted(m, fn, cost)[0] for key, (m, fn, cost) in points.items()}
     load = _load()
     times: dict[tuple[str, int], list[float]] = {key: [] for key in points}
-    for _ in range(rounds):
-        for key, (_, fn, _) in points.items():
+    order = list(points)
+    for r in range(rounds):
+        for key in order if r % 2 == 0 else order[::-1]:  # forward, backward, ...: no point always follows another
+            fn = points[key][1]
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
@@ -238,8 +240,9 @@ def train_leaf_points(rounds: int) -> dict[str, Any]:
     load = _load()
     it_s: dict[int, list[float]] = {k: [] for k in trainers}
     roll_s: dict[int, list[float]] = {k: [] for k in trainers}
-    for _ in range(rounds):
-        for leaves, tr in trainers.items():
+    for r in range(rounds):
+        for leaves in list(trainers) if r % 2 == 0 else list(trainers)[::-1]:
+            tr = trainers[leaves]
             m = tr.train_step()
             it_s[leaves].append(m["time/iteration_s"])
             roll_s[leaves].append(m["time/sample_s"])
@@ -368,6 +371,16 @@ def main(argv: list[str] | None = None) -> None:
         _plot(res, args.plot)
 
 
+def _ticks(ax: Any, xs: list[int]) -> None:
+    """Plain numbers at the measured x on a log-log panel."""
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set_xticks(xs)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+
+
 def _plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -387,6 +400,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
             ax.set_title("tree rollout, 10 trees x 10 steps", fontsize=9)
         ax.set_xlabel(labels.get(sweep, "leaves per tree"))
         ax.set_ylabel("s")
+        _ticks(ax, xs)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes.flat[4]
@@ -398,6 +412,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
         ax.loglog(xs, [tl[-1]["s"] * r["gflop"] / tl[-1]["gflop"] for r in tl], "--", label="FLOP model")
         ax.set_xlabel("leaves per tree")
         ax.set_ylabel("s / iteration")
+        _ticks(ax, xs)
         ax.set_title("BranchGRPO training iteration, 10 trees", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

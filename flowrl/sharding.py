@@ -30,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -116,6 +117,9 @@ def shard_transformer(transformer: nn.Module, collective: Collective) -> list[nn
     if plugin is not None:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+        # the shipped launcher config lists every family's block class; accelerate refuses names the model lacks
+        names = plugin.transformer_cls_names_to_wrap
+        plugin.transformer_cls_names_to_wrap = [c.__name__ for c in block_classes(transformer, names)]
         fsdp2_prepare_model(collective.accelerator, transformer)
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -129,13 +133,20 @@ def shard_transformer(transformer: nn.Module, collective: Collective) -> list[nn
         if is_sharded(module):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return [p for p in transformer.parameters() if p.requires_grad]
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    (local, full), lora = local_numel(transformer), local_numel(params)
+    print(
+        f"flowrl: fsdp2: rank {collective.rank} of {collective.world_size} holds {local} of {full} denoiser parameters "
+        f"({100 * local / full:.1f} %); trainable LoRA {lora[0]} of {lora[1]}",
+        file=sys.stderr,
+    )
+    return params
 
 
-def local_numel(module: nn.Module) -> tuple[int, int]:
-    """(parameter elements held by this rank, elements of the full model)."""
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
-    return local, sum(p.numel() for p in module.parameters())
+def local_numel(params: nn.Module | Sequence[Tensor]) -> tuple[int, int]:
+    """(parameter elements held by this rank, elements of the full parameters) of a module or a parameter list."""
+    params = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
+    return sum(t.numel() for t in local_tensors(params)), sum(p.numel() for p in params)
 
 
 def local_tensors(params: Sequence[Tensor]) -> list[Tensor]:
@@ -224,6 +235,27 @@ def rank_microbatches(
             noise = None if mb.noise is None else mb.noise[:1]
             out.append((i, mb._replace(index=mb.index[:1], noise=noise), False))
     return out
+
+
+def placeholder_backward(objective: Any, model: Any, batch: Any, mb: Any) -> None:
+    """Run a placeholder micro-batch's loss and backward it scaled by zero, leaving no other trace.
+
+    The backward takes part in the sharded model's reduce-scatter with an exactly zero gradient.
+    The objective's attributes (e.g. SAGE-GRPO's summed KL of the step) and the model's ``nfe``
+    are put back as they were, so placeholders change no statistic.
+
+    Args:
+        objective: the run's objective (``loss(model, batch, mb) -> (loss, stats)``).
+        model: the policy's model (with ``nfe``).
+        batch: the iteration's batch.
+        mb: the placeholder micro-batch (:func:`rank_microbatches`, ``real`` False).
+    """
+    saved, nfe = dict(vars(objective)), model.nfe
+    loss, _ = objective.loss(model, batch, mb)
+    (loss * 0.0).backward()
+    vars(objective).clear()
+    vars(objective).update(saved)
+    model.nfe = nfe
 
 
 class Lockstep:

@@ -46,6 +46,7 @@ from .sharding import (
     load_lora_shards,
     local_tensors,
     lora_weights,
+    placeholder_backward,
     rank_microbatches,
     run_sharding,
     shard_optimizer_state,
@@ -296,10 +297,7 @@ class Trainer:
         first = None
         for pos, mb, real in mine:
             if not real:
-                nfe = self.model.nfe
-                loss, _ = self.objective.loss(self.model, batch, mb)
-                (loss * 0.0).backward()
-                self.model.nfe = nfe
+                placeholder_backward(self.objective, self.model, batch, mb)
                 continue
             loss, stats = self.objective.loss(self.model, batch, mb)
             fault = tensor_fault(f"the {self.objective.name} loss", loss)

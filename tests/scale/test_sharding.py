@@ -1,0 +1,142 @@
+"""Sharded training (``train.sharding=fsdp2``) with two real gloo processes against one process.
+
+The denoiser's frozen base and its LoRA are split over the ranks with PyTorch's ``fully_shard``
+(flowrl/sharding.py); every rank calls the sharded model in lockstep. The same global batch must
+give the same LoRA as one unsharded process (within fp32 tolerance; measured bit-identical), each
+rank must hold about half of the parameters, and checkpoints must hold full tensors that resume
+into the shards exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_launch import OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
+
+from flowrl.checkpoint import load_checkpoint
+
+FSDP2 = ["train.sharding=fsdp2"]
+SHARD_LINE = re.compile(
+    r"fsdp2: rank (\d) of 2 holds (\d+) of (\d+) denoiser parameters .* trainable LoRA (\d+) of (\d+)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(OBJECTIVES))
+def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path):
+    args = [*OBJECTIVES[case], *TINY]
+    one, two = train_one(args, tmp_path / "one"), train_two([*args, *FSDP2], tmp_path / "two")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two")
+    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in m2] == [0, 1, 2]
+    for r1, r2 in zip(m1, m2):  # rewards, model evaluations (placeholder rows not counted), eval figures
+        for key in ("reward_mean", "eval/reward_mean"):
+            assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
+        assert r2.get("nfe") == r1.get("nfe")
+    assert two.stdout.count("done: 2 iterations") == 1
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_the_denoiser_and_the_lora_loads_with_diffusers(tmp_path):
+    args = [*OBJECTIVES["flow_grpo"], *TINY]
+    two = train_two([*args, *FSDP2], tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    shards = {int(m[1]): tuple(map(int, m.groups()[1:])) for m in SHARD_LINE.finditer(two.stderr)}
+    assert sorted(shards) == [0, 1], two.stderr[-3000:]
+    (l0, full, lo0, lora_full), (l1, full1, lo1, _) = shards[0], shards[1]
+    assert full == full1 and l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full  # ~1/W of base + LoRA
+    assert lo0 + lo1 == lora_full and abs(lo0 - lora_full / 2) <= 0.05 * lora_full
+
+    from flowrl.models import load_adapter
+
+    model = load_adapter("flowrl-digits", dtype="float32", device="cpu")
+    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.full((2,), 0.7), model.encode_prompt(["a bold 3", "a thin 7"])
+    with torch.no_grad():
+        base = model.velocity(x, sigma, cond)
+        model.pipe.load_lora_weights(str(tmp_path / "two" / "lora"))  # diffusers reads the gathered LoRA
+        trained = model.velocity(x, sigma, cond)
+    assert float((trained - base).abs().max()) > 1e-6
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_hold_full_tensors_and_resume_exactly(tmp_path):
+    args = [*OBJECTIVES["diffusion_nft"], *TINY, "train.save_every=1", "output.keep_checkpoints=5", *FSDP2]
+    full = train_two(args, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    one = train_one([*args[:-1], "train.iterations=1"], tmp_path / "one")  # the same step on one process
+    assert one.returncode == 0, one.stderr[-3000:]
+    sharded = load_checkpoint(tmp_path / "full" / "checkpoints" / "iter-000001")
+    plain = load_checkpoint(tmp_path / "one" / "checkpoints" / "iter-000001")
+    for key in ("lora", "adapters", "optimizer"):  # the one-process layout: full tensors, same shapes and values
+        flat_s, flat_p = _tensors(sharded[key]), _tensors(plain[key])
+        assert flat_s.keys() == flat_p.keys()
+        assert all(flat_s[k].shape == flat_p[k].shape for k in flat_s)
+        assert max(float((flat_s[k].float() - flat_p[k].float()).abs().max()) for k in flat_s) <= 1e-6
+    cut = tmp_path / "cut"
+    first = train_two([*args, "train.iterations=1"], cut)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train_two([*args, "--resume", str(cut / "checkpoints" / "iter-000001")], cut)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wa, wb = lora(tmp_path / "full"), lora(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise, as an unsharded resume
+
+
+def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state, keyed by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
+
+
+def test_sharding_one_process_is_refused_in_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "flowrl", "train", *OBJECTIVES["flow_grpo"], *TINY, *FSDP2, f"output.dir={tmp_path}/r"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert "train.sharding=fsdp2 shards over the processes of a launch" in lines[0]
+    assert "--multi_gpu --num_processes 2" in lines[0] and "train.sharding=none" in lines[0]
+
+
+@pytest.mark.slow
+def test_an_unsupported_combination_is_refused_on_every_rank(tmp_path):
+    args = [*OBJECTIVES["diffusion_nft"], *TINY, *FSDP2, "solrl.mode=regenerate"]
+    result = train_two(args, tmp_path / "run")
+    assert result.returncode != 0
+    lines = {line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")}
+    assert len(lines) == 1, result.stderr[-3000:]  # both ranks print the same line
+    line = lines.pop()
+    assert "does not support solrl.mode=regenerate" in line and "set solrl.mode=off or train.sharding=none" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_sharding_key_is_checked():
+    from flowrl.config import ConfigError, load_config
+
+    assert load_config(None, ["train.sharding=fsdp2"]).train.sharding == "fsdp2"
+    with pytest.raises(ConfigError, match="train.sharding"):
+        load_config(None, ["train.sharding=fsdp1"])
+
+
+def test_sharded_launch_command_is_the_documented_one():
+    doc = (Path(__file__).parents[2] / "docs" / "scale-out.md").read_text()
+    assert "--config_file configs/accelerate/cpu_gloo.yaml -m flowrl train CONFIG train.sharding=fsdp2" in doc
+
+
+def test_block_classes_keep_the_models_own(tiny_sd3):
+    from flowrl.sharding import block_classes
+
+    transformer = tiny_sd3.transformer
+    names = ["JointTransformerBlock", "FluxTransformerBlock", "WanTransformerBlock"]  # configs/accelerate/fsdp2.yaml
+    assert [c.__name__ for c in block_classes(transformer, names)] == ["JointTransformerBlock"]
+    assert [c.__name__ for c in block_classes(transformer)] == ["JointTransformerBlock"]  # its _no_split_modules
+    with pytest.raises(ValueError, match="has none of the block classes .* fsdp_transformer_layer_cls_to_wrap"):
+        block_classes(transformer, ["FluxTransformerBlock"])

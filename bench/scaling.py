@@ -373,11 +373,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _ticks(ax: Any, xs: list[int]) -> None:
     """Plain numbers at the measured x on a log-log panel."""
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xticks(xs)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
 
 
@@ -388,6 +389,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rollouts"]["rows"]
+    base = [r for r in rows if r["sweep"] != "tokens"]
+    a, b = fit_calls_nfe([Cost(r["calls"], r["nfe"]) for r in base], [r["s"] for r in base])
     fig, axes = plt.subplots(2, 3, figsize=(13, 7.2))
     labels = {"samples": "samples (5 steps)", "steps": "steps (20 samples)", "tokens": "image tokens (8 samples)"}
     for ax, sweep in zip(axes.flat, ("samples", "steps", "tokens", "leaves")):
@@ -395,6 +398,9 @@ def _plot(res: dict[str, Any], path: Path) -> None:
         xs, ts, fs = [r["x"] for r in pts], [r["s"] for r in pts], [r["gflop"] for r in pts]
         ax.loglog(xs, ts, "o-", label="rollout, measured")
         ax.loglog(xs, [ts[-1] * f / fs[-1] for f in fs], "--", label="FLOP model (through the last point)")
+        if sweep != "tokens":
+            fit = [a * r["calls"] + b * r["nfe"] for r in pts]
+            ax.loglog(xs, fit, "-.", color="C2", label=f"{a * 1e3:.0f} ms x calls + {b * 1e3:.1f} ms x NFE (fit)")
         if sweep == "leaves":
             ax.loglog(xs, [ts[0] * x / xs[0] for x in xs], ":", color="grey", label="leaves x steps (flat)")
             ax.set_title("tree rollout, 10 trees x 10 steps", fontsize=9)

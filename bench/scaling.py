@@ -361,12 +361,12 @@ def main(argv: list[str] | None = None) -> None:
             phases["train_leaves"] = lambda: train_leaf_points(args.rounds)
         if args.processes:
             phases["processes"] = lambda: process_points(args.process_rounds)
-        res = {}
+        res: dict[str, Any] = {"rounds": args.rounds}
         for name, phase in phases.items():
             res[name] = phase()
             if args.json is not None:  # after every phase, so a later failure keeps what was measured
                 args.json.write_text(json.dumps(res, indent=1))
-    print(f"{args.rounds} interleaved rounds, 1 thread\n" + report(res))
+    print(f"{res.get('rounds', '?')} interleaved rounds, 1 thread\n" + report(res))
     if args.plot is not None:
         _plot(res, args.plot)
 

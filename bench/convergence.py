@@ -12,18 +12,10 @@ Every evaluation point also carries the independent reader's reading of the held
 its accuracy on the prompted digit (``reader``, ``reader_bold``, ``reader_thin``) and the mean ink
 per style with its gap (``ink_gap``, the style measure). A target counts as **reached** only when the
 eval reward is at or above it AND the reader's accuracy is at or above the base model's on the same
-held-out samples (point 0): an algorithm that raises the reward by degrading the digits does not
-reach it (issue 14: an algorithm that hacks the reward sooner is slower, not faster).
-
-Besides wall time it counts model evaluations (NFE: rollout + training forwards) and a
-compute equivalent (NFE + 2 x the forwards that are backpropagated, i.e. forward+backward = 3),
-which the shared host cannot distort.
-
-Each algorithm trains from the same base model, prompts, rewards and seed under the same
-wall-clock budget (evaluation excluded). Eval reward = ODE samples on held-out seeds. Writes a
-table and ``docs/benchmarks-convergence.png``, and prints the markdown section that goes into
-``docs/benchmarks.md``: for each algorithm, the wall time and NFE at which it first reaches
-Flow-GRPO's final eval reward, as a fraction of Flow-GRPO's.
+held-out samples (point 0), less one standard error of the difference (:func:`reader_floor`, about
+2 points on 200 samples, so that sampling noise alone does not decide): an algorithm that raises
+the reward by degrading the digits does not reach it (issue 14: an algorithm that hacks the reward
+sooner is slower, not faster).
 """
 
 from __future__ import annotations
@@ -102,6 +94,7 @@ def reader_figures(images: torch.Tensor, metadata: dict[str, list]) -> dict[str,
     amount = ink(images)
     figures = {
         "reader": float(right.mean()),
+        "reader_n": float(len(right)),
         "reader_bold": float(right[bold].mean()),
         "reader_thin": float(right[~bold].mean()),
         "ink_bold": float(amount[bold].mean()),
@@ -165,7 +158,7 @@ def run_one(
         }
 
     points = [point(0.0)]
-    floor = points[0]["reader"]
+    floor = reader_floor(points[0])
     train_s, next_eval = 0.0, eval_every
 
     def done() -> bool:
@@ -197,9 +190,20 @@ def confirmed(point: dict[str, float], target: float, reader_floor: float) -> bo
     return point["eval/reward_mean"] >= target and point.get("reader", reader_floor) >= reader_floor
 
 
+def reader_floor(base: dict[str, float]) -> float:
+    """The lowest reader accuracy that still counts as "as legible as the base".
+
+    The base's accuracy minus one standard error of the difference of two accuracies on ``reader_n``
+    samples each, sqrt(2 p (1 - p) / n): about 2 points at p = 0.95, n = 200, so that sampling noise
+    alone does not decide a hit.
+    """
+    p, n = base.get("reader", 0.0), base.get("reader_n", 0.0)
+    return p - math.sqrt(2 * p * (1 - p) / n) if n > 0 else p
+
+
 def first_reach(points: list[dict[str, float]], target: float) -> dict[str, float] | None:
     """First eval point whose reward is >= target while the reader reads as well as the base (point 0)."""
-    floor = points[0].get("reader", 0.0)
+    floor = reader_floor(points[0])
     return next((p for p in points if confirmed(p, target, floor)), None)
 
 
@@ -278,7 +282,8 @@ def report(results: dict[str, list[dict[str, float]]], budget: float | str, comm
         f"date {dt.date.today().isoformat()}; budget {budget_text(budget)} per algorithm.",
         "",
         f"Target: Flow-GRPO's final eval reward {target:.4f}, reached only when the independent reader also "
-        "reads at least as well as the base model on the same held-out samples."
+        "reads at least as well as the base model on the same held-out samples (less one standard error of the "
+        "difference, about 2 points on 200 samples)."
         if target is not None
         else "No Flow-GRPO baseline: no target.",
         "",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.convergence import first_reach, first_reward_only, reader_figures, report
+from bench.convergence import first_reach, first_reward_only, reader_figures, reader_floor, report
 from flowrl.models.digits.model import load_digit_images
 
 
@@ -24,6 +24,12 @@ def test_a_reward_reached_by_losing_legibility_is_not_a_hit():
     hacking = [_point(0, 1.0, 0.95, 0), _point(1, 1.3, 0.80, 10), _point(2, 1.35, 0.96, 20)]
     assert first_reward_only(hacking, 1.3)["iteration"] == 1
     assert first_reach(hacking, 1.3)["iteration"] == 2  # the reader fell below the base at iteration 1
+
+
+def test_the_reader_floor_is_one_standard_error_below_the_base():
+    base = {"reader": 0.95, "reader_n": 200.0}
+    assert abs(reader_floor(base) - (0.95 - (2 * 0.95 * 0.05 / 200) ** 0.5)) < 1e-12
+    assert reader_floor({"reader": 0.9}) == 0.9  # no count: the base itself
 
 
 def test_report_names_both_hits_and_the_ratio_to_flow_grpo():

@@ -16,7 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch import OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
+from test_launch import (
+    OBJECTIVES,
+    ROOT,
+    STRADDLING,
+    TINY,
+    assert_same_lora,
+    env,
+    lora,
+    metrics,
+    train_one,
+    train_two,
+)
 
 from flowrl.checkpoint import load_checkpoint
 
@@ -41,6 +52,32 @@ def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path):
             assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
         assert r2.get("nfe") == r1.get("nfe")
     assert two.stdout.count("done: 2 iterations") == 1
+
+
+MORE = {  # (arguments, tolerance)
+    # a tree frontier chunk on both ranks: each evaluates its part (another batch geometry; measured 5e-6)
+    "straddling_tree": (STRADDLING, 1e-4),
+    # bf16 frozen base beside the fp32 LoRA in one FSDP group, autocast, per-block recomputation (measured identical)
+    "bf16_checkpointing": (
+        [
+            *OBJECTIVES["flow_grpo"],
+            "model.dtype=bfloat16",
+            "memory.autocast=bf16",
+            "memory.gradient_checkpointing=true",
+        ],
+        1e-5,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MORE))
+def test_sharded_geometries_and_memory_settings_match_one_process(case, tmp_path):
+    extra, tol = MORE[case]
+    args = [*extra, *TINY]
+    one, two = train_one(args, tmp_path / "one"), train_two([*args, *FSDP2], tmp_path / "two")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two", tol=tol)
 
 
 @pytest.mark.slow

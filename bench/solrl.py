@@ -4,6 +4,7 @@ Usage::
 
     python -m bench.solrl speed  [--prompts 8] [--candidates 16] [--rounds 5]
     python -m bench.solrl budget [--budget-s 240] [--eval-every-s 40] [--seed 0] [--set solrl.candidates=8 ...]
+        [--set-single optim.lr=6e-3 ...]
     python -m bench.solrl modes  [--budget-s 240] [--eval-every-s 40] [--set ...] [--set-correct ...]
 
 ``speed``: candidates per second of each explore setting against the full-precision rollout
@@ -257,10 +258,10 @@ def _shared(args: argparse.Namespace) -> list[str]:
 def budget(args: argparse.Namespace) -> None:
     shared = _shared(args)
     two = load_config(SOLRL, [*shared, *args.set])
-    one = load_config(SINGLE, shared)
+    one = load_config(SINGLE, [*shared, *args.set_single])
     one.rewards = two.rewards  # the same task for both arms
     arms = [Arm("single-stage DiffusionNFT", one), Arm("two-stage Sol-RL", two)]
-    print(f"Machine: {machine()}; rewards {two.rewards}; two-stage overrides {args.set}", flush=True)
+    print(f"Machine: {machine()}; rewards {two.rewards}; overrides {args.set_single} / {args.set}", flush=True)
     race(arms, args.budget_s, args.eval_every_s)
     report(arms, args.budget_s, arms[0].rows[-1]["eval/reward_mean"], "the single-stage run's final reward")
 
@@ -293,6 +294,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="train.seed of every arm (default: the configs')")
     parser.add_argument("--eval-seeds", type=int, default=EVAL_SEEDS, help="held-out seeds per eval prompt")
     parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage (regenerate) arm")
+    parser.add_argument("--set-single", nargs="*", default=[], help="key=value overrides of the single-stage arm")
     parser.add_argument("--set-correct", nargs="*", default=[], help="key=value overrides of the `correct` arm")
     args = parser.parse_args()
     configure_threads(args.threads)

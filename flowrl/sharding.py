@@ -14,9 +14,9 @@ chunks a rank owns, so under sharding
 
 - a rollout chunk without owned rows is evaluated on one placeholder row, its output dropped
   (:class:`flowrl.rollouts.owned.OwnedRows`);
-- a planned micro-batch without owned rows runs a placeholder loss on one row, scaled by zero
-  (:func:`rank_microbatches`): its gradient is exactly zero, and its reduce-scatter matches
-  the owner's;
+- in an optimizer step, each rank runs its own micro-batches side by side with the other ranks'
+  and pads with placeholder losses on one row, scaled by zero, up to the most any rank runs
+  (:func:`rank_microbatches`): a placeholder's gradient is exactly zero;
 - rank 0's evaluation, image grids and checkpoint gathers run on every rank at once
   (:class:`Lockstep`: rank 0 announces each call, the other ranks make the same one).
 
@@ -31,13 +31,14 @@ References:
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .distributed import Collective
+from .distributed import Collective, Geometry
 from .objectives.planning import owned_microbatch
 from .policy.lora import adapter_parameters, lora_state_dict
 
@@ -210,31 +211,32 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def rank_microbatches(
-    group: Sequence[Any], batch: Any, owned: Tensor | None, *, lockstep: bool = False
+    group: Sequence[Any], batch: Any, owned: Tensor | None, geometry: Geometry | None = None
 ) -> list[tuple[int, Any, bool]]:
     """The micro-batches of one optimizer step this rank runs: ``(position in group, micro-batch, real)``.
 
-    Without ``lockstep`` these are the parts of the planned micro-batches on this rank's rows
-    (:func:`~flowrl.objectives.planning.owned_microbatch`; all of them on one process). With
-    ``lockstep`` (a sharded model) every planned micro-batch is run, in plan order: a micro-batch
-    without owned rows becomes a one-row placeholder (``real`` False) whose loss the trainer scales
-    by zero, so every rank runs as many forwards and backwards.
+    These are the parts of the planned micro-batches on this rank's rows
+    (:func:`~flowrl.objectives.planning.owned_microbatch`; all of them on one process), in plan
+    order. With ``geometry`` (a sharded model) they are followed by one-row placeholders
+    (``real`` False; the trainer scales their loss by zero) up to the most micro-batches any rank
+    runs in the step, so every rank makes as many forwards and backwards, each rank's real ones
+    side by side with the others'.
 
     Args:
         group: the step's micro-batches (``objective.plan``).
         batch: the iteration's :class:`~flowrl.objectives.base.RolloutBatch`.
         owned: (B,) bool, this rank's rows; None = one process.
-        lockstep: the model is sharded.
+        geometry: the launch's geometry when the model is sharded (every rank's rows); None otherwise.
     """
-    out = []
-    for i, mb in enumerate(group):
-        mine = owned_microbatch(mb, batch, owned)
-        if mine is not None:
-            out.append((i, mine, True))
-        elif lockstep:
-            noise = None if mb.noise is None else mb.noise[:1]
-            out.append((i, mb._replace(index=mb.index[:1], noise=noise), False))
-    return out
+    mine = [(i, m, True) for i, mb in enumerate(group) if (m := owned_microbatch(mb, batch, owned)) is not None]
+    if geometry is None or not group:
+        return mine
+    masks = [replace(geometry, rank=r).owned_mask() for r in range(geometry.world_size)]
+    calls = max(sum(owned_microbatch(mb, batch, mask) is not None for mb in group) for mask in masks)
+    first = group[0]
+    noise = None if first.noise is None else first.noise[:1]
+    placeholder = first._replace(index=first.index[:1], noise=noise)
+    return mine + [(0, placeholder, False)] * (calls - len(mine))
 
 
 def placeholder_backward(objective: Any, model: Any, batch: Any, mb: Any) -> None:

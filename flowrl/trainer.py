@@ -232,7 +232,7 @@ class Trainer:
         first: tuple[int, float] | None = None  # (position in the plan, ratio) of the first trained micro-batch
         update_stats: dict[str, float] = {}
         for group in self.objective.plan(batch, self.generator):
-            parts = rank_microbatches(group, batch, self.owned, lockstep=self.lockstep is not None)
+            parts = rank_microbatches(group, batch, self.owned, None if self.lockstep is None else self.geometry)
             mine = [(position + i, mb, real) for i, mb, real in parts]
             position += len(group)
             self.optimizer.zero_grad(set_to_none=True)

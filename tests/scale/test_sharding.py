@@ -177,3 +177,26 @@ def test_block_classes_keep_the_models_own(tiny_sd3):
     assert [c.__name__ for c in block_classes(transformer)] == ["JointTransformerBlock"]  # its _no_split_modules
     with pytest.raises(ValueError, match="has none of the block classes .* fsdp_transformer_layer_cls_to_wrap"):
         block_classes(transformer, ["FluxTransformerBlock"])
+
+
+def test_ranks_pair_their_micro_batches_and_pad_with_one_row_placeholders():
+    from flowrl.distributed import derive_geometry
+    from flowrl.objectives.base import Microbatch, RolloutBatch
+    from flowrl.sharding import rank_microbatches
+
+    b = 8  # 2 prompts x 4 samples, chunks of 2: rank 0 owns rows 0-3, rank 1 rows 4-7 (contiguous)
+    x = torch.zeros(b, 2, 3, 3)
+    keep = torch.ones(b, dtype=torch.bool)
+    batch = RolloutBatch([f"p{i // 4}" for i in range(b)], torch.arange(b) // 4, {}, x, None, None, x, x[:, 0, 0, 0],
+                         x[:, 0, 0, 0], keep, 2)  # fmt: skip
+    noise = torch.randn(2, 2, 3, 3)
+    group = [Microbatch(torch.tensor([0, 1]), 0, noise), Microbatch(torch.tensor([2, 3]), 1, noise),
+             Microbatch(torch.tensor([6, 7]), 0, noise)]  # fmt: skip
+    ranks = [derive_geometry(2, 4, 2, 2, r) for r in range(2)]
+    zero = rank_microbatches(group, batch, ranks[0].owned_mask(), ranks[0])
+    one = rank_microbatches(group, batch, ranks[1].owned_mask(), ranks[1])
+    assert [(i, mb.index.tolist(), real) for i, mb, real in zero] == [(0, [0, 1], True), (1, [2, 3], True)]
+    assert [(mb.index.tolist(), real) for _, mb, real in one] == [([6, 7], True), ([0], False)]  # padded to 2 calls
+    assert one[1][1].noise.shape[0] == 1 and one[1][1].step == 0
+    assert rank_microbatches(group, batch, ranks[1].owned_mask()) == one[:1]  # unsharded: own parts only
+    assert rank_microbatches(group, batch, None) == [(i, mb, True) for i, mb in enumerate(group)]  # one process

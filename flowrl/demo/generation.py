@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..comparison.checkpoints import Checkpoint, CheckpointBank, generate
 from ..comparison.evaluate import build_rewards, guard_spec, reward_spec
+from ..config import Config
 from ..evaluation.table import CheckpointFigures, checkpoint_figures
 from ..prompts.files import Prompt
 from .validation import Request
@@ -54,7 +55,7 @@ class Comparison:
 def reward_names(registry_checkpoints: Sequence[Checkpoint]) -> list[str]:
     """The reward names the runs configure (the default scoring set)."""
     runs = list(dict.fromkeys(c.run_dir for c in registry_checkpoints if c.run_dir is not None))
-    return list(reward_spec(runs)) if runs else ["ink"]
+    return list(reward_spec(runs)) if runs else list(Config().rewards)  # no run: the default job's rewards
 
 
 def guards_of(checkpoints: Sequence[Checkpoint]) -> dict[str, dict[str, Any]]:
@@ -66,7 +67,7 @@ def scoring_spec(checkpoints: Sequence[Checkpoint], names: Sequence[str] | None)
     """Reward specs for ``names`` (the runs' options where a run configures the name; registry defaults otherwise)."""
     runs = list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None))
     if not names:
-        return reward_spec(runs) if runs else {"ink": {"weight": 1.0}}
+        return reward_spec(runs) if runs else Config().rewards
     return reward_spec(runs, names)
 
 

@@ -39,14 +39,21 @@ def test_one_iteration_updates_only_the_lora(tiny_sd3):
     assert metrics["iteration"] == 1.0 and trainer.samples_seen == 6
     # NFE: rollout 6 samples x 3 steps + policy and KL-reference passes on 2 SDE steps x 6 samples
     assert metrics["nfe"] == 6 * 3 + 2 * (6 * 2)
-    for key in ("reward_mean", "reward/ink", "reward/digit_correctness", "train/loss", "train/grad_norm", "train/kl"):
+    for key in (
+        "reward_mean",
+        "reward/ink_band",
+        "reward/digit_correctness",
+        "train/loss",
+        "train/grad_norm",
+        "train/kl",
+    ):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
     for n, p in tiny_sd3.transformer.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
     assert any(not torch.equal(p, lora_b[n]) for n, p in tiny_sd3.transformer.named_parameters() if n in lora_b)
     ev = trainer.evaluate()
-    assert set(ev) == {"eval/reward_mean", "eval/reward_ci95", "eval/ink", "eval/digit_correctness", "eval/drift"}
+    assert set(ev) == {"eval/reward_mean", "eval/reward_ci95", "eval/ink_band", "eval/digit_correctness", "eval/drift"}
 
 
 def test_state_dict_restores_exactly(tiny_sd3):

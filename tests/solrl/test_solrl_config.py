@@ -17,7 +17,7 @@ def test_off_by_default_and_the_digits_recipe_loads():
 @pytest.mark.parametrize(
     "path, overrides, words",
     [
-        ("configs/solrl/digits.yaml", ["solrl.candidates=3"], ["prompts.group_size", "solrl.candidates", "K=4"]),
+        ("configs/solrl/digits.yaml", ["solrl.candidates=1"], ["prompts.group_size", "solrl.candidates", "K=2"]),
         ("configs/solrl/digits.yaml", ["solrl.mode=correct"], ["solrl.mode=correct", "diffusion_nft", "regenerate"]),
         ("configs/grpo/digits.yaml", ["solrl.mode=regenerate"], ["solrl.mode=regenerate", "flow_grpo", "correct"]),
         ("configs/solrl/digits.yaml", ["sampler.solver=tree"], ["sampler.solver=tree"]),

@@ -256,6 +256,7 @@ def _shared(args: argparse.Namespace) -> list[str]:
 
 
 def budget(args: argparse.Namespace) -> None:
+    """Single-stage DiffusionNFT against the two-stage pipeline; the target is the single-stage final reward."""
     shared = _shared(args)
     two = load_config(SOLRL, [*shared, *args.set])
     one = load_config(SINGLE, [*shared, *args.set_single])

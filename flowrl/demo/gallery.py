@@ -69,7 +69,12 @@ def reward_curve(run_dir: Path, out: Path) -> Path:
 
 
 def algorithm_comparison(path: Path, out: Path) -> Path:
-    """Eval reward against wall time and compute for each algorithm of a ``bench.convergence`` JSON file."""
+    """Eval reward for each algorithm of a ``bench.convergence`` JSON file.
+
+    Left: against wall time, or, when every point carries the independent reader's accuracy
+    (``reader``), that accuracy against compute (the wall time of a shared host says little).
+    Right: eval reward against compute (or NFE for older files).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,17 +83,24 @@ def algorithm_comparison(path: Path, out: Path) -> Path:
     results: dict[str, list[dict[str, Any]]] = json.loads(Path(path).read_text())
     if not isinstance(results, dict) or not all(isinstance(v, list) for v in results.values()):
         raise ValueError(f"{path} is not a bench.convergence result (algorithm -> list of eval points)")
-    x_compute = "compute" if all("compute" in p for v in results.values() for p in v) else "nfe"
+    every = [p for v in results.values() for p in v]
+    x_compute = "compute" if all("compute" in p for p in every) else "nfe"
+    read = all("reader" in p for p in every)
     fig = Figure(figsize=(9, 3.2), dpi=80)
     axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)]
     for name, points in results.items():
         reward = [p["eval/reward_mean"] for p in points]
-        axes[0].plot([p["wall_s"] for p in points], reward, "o-", ms=3, label=name)
+        if read:
+            axes[0].plot([p[x_compute] for p in points], [100 * p["reader"] for p in points], "o-", ms=3, label=name)
+        else:
+            axes[0].plot([p["wall_s"] for p in points], reward, "o-", ms=3, label=name)
         axes[1].plot([p[x_compute] for p in points], reward, "o-", ms=3, label=name)
-    axes[0].set_xlabel("training wall time (s)")
-    axes[1].set_xlabel("compute equivalent (NFE + 2 x backprop NFE)" if x_compute == "compute" else "NFE")
+    x_label = "compute equivalent (NFE + 2 x backprop NFE)" if x_compute == "compute" else "NFE"
+    axes[0].set_xlabel(x_label if read else "training wall time (s)")
+    axes[0].set_ylabel("independent reader accuracy (%)" if read else "eval reward (held-out seeds)")
+    axes[1].set_xlabel(x_label)
+    axes[1].set_ylabel("eval reward (held-out seeds)")
     for ax in axes:
-        ax.set_ylabel("eval reward (held-out seeds)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -26,6 +26,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _yaml_word(value: bool, allowed: tuple[Any, ...]) -> Any:
+    """The word a YAML 1.1 bool was written as, when the field allows it (``off`` -> "off"); else the bool."""
+    for word in ("on", "yes", "true") if value else ("off", "no", "false"):
+        if word in allowed:
+            return word
+    return value
+
+
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     origin = typing.get_origin(tp)
@@ -36,7 +44,10 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
             except ConfigError:
                 continue
     elif origin is Literal:
-        if value in typing.get_args(tp):
+        allowed = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (no, yes) as a bool
+            value = _yaml_word(value, allowed)
+        if value in allowed:
             return value
     elif origin is list:
         (item,) = typing.get_args(tp)

@@ -76,3 +76,12 @@ def test_every_shipped_config_validates():
     assert files, "configs/ must hold at least the embedded default"
     for path in files:
         load_config(path)
+
+
+def test_a_bare_off_in_yaml_or_on_the_command_line_is_the_word_off(tmp_path):
+    assert load_config(None, ["solrl.mode=off"]).solrl.mode == "off"  # YAML 1.1 reads off as False
+    path = tmp_path / "c.yaml"
+    path.write_text("solrl:\n  mode: off\n")
+    assert load_config(str(path)).solrl.mode == "off"
+    with pytest.raises(ConfigError, match="'solrl.mode' must be one of"):
+        load_config(None, ["solrl.mode=yes"])  # no allowed word for True

@@ -13,6 +13,11 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# Triton reads TRITON_INTERPRET when it is first imported, and other code imports it early (torch's
+# FlopCounterMode, which the bench modules some tests import, pulls triton in), so the kernel tests'
+# interpreter must be chosen here, before any test module is collected (tests/kernels/kernel_devices.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _real_connect = socket.socket.connect
 

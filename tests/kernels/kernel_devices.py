@@ -1,10 +1,11 @@
 """Where the kernel tests run each Triton kernel: on CPU tensors in Triton's interpreter, and compiled
 on CUDA (``cuda`` marker) where a GPU is present. Test modules parametrize ``device`` with ``DEVICES``.
 
-``@triton.jit`` picks the interpreter when a kernel module is first imported, so the variable is set
-here, when the test modules are collected, before any kernel runs. On a CUDA machine it is left unset,
-so the kernels compile for the GPU and the interpreter cases skip (export TRITON_INTERPRET=1 to run
-them). Nothing else in flowrl imports triton, so the variable does not change the other tests.
+Triton reads ``TRITON_INTERPRET`` when it is first imported, and torch's ``FlopCounterMode`` (which
+bench modules imported by other tests use) imports triton, so the root ``tests/conftest.py`` sets the
+variable before any test module is collected; it is set here too for a run of this folder alone. On a
+CUDA machine it is left unset, so the kernels compile for the GPU and the interpreter cases skip
+(export TRITON_INTERPRET=1 to run them).
 (A plain module, not a conftest.py: tests import the root conftest by the bare name ``conftest``.)
 """
 

@@ -46,33 +46,24 @@ def _pipeline(run: Path | None) -> Any:
 
 def measure(pipe: Any, phrasing: tuple[str, str], seeds: int) -> tuple[dict[str, float], torch.Tensor]:
     """Sample 10 digits x 2 styles x ``seeds`` and judge them: (figures, images (N, 3, H, W))."""
+    from bench.convergence import reader_figures
     from flowrl.evaluation import prompt_diversity
-    from flowrl.models.digits.evaluation import digit_accuracy, ink, sample_digits_with_pipeline
-    from flowrl.models.digits.reader import reader_accuracy, reader_probabilities
+    from flowrl.models.digits.evaluation import digit_accuracy, sample_digits_with_pipeline
 
-    prompts, labels, bold = [], [], []
+    prompts, labels, styles = [], [], []
     for style, template in zip(("bold", "thin"), phrasing):
         for d in range(10):
             prompts += [template.format(d=d)] * seeds
             labels += [d] * seeds
-            bold += [style == "bold"] * seeds
+            styles += [style] * seeds
     images = sample_digits_with_pipeline(pipe, prompts, [SEED_BASE + i % seeds for i in range(len(prompts))])
-    y, b = torch.tensor(labels), torch.tensor(bold)
-    amount = ink(images)
-    figures = {
-        "reader": reader_accuracy(images, y),
-        "reader_bold": reader_accuracy(images[b], y[b]),
-        "reader_thin": reader_accuracy(images[~b], y[~b]),
-        "svc": digit_accuracy(images, y),
-        "ink_bold": float(amount[b].mean()),
-        "ink_thin": float(amount[~b].mean()),
-        "diversity": float(prompt_diversity(images, torch.arange(len(prompts)) // seeds).mean()),
-    }
-    figures["ink_gap"] = figures["ink_bold"] - figures["ink_thin"]
+    figures = reader_figures(images, {"digit": labels, "style": styles})
+    figures["svc"] = digit_accuracy(images, torch.tensor(labels))
+    figures["diversity"] = float(prompt_diversity(images, torch.arange(len(prompts)) // seeds).mean())
+    thin = torch.tensor([s == "thin" for s in styles])
     peak = images.float().mean(dim=1).flatten(1).amax(dim=1)  # real digits: 1.0 for >= 95 % of thin and bold ones
-    figures["dim_thin"] = float((peak[~b] < DIM_PEAK).float().mean())
-    figures["peak_thin"] = float(peak[~b].mean())
-    figures["confidence"] = float(reader_probabilities(images).amax(dim=1).mean())
+    figures["dim_thin"] = float((peak[thin] < DIM_PEAK).float().mean())
+    figures["peak_thin"] = float(peak[thin].mean())
     return figures, images
 
 

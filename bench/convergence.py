@@ -79,21 +79,23 @@ def compute_equivalent(nfe: int, grad_nfe: int) -> int:
 
 
 def reader_figures(images: torch.Tensor, metadata: dict[str, list]) -> dict[str, float]:
-    """The independent reader's accuracy and the ink per style of held-out samples.
+    """The independent reader's accuracy (and mean top probability) and the ink per style of held-out samples.
 
     Args:
         images: (N, 3, H, W) in [0, 1], the held-out evaluation's samples.
         metadata: the eval batch's metadata with ``digit`` and ``style`` per sample (N each).
     """
     from flowrl.models.digits.evaluation import ink
-    from flowrl.models.digits.reader import read_digits
+    from flowrl.models.digits.reader import reader_probabilities
 
     labels = torch.tensor(metadata["digit"])
     bold = torch.tensor([s == "bold" for s in metadata["style"]])
-    right = (read_digits(images) == labels).float()
+    probs = reader_probabilities(images)  # read once: the reading and its confidence
+    right = (probs.argmax(dim=1) == labels).float()
     amount = ink(images)
     figures = {
         "reader": float(right.mean()),
+        "confidence": float(probs.amax(dim=1).mean()),
         "reader_n": float(len(right)),
         "reader_bold": float(right[bold].mean()),
         "reader_thin": float(right[~bold].mean()),

@@ -292,6 +292,11 @@ def _explore_bytes(cfg: Config) -> float:
     return _EXPLORE_BYTES.get(precision, _DTYPE_BYTES[cfg.model.dtype])
 
 
+def _stage1_candidates(cfg: Config, processes: int) -> int:
+    """Sol-RL stage-1 candidates one process samples per iteration: its share of per_iteration x candidates."""
+    return -(-cfg.prompts.per_iteration * cfg.solrl.candidates // processes)
+
+
 def _explore(cfg: Config, g: Geometry, z: Sizes, processes: int) -> tuple[list[Part], list[Part]]:
     """Sol-RL: (the explore copy, alive through the run; stage 1 of ``regenerate``, a phase of its own).
 
@@ -311,7 +316,7 @@ def _explore(cfg: Config, g: Geometry, z: Sizes, processes: int) -> tuple[list[P
     )
     if s.mode != "regenerate":
         return [copy], []
-    candidates = -(-p.per_iteration * s.candidates // processes)
+    candidates = _stage1_candidates(cfg, processes)
     size = f"prompts.per_iteration={p.per_iteration} x solrl.candidates={s.candidates}"
     size += f" / {processes} processes" if processes > 1 else ""
     fixes = ["lower solrl.candidates, prompts.per_iteration or model.resolution"] * 3
@@ -494,7 +499,7 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
         o = cfg.solrl
         rows.append(
             (
-                -(-p.per_iteration * o.candidates // processes) * o.explore_steps,
+                _stage1_candidates(cfg, processes) * o.explore_steps,
                 f"Sol-RL stage 1 of one iteration (prompts.per_iteration={p.per_iteration} x "
                 f"solrl.candidates={o.candidates} x solrl.explore_steps={o.explore_steps}"
                 f"{f' / {processes} processes' if processes > 1 else ''})",

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import Collective, Geometry
 from .objectives.planning import owned_microbatch
-from .policy.lora import adapter_parameters, lora_state_dict
+from .policy.lora import adapter_parameters, lora_mismatch, lora_state_dict
 
 SHARDINGS: tuple[str, ...] = ("none", "fsdp2")
 
@@ -191,11 +191,7 @@ def load_lora_shards(transformer: nn.Module, state: dict[str, Tensor], adapter: 
     """
     params = adapter_parameters(transformer, adapter)
     if params.keys() != state.keys():
-        raise ValueError(
-            f"LoRA checkpoint does not match the model ({len(params.keys() - state.keys())} missing, "
-            f"{len(state.keys() - params.keys())} unexpected keys); use the same lora.rank/targets as the run that "
-            "wrote it"
-        )
+        raise lora_mismatch(len(params.keys() - state.keys()), len(state.keys() - params.keys()))
     for key, param in params.items():
         param.to_local().copy_(shard_like(state[key], param).to_local())
 
@@ -275,7 +271,6 @@ class Lockstep:
 
     def __init__(self, collective: Collective, calls: dict[str, Callable[..., Any]]) -> None:
         self.collective, self.calls = collective, calls
-        self.serving = False
 
     def announce(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Rank 0: tell the other ranks to make call ``name`` now (no-op on the other ranks)."""

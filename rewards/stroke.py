@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .contract import check_images
-from .digits import prompt_style
+from .digits import sample_styles
 
 UPSAMPLE = 2
 THRESHOLD = 0.5  # of the image's own peak
@@ -169,16 +169,7 @@ class StrokeWidth:
     def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
         """Scores (B,) float32 for images (B, 3, H, W) in [0, 1]; NaN where the prompt has no style."""
         check_images(images)
-        if len(prompts) != images.shape[0]:
-            raise ValueError(f"got {len(prompts)} prompts for {images.shape[0]} images; pass one prompt per image")
-        given = metadata.get("style")
-        given = [None] * len(prompts) if given is None else list(given)
-        if len(given) != len(prompts):
-            raise ValueError(f"metadata style has {len(given)} entries for {len(prompts)} images; pass one per image")
-        styles = [prompt_style(p) if s is None else str(s).lower() for s, p in zip(given, prompts)]
-        bad = [s for s in styles if s not in (None, "bold", "thin")]
-        if bad:
-            raise ValueError(f"metadata style {bad[0]!r} must be 'bold', 'thin' or None")
+        styles = sample_styles(prompts, metadata.get("style"), images.shape[0])
         sign = torch.tensor([{"bold": 1.0, "thin": -1.0}.get(s, math.nan) for s in styles])
         contrast = (peak_intensity(images) / FULL_CONTRAST).clamp(max=1.0)
         score = band_score(stroke_width(images), sign) * contrast

@@ -92,10 +92,15 @@ def load_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: s
     # with several adapters attached, peft lists the *other* adapters' weights as missing too
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{adapter}." in k]
     if missing or getattr(result, "unexpected_keys", []):
-        raise ValueError(
-            f"LoRA checkpoint does not match the model ({len(missing)} missing, "
-            f"{len(result.unexpected_keys)} unexpected keys); use the same lora.rank/targets as the run that wrote it"
-        )
+        raise lora_mismatch(len(missing), len(result.unexpected_keys))
+
+
+def lora_mismatch(missing: int, unexpected: int) -> ValueError:
+    """The one-line error for LoRA weights whose keys do not match the attached adapter."""
+    return ValueError(
+        f"LoRA checkpoint does not match the model ({missing} missing, {unexpected} unexpected keys); "
+        "use the same lora.rank/targets as the run that wrote it"
+    )
 
 
 @contextmanager

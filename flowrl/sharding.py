@@ -42,8 +42,6 @@ from .distributed import Collective, Geometry
 from .objectives.planning import owned_microbatch
 from .policy.lora import adapter_parameters, lora_mismatch, lora_state_dict
 
-SHARDINGS: tuple[str, ...] = ("none", "fsdp2")
-
 
 def run_sharding(cfg: Any, collective: Collective) -> str:
     """The run's sharding: ``train.sharding``, or ``fsdp2`` on an accelerate FSDP launch (its plugin decides).

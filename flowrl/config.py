@@ -243,8 +243,9 @@ class TrainConfig:
     # contiguous = whole prompt groups per rank | spread = every group split over the ranks
     placement: Literal["contiguous", "spread"] = "contiguous"
     # several processes: none = every rank holds the whole denoiser | fsdp2 = its base and LoRA sharded over the
-    # ranks (flowrl/sharding.py; implied by an accelerate FSDP launch)
-    sharding: Literal["none", "fsdp2"] = "none"
+    # ranks (flowrl/sharding.py; implied by an accelerate FSDP launch) | zero2 = DeepSpeed ZeRO-2 (LoRA's AdamW
+    # state and gradients sharded) | zero3 = ZeRO-3 (base and LoRA too; flowrl/zero.py; implied by a DeepSpeed launch)
+    sharding: Literal["none", "fsdp2", "zero2", "zero3"] = "none"
 
 
 @dataclass

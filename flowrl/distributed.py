@@ -286,6 +286,31 @@ class Collective:
         return self.accelerator.state.fsdp_plugin
 
     @property
+    def deepspeed_plugin(self) -> Any:
+        """The accelerate DeepSpeed plugin of a DeepSpeed launch (GPUs); None otherwise."""
+        if self.accelerator is None or "DEEPSPEED" not in str(self.accelerator.distributed_type):
+            return None
+        return self.accelerator.state.deepspeed_plugin
+
+    @property
+    def deepspeed_stage(self) -> int | None:
+        """The ZeRO stage of an accelerate DeepSpeed launch, None for any other launch.
+
+        On GPUs it is the plugin's. On CPU (``ACCELERATE_USE_CPU=true``) accelerate 1.15 turns a
+        DeepSpeed launcher config into plain ``MULTI_CPU`` processes and drops the plugin; the
+        launcher's stage is then read from ``ACCELERATE_DEEPSPEED_ZERO_STAGE``.
+        """
+        if self.accelerator is None:
+            return None
+        plugin = self.deepspeed_plugin
+        if plugin is not None:
+            return int(plugin.zero_stage)
+        env = os.environ
+        if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("true", "1", "yes"):
+            return int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2") or 2)
+        return None
+
+    @property
     def device_type(self) -> str:
         """The device type of this rank's process group (``cpu`` for gloo, ``cuda`` for NCCL)."""
         return "cpu" if self.accelerator is None else self.accelerator.device.type
@@ -315,9 +340,11 @@ def join_launch() -> Collective:
 
     accelerator = Accelerator()
     plugin = accelerator.state.fsdp_plugin if "FSDP" in str(accelerator.distributed_type) else None
-    check_plugin(str(accelerator.distributed_type), None if plugin is None else int(plugin.fsdp_version))
+    collective = Collective(accelerator)
+    fsdp_version = None if plugin is None else int(plugin.fsdp_version)
+    check_plugin(str(accelerator.distributed_type), fsdp_version, collective.deepspeed_stage)
     check_joined(launch_world_size(), accelerator.num_processes, str(accelerator.distributed_type))
-    return Collective(accelerator)
+    return collective
 
 
 def check_joined(launched: int, joined: int, distributed_type: str) -> None:
@@ -340,25 +367,27 @@ def check_joined(launched: int, joined: int, distributed_type: str) -> None:
             f"accelerate launch started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
             "accelerate's FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch "
             f"--multi_gpu --num_processes {launched} (configs/accelerate/cpu_gloo.yaml), adding train.sharding=fsdp2 "
-            "to shard the model"
+            "(or zero2 / zero3) to shard the model"
         )
 
 
-UNWIRED_PLUGINS = ("DEEPSPEED",)
+ZERO_LAUNCH_STAGES = (2, 3)
+"""ZeRO stages of a DeepSpeed launch flowrl wires (``train.sharding`` zero2 / zero3, :mod:`flowrl.zero`)."""
 
 
-def check_plugin(distributed_type: str, fsdp_version: int | None = None) -> None:
+def check_plugin(distributed_type: str, fsdp_version: int | None = None, zero_stage: int | None = None) -> None:
     """Refuse a sharding launch flowrl does not wire, instead of silently not sharding.
 
-    An FSDP launch with ``fsdp_version: 2`` is wired (:mod:`flowrl.sharding`); FSDP1 and DeepSpeed
-    are not (deepspeed is not a flowrl dependency).
+    An FSDP launch with ``fsdp_version: 2`` is wired (:mod:`flowrl.sharding`), and a DeepSpeed
+    launch with ZeRO stage 2 or 3 (:mod:`flowrl.zero`); FSDP1 and ZeRO stages 0 and 1 are not.
 
     Args:
         distributed_type: accelerate's ``DistributedType`` of the launch (e.g. ``"MULTI_GPU"``).
         fsdp_version: the FSDP plugin's version on an FSDP launch.
+        zero_stage: the ZeRO stage of a DeepSpeed launch (:attr:`Collective.deepspeed_stage`).
 
     Raises:
-        ValueError: a DeepSpeed or FSDP1 launch.
+        ValueError: an FSDP1 launch, or a DeepSpeed launch with ZeRO stage 0 or 1.
     """
     kind = distributed_type.rsplit(".", 1)[-1].upper()
     if kind == "FSDP" and fsdp_version != 2:
@@ -366,11 +395,10 @@ def check_plugin(distributed_type: str, fsdp_version: int | None = None) -> None
             f"accelerate launch with FSDP version {fsdp_version} is not wired into flowrl; set fsdp_version: 2 in the "
             "launcher config (configs/accelerate/fsdp2.yaml)"
         )
-    if kind in UNWIRED_PLUGINS:
+    if zero_stage is not None and zero_stage not in ZERO_LAUNCH_STAGES:
         raise ValueError(
-            f"accelerate launch with {kind} is not wired into flowrl yet (the frozen base would not be sharded); "
-            "shard with configs/accelerate/fsdp2.yaml (FSDP2), or launch data-parallel with "
-            "configs/accelerate/ddp.yaml"
+            f"accelerate launch with DeepSpeed ZeRO stage {zero_stage} is not wired into flowrl; set zero_stage: 2 or "
+            "3 in the launcher config (configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)"
         )
 
 

@@ -40,38 +40,48 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import Collective, Geometry
 from .objectives.planning import owned_microbatch
-from .policy.lora import adapter_parameters, lora_mismatch, lora_state_dict
+from .policy.lora import adapter_parameters, load_lora_state, lora_mismatch, lora_state_dict
+from .zero import ZERO_STAGES, adapters_gathered, is_partitioned, require_deepspeed
 
 
 def run_sharding(cfg: Any, collective: Collective) -> str:
-    """The run's sharding: ``train.sharding``, or ``fsdp2`` on an accelerate FSDP launch (its plugin decides).
+    """The run's sharding: ``train.sharding``, or what the launch implies (FSDP: ``fsdp2``, DeepSpeed: ``zero<stage>``).
 
     Raises:
-        ValueError: a combination sharding does not support yet, in one line naming the fix.
+        ValueError: a combination sharding does not support yet, or DeepSpeed missing, in one line naming the fix.
     """
-    sharding = "fsdp2" if collective.fsdp_plugin is not None else cfg.train.sharding
+    stage = collective.deepspeed_stage
+    launched = "fsdp2" if collective.fsdp_plugin is not None else None if stage is None else f"zero{stage}"
+    sharding = launched or cfg.train.sharding
     if sharding == "none":
         return sharding
     if collective.world_size == 1:
         raise ValueError(
-            "train.sharding=fsdp2 shards over the processes of a launch and this is one process; launch several, e.g. "
-            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m flowrl train ... "
-            "train.sharding=fsdp2 (or set train.sharding=none)"
+            f"train.sharding={sharding} shards over the processes of a launch and this is one process; launch several, "
+            "e.g. ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 -m flowrl train ... "
+            f"train.sharding={sharding} (or set train.sharding=none)"
         )
     if cfg.solrl.mode != "off":
         raise ValueError(
-            f"train.sharding=fsdp2 does not support solrl.mode={cfg.solrl.mode} yet (its explore copy merges the "
+            f"train.sharding={sharding} does not support solrl.mode={cfg.solrl.mode} yet (its explore copy merges the "
             "full LoRA into an unsharded transformer); set solrl.mode=off or train.sharding=none"
         )
     if cfg.memory.compile != "none":
         raise ValueError(
-            f"train.sharding=fsdp2 does not support memory.compile={cfg.memory.compile} yet (the denoiser is compiled "
-            "before it is sharded); set memory.compile=none or train.sharding=none"
+            f"train.sharding={sharding} does not support memory.compile={cfg.memory.compile} yet (the denoiser is "
+            "compiled before it is sharded); set memory.compile=none or train.sharding=none"
         )
+    if sharding in ZERO_STAGES:
+        require_deepspeed()
     return sharding
 
 
 def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are sharded, so that a forward is a collective (FSDP2 or ZeRO-3)."""
+    return is_fsdp(module) or is_partitioned(module)
+
+
+def is_fsdp(module: nn.Module) -> bool:
     """Whether ``module`` went through ``fully_shard`` (its parameters are DTensor shards)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -129,7 +139,7 @@ def shard_transformer(transformer: nn.Module, collective: Collective) -> list[nn
             fully_shard(module, mesh=mesh)
         fully_shard(transformer, mesh=mesh)
     for module in transformer.modules():  # each sharded block reduces its own gradients: a plain SUM (gloo too)
-        if is_sharded(module):
+        if is_fsdp(module):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -172,8 +182,9 @@ def shard_like(full: Tensor, param: DTensor) -> DTensor:
 
 def lora_weights(transformer: nn.Module, adapter: str = "default") -> dict[str, Tensor]:
     """One adapter's full weights as a peft state dict on the CPU (every rank must call it when sharded)."""
-    if not is_sharded(transformer):
-        return lora_state_dict(transformer, adapter)
+    if not is_fsdp(transformer):
+        with adapters_gathered(transformer):  # ZeRO-3 partitions gathered (collective); a no-op otherwise
+            return lora_state_dict(transformer, adapter)
     from peft.utils import get_peft_model_state_dict
 
     weights = get_peft_model_state_dict(transformer, adapter_name=adapter)
@@ -182,11 +193,15 @@ def lora_weights(transformer: nn.Module, adapter: str = "default") -> dict[str, 
 
 @torch.no_grad()
 def load_lora_shards(transformer: nn.Module, state: dict[str, Tensor], adapter: str = "default") -> None:
-    """Cut full LoRA weights (:func:`lora_weights`) into this rank's shards of ``adapter``.
+    """Cut full LoRA weights (:func:`lora_weights`) into this rank's shards of ``adapter`` (FSDP2, ZeRO-2/3).
 
     Raises:
         ValueError: the keys do not match the adapter's (a checkpoint from another config).
     """
+    if not is_fsdp(transformer):  # ZeRO: gathered whole, loaded, written back into the partitions (collective)
+        with adapters_gathered(transformer, modify=True):
+            load_lora_state(transformer, state, adapter)
+        return
     params = adapter_parameters(transformer, adapter)
     if params.keys() != state.keys():
         raise lora_mismatch(len(params.keys() - state.keys()), len(state.keys() - params.keys()))
@@ -233,7 +248,9 @@ def rank_microbatches(
     return mine + [(0, placeholder, False)] * (calls - len(mine))
 
 
-def placeholder_backward(objective: Any, model: Any, batch: Any, mb: Any) -> None:
+def placeholder_backward(
+    objective: Any, model: Any, batch: Any, mb: Any, backward: Callable[[Tensor], None] = Tensor.backward
+) -> None:
     """Run a placeholder micro-batch's loss and backward it scaled by zero, leaving no other trace.
 
     The backward takes part in the sharded model's reduce-scatter with an exactly zero gradient.
@@ -245,13 +262,24 @@ def placeholder_backward(objective: Any, model: Any, batch: Any, mb: Any) -> Non
         model: the policy's model (with ``nfe``).
         batch: the iteration's batch.
         mb: the placeholder micro-batch (:func:`rank_microbatches`, ``real`` False).
+        backward: how a loss is backwarded (DeepSpeed: the engine's, :meth:`flowrl.zero.ZeroEngine.backward`).
     """
     saved, nfe = dict(vars(objective)), model.nfe
     loss, _ = objective.loss(model, batch, mb)
-    (loss * 0.0).backward()
+    backward(loss * 0.0)
     vars(objective).clear()
     vars(objective).update(saved)
     model.nfe = nfe
+
+
+COLLECTIVE_CALLS = {"zero2": ("state",)}
+"""Under ZeRO-2 only gathering the optimizer state is collective (the model is whole on every rank)."""
+
+
+def collective_calls(sharding: str, calls: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The calls of :class:`Lockstep` that are collectives under ``sharding`` (all of them, but for ZeRO-2)."""
+    names = COLLECTIVE_CALLS.get(sharding, tuple(calls))
+    return {k: v for k, v in calls.items() if k in names}
 
 
 class Lockstep:
@@ -271,8 +299,8 @@ class Lockstep:
         self.collective, self.calls = collective, calls
 
     def announce(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Rank 0: tell the other ranks to make call ``name`` now (no-op on the other ranks)."""
-        if self.collective.is_main:
+        """Rank 0: tell the other ranks to make call ``name`` now (no-op on the other ranks and for unlisted calls)."""
+        if self.collective.is_main and name in self.calls:
             self.collective.broadcast_object((name, args, kwargs))
 
     def meet(self) -> None:

@@ -42,6 +42,7 @@ from .rollouts.scoring import RolloutScorer, batch_index
 from .rollouts.scoring_process import ScoringProcess
 from .sharding import (
     Lockstep,
+    collective_calls,
     full_tensors,
     load_lora_shards,
     local_tensors,
@@ -55,6 +56,7 @@ from .sharding import (
 from .solrl.correction import ImportanceWeighted
 from .solrl.pipeline import SolRL
 from .tree.rollouts import tree_spec
+from .zero import ZERO_STAGES, ZeroEngine, adapters_gathered
 
 EVAL_SEED_BASE = 1_000_000  # held-out seeds: training noise comes from the run's generator instead
 
@@ -109,15 +111,22 @@ class Trainer:
         self.objective = build_objective(cfg)
         self.objective.setup(self.model)
         self.collective = collective or Collective()
-        self.lockstep: Lockstep | None = None  # train.sharding=fsdp2: rank 0's evaluation runs on every rank
-        if run_sharding(cfg, self.collective) == "fsdp2":  # after setup: the objective's adapters are sharded too
+        self.lockstep: Lockstep | None = None  # sharded: rank 0's evaluation and gathers run on every rank
+        sharding = run_sharding(cfg, self.collective)
+        if sharding == "fsdp2":  # after setup: the objective's adapters are sharded too
             self.params = shard_transformer(self.model.transformer, self.collective)
+        if sharding != "none":
             calls = {"sample": self.sample, "state": self.state_dict, "lora": self.adapter_weights}
-            self.lockstep = Lockstep(self.collective, calls)
+            self.lockstep = Lockstep(self.collective, collective_calls(sharding, calls))
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
+        self.zero: ZeroEngine | None = None  # train.sharding=zero2|zero3: DeepSpeed's engine steps (flowrl/zero.py)
+        if sharding in ZERO_STAGES:
+            self.zero = ZeroEngine.start(
+                self.model.transformer, self.optimizer, ZERO_STAGES[sharding], o.max_grad_norm, self.collective
+            )
         self.prompt_cache = PromptCache(self.model, cfg.prompts.cache_dir)
         if cfg.memory.free_encoders_when_cached:
             self._free_encoders()
@@ -238,13 +247,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
             fault = agree_fault(self.collective, fault)
-            if fault is None:
+            if fault is None and self.zero is not None:  # DeepSpeed reduces, clips and steps (undone on a fault)
+                grad_norm, fault = self.zero.step(self.cfg.train.max_lora_weight)
+            elif fault is None:
                 if self.lockstep is None:  # sharded gradients are already summed (reduce-scatter)
                     sum_gradients(self.params, self.collective)
                 grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm))
                 fault = tensor_fault("the gradient norm", grad_norm) or self._step()
             if fault is not None:  # nothing applied (_step undoes its own): no checkpoint holds bad weights
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.zero is not None:
+                    self.zero.zero_grad()
                 skipped += 1
                 self.guard.skip(fault, self.iteration + 1)
                 continue
@@ -258,7 +271,8 @@ class Trainer:
             count += len(group)
             if self.collective.world_size > 1:
                 self.objective.sync_step(self.collective.sum, len(group))
-            update_stats = self.objective.after_update(self.model)
+            with adapters_gathered(self.model.transformer, modify=True):  # ZeRO-3: soft updates see whole adapters
+                update_stats = self.objective.after_update(self.model)
         totals, first = merge_totals(self.collective, totals, first)
         out = {k: v / max(count, 1) for k, v in totals.items()}
         out.update(update_stats)
@@ -295,15 +309,16 @@ class Trainer:
         """
         totals: dict[str, float] = {}
         first = None
+        backward = torch.Tensor.backward if self.zero is None else self.zero.backward
         for pos, mb, real in mine:
             if not real:
-                placeholder_backward(self.objective, self.model, batch, mb)
+                placeholder_backward(self.objective, self.model, batch, mb, backward)
                 continue
             loss, stats = self.objective.loss(self.model, batch, mb)
             fault = tensor_fault(f"the {self.objective.name} loss", loss)
             if fault is not None:
                 return fault, {}, None
-            (loss / size).backward()
+            backward(loss / size)
             if first is None and "ratio" in stats:
                 first = (pos, stats["ratio"])
             for k, v in {"loss": float(loss.detach()), **stats}.items():
@@ -340,7 +355,8 @@ class Trainer:
         else:
             stats = self.update(batch)
         self.iteration += 1
-        stats.update(self.objective.after_iteration(self.model, self.iteration))
+        with adapters_gathered(self.model.transformer, modify=True):  # ZeRO-3: soft updates see whole adapters
+            stats.update(self.objective.after_iteration(self.model, self.iteration))
         if self.collective.world_size > 1:  # every rank counts the model evaluations of all ranks
             self.model.nfe = nfe + int(self.collective.sum(torch.tensor([self.model.nfe - nfe])).item())
         self.samples_seen += len(batch.prompts)
@@ -430,6 +446,8 @@ class Trainer:
 
     def _optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state, detached from the live tensors (shards gathered into full tensors)."""
+        if self.zero is not None:  # DeepSpeed's partitions, in the one-process AdamW layout
+            return self.zero.optimizer_state()
         state = copy.deepcopy(self.optimizer.state_dict())
         return state if self.lockstep is None else full_tensors(state)
 
@@ -439,8 +457,11 @@ class Trainer:
         load(self.model.transformer, state["lora"])
         for name, weights in state.get("adapters", {}).items():
             load(self.model.transformer, weights, name)
-        self.optimizer.load_state_dict(state["optimizer"])
-        shard_optimizer_state(self.optimizer)  # sharded parameters: each rank keeps its shard of the moments
+        if self.zero is not None:  # DeepSpeed: masters from the loaded LoRA, moments cut into the partitions
+            self.zero.load_optimizer_state(state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            shard_optimizer_state(self.optimizer)  # sharded parameters: each rank keeps its shard of the moments
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.iteration = int(state["iteration"])

@@ -75,7 +75,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if ns.check:
         from .resources import check_report
 
-        print(check_report(cfg))
+        print(check_report(cfg, ns.processes))
         return 0
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
@@ -395,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     train.add_argument(
         "--check", action="store_true", help="check the config against this machine (devices, memory) and exit"
+    )
+    train.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --check: estimate one of N processes' share (default: this launch's WORLD_SIZE)",
     )
     train.add_argument(
         "--resume",

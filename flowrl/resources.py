@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .distributed import launch_world_size
 from .models.geometry import Geometry, model_folder, read_geometry
 from .runtime import check_threads
 
@@ -188,15 +189,29 @@ def _decode(cfg: Config, g: Geometry, z: Sizes, rows: int) -> float:
     return 3 * rows * z.frames * per_sample * 4
 
 
-def _weights(cfg: Config, g: Geometry) -> list[Part]:
-    """Model weights in ``model.dtype``; text encoders / VAE in host memory when offloaded."""
+PARAMETER_SHARDINGS = ("fsdp2", "zero3")
+"""``train.sharding`` values that split the denoiser's parameters (the frozen base too) over the processes."""
+
+
+def _weights(cfg: Config, g: Geometry, processes: int = 1) -> list[Part]:
+    """Model weights in ``model.dtype``; text encoders / VAE in host memory when offloaded.
+
+    With ``train.sharding`` fsdp2 / zero3 over several processes a rank keeps ``1 / processes`` of the
+    denoiser plus two blocks' full weights (the block running and the one being gathered next).
+    """
     nbytes = _DTYPE_BYTES[cfg.model.dtype]
     encoders = sum(n for name, n in g.params.items() if name.startswith("text_encoder"))
     vae = g.params.get("vae", 0)
     denoiser = sum(g.params.values()) - encoders - vae
     fix = "use model.dtype=bfloat16, memory.offload_encoders=true, or a machine with more memory"
+    label = f"denoiser weights ({denoiser / 1e6:,.1f} M parameters, {cfg.model.dtype}"
+    held, held_fix = float(denoiser), fix
+    if processes > 1 and cfg.train.sharding in PARAMETER_SHARDINGS:
+        held = denoiser / processes + 2 * denoiser / max(g.layers, 1)
+        label += f"; {cfg.train.sharding}: 1/{processes} of them + 2 gathered blocks"
+        held_fix = "launch more processes, " + fix
     return [
-        Part(f"denoiser weights ({denoiser / 1e6:,.1f} M parameters, {cfg.model.dtype})", denoiser * nbytes, fix),
+        Part(label + ")", held * nbytes, held_fix),
         Part("text encoder weights", encoders * nbytes, fix, not cfg.memory.offload_encoders),
         Part("VAE weights", vae * nbytes, fix, not cfg.memory.offload_vae),
     ]
@@ -209,17 +224,24 @@ def _cached_prompts(cfg: Config, train_prompts: int, eval_prompts: int) -> int:
     return min(train_prompts, cfg.prompts.per_iteration * cfg.train.iterations) + eval_prompts
 
 
-def _persistent(cfg: Config, g: Geometry, z: Sizes, train_prompts: int, eval_prompts: int) -> list[Part]:
-    """What lives through the whole run: weights, LoRA and optimizer state, prompt cache (host), the grids."""
+def _persistent(
+    cfg: Config, g: Geometry, z: Sizes, train_prompts: int, eval_prompts: int, processes: int = 1
+) -> list[Part]:
+    """What lives through the whole run: weights, LoRA and optimizer state, prompt cache (host), the grids.
+
+    Any ``train.sharding`` but none splits the LoRA's gradients and AdamW state over the processes.
+    """
     grid = 2 * min(eval_prompts, GRID_MAX_PROMPTS) * cfg.output.grid_seeds
     prompts = _cached_prompts(cfg, train_prompts, eval_prompts)
     guided = 2 if cfg.sampler.guidance_scale != 1 else 1  # each entry also holds the negative prompt
     cache = guided * prompts * g.text_tokens * g.text_dim * _DTYPE_BYTES[cfg.model.dtype]
+    shards = processes if cfg.train.sharding != "none" else 1
     return [
-        *_weights(cfg, g),
+        *_weights(cfg, g, processes),
         Part(
-            f"LoRA weights and optimizer state (lora.rank={cfg.lora.rank})",
-            g.lora_width * cfg.lora.rank * LORA_BYTES,
+            f"LoRA weights and optimizer state (lora.rank={cfg.lora.rank}"
+            + (f", 1/{shards} per process)" if shards > 1 else ")"),
+            g.lora_width * cfg.lora.rank * LORA_BYTES / shards,
             "lower lora.rank or target fewer layers (lora.targets)",
         ),
         Part(
@@ -409,7 +431,7 @@ def estimate_memory(
         explore_copy, stage1 = _explore(cfg, g, z, processes)
         phases = [_iteration(cfg, g, z, processes), evaluation] + ([stage1] if stage1 else [])
         phase = max(phases, key=lambda parts: sum(p.nbytes for p in parts))
-        parts = _persistent(cfg, g, z, train_prompts, eval_prompts) + explore_copy + phase
+        parts = _persistent(cfg, g, z, train_prompts, eval_prompts, processes) + explore_copy + phase
     else:
         parts = _weights(cfg, g) + _evaluation(cfg, g, z, EVAL_MIN_CHUNK, cfg.sampler.num_steps, "sampling")
     pool = "device" if torch.device(cfg.model.device).type == "cuda" else "host"
@@ -552,13 +574,21 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
     return est
 
 
-def check_report(cfg: Config) -> str:
+def check_report(cfg: Config, processes: int | None = None) -> str:
     """:func:`check_machine` for ``flowrl train --check``: the one line printed when the config fits this machine.
 
+    Args:
+        cfg: the run config.
+        processes: estimate one process's share of a launch of this many (``train.sharding`` splits
+            the denoiser too); None = this launch's ``WORLD_SIZE`` (1 outside a launcher).
+
     Raises:
-        ValueError: as :func:`check_machine`.
+        ValueError: as :func:`check_machine`, or ``processes`` < 1.
     """
-    est = check_machine(cfg)
+    processes = launch_world_size() if processes is None else processes
+    if processes < 1:
+        raise ValueError(f"--processes must be >= 1; got {processes}")
+    est = check_machine(cfg, processes=processes)
     if est is None:
         return f"config OK for this machine (model {cfg.model.path!r} is not available locally: memory not estimated)"
     return f"config OK for this machine: {est.summary()}"

@@ -209,3 +209,38 @@ def test_the_rollout_estimate_reads_the_built_objective():
     tree = load_config(overrides=["objective.name=sage_grpo", "objective.tree=true"])
     assert (_rollout_kind(flat), _rollout_kind(tree)) == ("sde", "tree")
     assert _rollout_kind(load_config(overrides=["objective.name=diffusion_nft"])) == "solver"
+
+
+# -- a sharded launch is estimated per rank ------------------------------------------------------------
+
+
+def _denoiser_part(cfg_overrides: list[str], processes: int):
+    from flowrl.resources import estimate_memory
+
+    cfg = load_config(None, cfg_overrides)
+    est = estimate_memory(cfg, read_geometry(DIGITS_DIR, None), processes=processes)
+    return next(p for p in est.parts if p.name.startswith("denoiser weights"))
+
+
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
+def test_parameter_sharding_estimates_one_ranks_share_of_the_denoiser(sharding):
+    g = read_geometry(DIGITS_DIR, None)
+    full = _denoiser_part([], 4).nbytes
+    sharded = _denoiser_part([f"train.sharding={sharding}"], 4)
+    assert sharded.nbytes == pytest.approx(full / 4 + 2 * full / g.layers)
+    assert f"{sharding}: 1/4 of them + 2 gathered blocks" in sharded.name
+    assert _denoiser_part([f"train.sharding={sharding}"], 1).nbytes == full  # one process holds it all
+    assert _denoiser_part(["train.sharding=zero2"], 4).nbytes == full  # ZeRO-2 keeps the base whole
+
+
+def test_check_takes_the_processes_of_the_launch(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    code, launched, err = run_cli(capsys, "train", "--check", "train.sharding=fsdp2")
+    assert code == 0, err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert run_cli(capsys, "train", "--check", "train.sharding=fsdp2", "--processes", "2")[1] == launched
+    code, alone, _ = run_cli(capsys, "train", "--check", "train.sharding=fsdp2")
+    assert code == 0 and alone != launched
+    assert "--processes must be >= 1; got 0" in one_line_error(capsys, "train", "--check", "--processes", "0")

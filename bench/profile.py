@@ -36,10 +36,9 @@ is not the denoiser (decode, rewards) is overhead by that definition; the table 
 FLOPs of each phase are counted with ``FlopCounterMode`` (one extra, untimed iteration) and
 divided by the achieved matmul rate on the denoiser's shapes (``bench/flop_floor.py``): the floor.
 
-Sol-RL: ``OBJECTIVES["sol_rl"]`` points at ``configs/solrl/digits.yaml``; its row reads "not wired"
-while that file is missing and is profiled like the others once it lands (its explore-model passes
-run a separate merged copy of the denoiser, whose forward lands in "sampler"/"rest" until ``instrument``
-wraps that copy's ``forward`` too).
+Sol-RL (``configs/solrl/digits.yaml``): the explore stage runs a separate merged, quantised copy of
+the denoiser; its ``forward`` is wrapped too and counts as "forward" (model work at the explore
+precision). Refreshing that copy from the trained weights every iteration lands in "rest".
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ OBJECTIVES = {
     "sage_grpo": "configs/sage/digits.yaml",
     "diffusion_nft": "configs/nft/digits.yaml",
     "awm": "configs/awm/digits.yaml",
-    "sol_rl": "configs/solrl/digits.yaml",  # Sol-RL: being wired; profiled once this config exists
+    "sol_rl": "configs/solrl/digits.yaml",
 }
 CATEGORIES = (
     "forward",
@@ -185,6 +184,8 @@ def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> Non
         stack.enter_context(patched(obj, name, timers.wrap(category, getattr(obj, name))))
 
     wrap(transformer, "forward", "forward")
+    if trainer.solrl is not None:  # Sol-RL's explore copy: a second denoiser module
+        wrap(trainer.solrl.explore.module, "forward", "forward")
     wrap(torch.Tensor, "backward", "backward")
     wrap(model, "velocity", "adapter")
     wrap(model, "decode", "decode")

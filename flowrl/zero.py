@@ -101,7 +101,7 @@ def gathered(params: Sequence[nn.Parameter], modify: bool = False) -> contextlib
     parts = [p for p in params if hasattr(p, "ds_id")]
     if not parts:
         return contextlib.nullcontext()
-    from deepspeed.zero import GatheredParameters
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     return GatheredParameters(parts, modifier_rank=0 if modify else None)
 
@@ -173,8 +173,12 @@ class ZeroEngine:
         """Backward one micro-batch's loss (already divided by the step's global micro-batch count).
 
         DeepSpeed averages the reduced gradients over the ranks; flowrl sums them, hence ``x W``.
+        flowrl calls the denoiser itself, not through ``engine.forward``, which is where DeepSpeed
+        counts a finished micro-batch; without that count ZeRO-3 overwrites the gradient partitions
+        with each backward instead of adding to them (measured), so it is counted here.
         """
         self.engine.backward(loss * self.collective.world_size)
+        self.engine.optimizer.clear_backward_seen_flag()
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated for a step that will not be taken."""
@@ -202,7 +206,7 @@ class ZeroEngine:
         The undo writes in place: DeepSpeed's per-parameter views into the flat moments stay valid
         (``optimizer.load_state_dict``, what :class:`flowrl.guards.StepSnapshot` uses, would replace them).
         """
-        masters = [p for group in self.inner.param_groups for p in group["params"]]
+        masters = self._masters()
         live = masters + self._local_weights()
         live += [v for flat in masters for v in self.inner.state[flat].values() if isinstance(v, Tensor)]
         saved = [t.detach().clone() for t in live]
@@ -214,6 +218,11 @@ class ZeroEngine:
 
         return restore
 
+    def _masters(self) -> list[Tensor]:
+        """The flat fp32 master partitions the inner AdamW updates (ZeRO-3 lists them in its groups only in a step)."""
+        opt = self.engine.optimizer
+        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
+
     def _local_weights(self) -> list[Tensor]:
         return [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in self.params]
 
@@ -224,14 +233,13 @@ class ZeroEngine:
         that resumes before its first step needs them to load the checkpoint's moments.
         """
         created = False
-        for group in self.inner.param_groups:
-            for flat in group["params"]:
-                if not self.inner.state[flat]:
-                    self.inner.state[flat] = {
-                        "step": torch.tensor(0.0),
-                        **{k: torch.zeros_like(flat, memory_format=torch.preserve_format) for k in MOMENTS},
-                    }
-                    created = True
+        for flat in self._masters():
+            if not self.inner.state[flat]:
+                self.inner.state[flat] = {
+                    "step": torch.tensor(0.0),
+                    **{k: torch.zeros_like(flat, memory_format=torch.preserve_format) for k in MOMENTS},
+                }
+                created = True
         if created and self.stage == 2:
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
 
@@ -241,8 +249,7 @@ class ZeroEngine:
 
         self.ensure_state()
         group = self.inner.param_groups[0]
-        flat = group["params"][0]
-        step = self.inner.state[flat]["step"]
+        step = self.inner.state[self._masters()[0]]["step"]
         state = {}
         for i, p in enumerate(self.params):
             moments = {k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in MOMENTS}
@@ -278,5 +285,5 @@ class ZeroEngine:
         steps = [float(entries[i]["step"]) for i in entries]
         for group, saved in zip(self.inner.param_groups, state["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-            for flat in group["params"]:
-                self.inner.state[flat]["step"] = torch.tensor(steps[0] if steps else 0.0)
+        for flat in self._masters():
+            self.inner.state[flat]["step"] = torch.tensor(steps[0] if steps else 0.0)

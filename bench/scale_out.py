@@ -46,16 +46,23 @@ def overrides(args: argparse.Namespace, out: Path) -> list[str]:
     ]
 
 
+def train_command(processes: int, env: dict[str, str]) -> list[str]:
+    """``flowrl train`` as one plain process, or on ``processes`` CPU processes under accelerate (gloo).
+
+    Sets ``ACCELERATE_USE_CPU`` in ``env`` for a multi-process launch.
+    """
+    if processes == 1:
+        return [sys.executable, "-m", "flowrl", "train"]
+    env["ACCELERATE_USE_CPU"] = "true"
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]
+    return cmd + ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train"]
+
+
 def run(processes: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     """Train on ``processes`` processes; returns samples/s, median iteration seconds and the load around it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_NO_SUPERVISOR": "1"}
-    if processes == 1:
-        cmd = [sys.executable, "-m", "flowrl", "train"]
-    else:
-        env["ACCELERATE_USE_CPU"] = "true"
-        accelerate = str(Path(sys.executable).with_name("accelerate"))
-        cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]
-        cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train"]
+    cmd = train_command(processes, env)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     result = subprocess.run([*cmd, *overrides(args, out)], cwd=ROOT, env=env, capture_output=True, text=True)

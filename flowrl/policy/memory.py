@@ -29,6 +29,12 @@ from .wrapper import AdapterWrapper
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+COMPILED_GRAPHS = 64
+"""Graphs torch.compile may keep per function before it falls back to eager (torch's default is 8).
+
+A training run meets one graph per grad mode x active adapter (policy, reference with LoRA off,
+DiffusionNFT's old and EMA adapters) x batch shape (tree rollouts' frontiers, the last chunk,
+evaluation), so torch's 8 ran out in a BranchGRPO iteration and the rest ran eager, silently."""
 OFFLOAD_DEVICE = torch.device("cpu")
 
 
@@ -110,6 +116,8 @@ def compile_denoiser(transformer: nn.Module, mode: str) -> None:
     unchanged; each adapter state (and grad / no-grad) is traced once, on its first call. Rollouts
     and training both run the compiled graphs, so the first-update ratio is still computed from
     the same kernels on both sides (tested), but results differ from eager in the last bits.
+    Raises torch's per-function graph limit (process-wide) to :data:`COMPILED_GRAPHS`, so a run's
+    graphs never fall back to eager on their own.
 
     Raises:
         ValueError: an unknown mode.
@@ -117,6 +125,9 @@ def compile_denoiser(transformer: nn.Module, mode: str) -> None:
     if mode not in COMPILE_MODES:
         raise ValueError(f"memory.compile must be one of {', '.join(map(repr, COMPILE_MODES))}; got {mode!r}")
     if mode != "none":
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * COMPILED_GRAPHS)
         transformer.compile(mode=None if mode == "default" else mode)
 
 

@@ -28,6 +28,28 @@ def test_compile_none_leaves_the_module_eager():
     assert module._compiled_call_impl is None
 
 
+class _SquareSum(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * x).sum(-1)
+
+
+@pytest.mark.slow
+def test_more_graphs_than_torchs_default_limit_stay_compiled():
+    """A run meets more than torch's 8 graphs per function (grad modes x adapters x shapes): none runs eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = _SquareSum()
+    compile_denoiser(module, "default")
+    variants = [(dt, grad, nd) for dt in (torch.float32, torch.float64) for grad in (False, True) for nd in (1, 2, 3)]
+    for dtype, grad, ndim in variants:  # 12 distinct graphs: dtype, grad mode and rank are guarded
+        x = torch.ones((2,) * ndim, dtype=dtype, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(module(x).detach(), torch.full((2,) * (ndim - 1), 2.0, dtype=dtype))
+    assert counters["stats"]["unique_graphs"] == len(variants)
+
+
 @pytest.mark.slow
 def test_compiled_denoiser_matches_eager_and_keeps_the_first_ratio_one(tiny_sd3):
     torch._dynamo.reset()

@@ -1,0 +1,95 @@
+"""The default job end to end, as a user runs it, against the same job on two processes or compiled.
+
+Usage: ``python -m bench.end_to_end [--arms base procs2 compile threads2] [--set key=value ...]
+[--keep DIR]``.
+
+Every arm runs the whole default job (``flowrl train`` with no config: 70 Flow-GRPO iterations,
+evaluations every 10, grids, checkpoints) in its own process, one after the other in one run of
+this script, and is timed from start to exit. Arms:
+
+- ``base``: ``flowrl train`` (one process; one torch thread on a <= 2-core machine; eager).
+- ``procs2``: the same job under ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu
+  --num_processes 2`` (gloo, one thread per process; the global batch, seeds and geometry of one
+  process, so the same LoRA within fp32 tolerance: tests/scale).
+- ``compile``: ``memory.compile=default`` (compile time included in the wall time).
+- ``threads2``: ``train.threads=2``.
+
+Printed: wall seconds, each arm over ``base``, and the end-of-run figures from ``summary.json``
+(held-out reward, the SVC digit accuracy of the run's report, ink gap, diversity ratio) with
+their largest difference from ``base``: an arm has "the same results" when its figures agree to
+the digits shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.scale_out import ROOT, train_command
+
+ARMS = {
+    "base": (1, []),
+    "procs2": (2, []),
+    "compile": (1, ["memory.compile=default"]),
+    "threads2": (1, ["train.threads=2"]),
+}
+FIGURES = ("eval/reward_mean", "eval/accuracy", "eval/ink_gap", "eval/diversity_ratio")
+
+
+def run_arm(name: str, out: Path, extra: list[str]) -> dict[str, float]:
+    """Run one arm's whole job; its wall seconds, load around it and end-of-run figures."""
+    processes, overrides = ARMS[name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [*train_command(processes, env), *overrides, *extra, f"output.dir={out}", "train.progress=false"]
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode:
+        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    figures = {k: float(summary["end"][k]) for k in FIGURES}
+    return {"wall": wall, "train_wall": float(summary["train_wall_s"]), "load": load, **figures}
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """One row per arm: wall, ratio to base, load before, and the end figures."""
+    base = results.get("base")
+    head = "| arm | wall s | / base | load before | " + " | ".join(FIGURES) + " |"
+    lines = [head, "|" + "---|" * (4 + len(FIGURES))]
+    for name, r in results.items():
+        ratio = f"{r['wall'] / base['wall']:.3f}" if base else "-"
+        figs = " | ".join(f"{r[k]:.4f}" for k in FIGURES)
+        lines.append(f"| {name} | {r['wall']:.0f} | {ratio} | {r['load']:.2f} | {figs} |")
+    if base:
+        for name, r in results.items():
+            if name != "base":
+                diff = max(abs(r[k] - base[k]) for k in FIGURES)
+                speed = base["wall"] / r["wall"]
+                lines.append(f"\n{name}: base / {name} = {speed:.2f}x; largest figure diff {diff:.1e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=["base", "procs2"], choices=list(ARMS))
+    parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every arm (e.g. a shorter job)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here")
+    args = parser.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="flowrl-e2e-") as tmp:
+        folder = args.keep or Path(tmp)
+        for name in args.arms:
+            results[name] = run_arm(name, folder / name, args.set)
+            print(f"{name}: {results[name]['wall']:.0f} s", flush=True)
+    print(f"{os.cpu_count()} CPU cores; load at the end {os.getloadavg()[0]:.2f}")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""DeepSpeed ZeRO-2/3 (``train.sharding=zero2|zero3``) with two real gloo processes against one process.
+
+The DeepSpeed engine owns the LoRA's gradients, clipping and AdamW step (flowrl/zero.py): ZeRO-2
+partitions the LoRA's fp32 masters, moments and reduced gradients, ZeRO-3 every parameter of the
+denoiser as well. The same global batch must give the same LoRA as one plain process (within fp32
+tolerance), checkpoints must hold the one-process tensors, and a resumed run must equal the
+uninterrupted one. Skipped only when deepspeed is not installed (``pip install 'flowrl[deepspeed]'``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
+from test_sharding import _tensors
+
+from flowrl.checkpoint import load_checkpoint
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'flowrl[deepspeed]')")
+
+STAGES = ("zero2", "zero3")
+HOLDS = re.compile(r"(zero[23]): rank (\d) of 2 holds (\d+) of (\d+) denoiser parameters")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(OBJECTIVES))
+def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
+    args = [*OBJECTIVES[case], *TINY]
+    one = train_one(args, tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    for stage in STAGES:
+        two = train_two([*args, f"train.sharding={stage}"], tmp_path / stage)
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert_same_lora(tmp_path / "one", tmp_path / stage)
+        m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / stage)
+        assert [r["step"] for r in m2] == [0, 1, 2]
+        for r1, r2 in zip(m1, m2):  # rewards, model evaluations (placeholder rows not counted), eval figures
+            for key in ("reward_mean", "eval/reward_mean"):
+                assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
+            assert r2.get("nfe") == r1.get("nfe")
+        assert two.stdout.count("done: 2 iterations") == 1
+
+
+@pytest.mark.slow
+def test_zero3_partitions_the_denoiser_and_the_lora_loads_with_diffusers(tmp_path):
+    args = [*OBJECTIVES["flow_grpo"], *TINY]
+    runs = {stage: train_two([*args, f"train.sharding={stage}"], tmp_path / stage) for stage in STAGES}
+    for stage, run in runs.items():
+        assert run.returncode == 0, run.stderr[-3000:]
+        holds = {int(m[2]): (int(m[3]), int(m[4])) for m in HOLDS.finditer(run.stderr) if m[1] == stage}
+        assert sorted(holds) == [0, 1], run.stderr[-3000:]
+        (l0, full), (l1, _) = holds[0], holds[1]
+        if stage == "zero2":  # the whole denoiser on every rank (only the LoRA's optimizer state is partitioned)
+            assert l0 == l1 == full
+        else:  # every parameter partitioned, the frozen base included
+            assert l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full
+
+    from flowrl.models import load_adapter
+
+    model = load_adapter("flowrl-digits", dtype="float32", device="cpu")
+    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.full((2,), 0.7), model.encode_prompt(["a bold 3", "a thin 7"])
+    with torch.no_grad():
+        base = model.velocity(x, sigma, cond)
+        model.pipe.load_lora_weights(str(tmp_path / "zero3" / "lora"))  # diffusers reads the gathered LoRA
+        trained = model.velocity(x, sigma, cond)
+    assert float((trained - base).abs().max()) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_checkpoints_hold_full_tensors_and_resume_exactly(stage, tmp_path):
+    zero = f"train.sharding={stage}"
+    args = [*OBJECTIVES["diffusion_nft"], *TINY, "train.save_every=1", "output.keep_checkpoints=5"]
+    full = train_two([*args, zero], tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    one = train_one([*args, "train.iterations=1"], tmp_path / "one")  # the same step on one process
+    assert one.returncode == 0, one.stderr[-3000:]
+    partitioned = load_checkpoint(tmp_path / "full" / "checkpoints" / "iter-000001")
+    plain = load_checkpoint(tmp_path / "one" / "checkpoints" / "iter-000001")
+    for key in ("lora", "adapters", "optimizer"):  # the one-process layout: full tensors, same shapes and values
+        flat_z, flat_p = _tensors(partitioned[key]), _tensors(plain[key])
+        assert flat_z.keys() == flat_p.keys()
+        assert all(flat_z[k].shape == flat_p[k].shape for k in flat_z)
+        # ZeRO-2 measured <= 1e-6; ZeRO-3 3.5e-6 on a LoRA weight whose gradient is ~1e-7 (~10 x AdamW's eps), where
+        # AdamW's first step g / (|g| + eps) turns the fp32 rounding of another summation order into 0.35 % of lr
+        assert max(float((flat_z[k].float() - flat_p[k].float()).abs().max()) for k in flat_z) <= 1e-5
+    cut = tmp_path / "cut"
+    first = train_two([*args, zero, "train.iterations=1"], cut)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train_two([*args, zero, "--resume", str(cut / "checkpoints" / "iter-000001")], cut)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    wa, wb = lora(tmp_path / "full"), lora(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise, as an unsharded resume
+
+
+@pytest.mark.slow
+def test_a_deepspeed_launcher_config_on_cpu_trains_with_its_stage(tmp_path):
+    """accelerate 1.15 turns a DeepSpeed config with ACCELERATE_USE_CPU=true into plain CPU processes; flowrl shards."""
+    launch = ("--config_file", str(ROOT / "configs/accelerate/deepspeed_zero3.yaml"), "--num_processes", "2")
+    args = [*OBJECTIVES["flow_grpo"], *TINY]
+    two = train_two(args, tmp_path / "two", *launch)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert {m[1] for m in HOLDS.finditer(two.stderr)} == {"zero3"}  # the launcher's stage, not train.sharding
+    one = train_one(args, tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_an_unsupported_combination_is_refused_on_every_rank(tmp_path):
+    result = train_two([*OBJECTIVES["diffusion_nft"], *TINY, "train.sharding=zero2", "solrl.mode=regenerate"], tmp_path)
+    lines = {line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")}
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]  # both ranks print the same line
+    assert "train.sharding=zero2 does not support solrl.mode=regenerate" in lines.pop()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_on_one_process_is_refused_in_one_line(stage, tmp_path):
+    cmd = [sys.executable, "-m", "flowrl", "train", *OBJECTIVES["flow_grpo"], *TINY, f"train.sharding={stage}"]
+    result = subprocess.run(
+        [*cmd, f"output.dir={tmp_path}/r"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert f"train.sharding={stage} shards over the processes of a launch" in lines[0]
+
+
+def test_the_deepspeed_config_is_flowrls():
+    from flowrl.config import load_config
+    from flowrl.zero import zero_config
+
+    assert load_config(None, ["train.sharding=zero3"]).train.sharding == "zero3"
+    launcher = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "gradient_clipping": 9.0}
+    cfg = zero_config(3, 1.0, launcher)
+    assert cfg["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},  # the launcher's offload is kept
+        "stage3_param_persistence_threshold": 0,  # the small LoRA matrices are partitioned too
+    }
+    assert cfg["gradient_clipping"] == 1.0 and cfg["managed_gradient_accumulation"] is False  # flowrl's plan steps
+    assert cfg["train_micro_batch_size_per_gpu"] == 1 and cfg["zero_allow_untested_optimizer"]
+    assert launcher["gradient_clipping"] == 9.0  # not modified in place
+
+
+def test_launch_commands_are_documented():
+    doc = (Path(__file__).parents[2] / "docs" / "scale-out.md").read_text()
+    assert "--config_file configs/accelerate/cpu_gloo.yaml -m flowrl train CONFIG train.sharding=zero2" in doc
+    assert "accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml -m flowrl train CONFIG" in doc
+    assert str(Path(ACCELERATE).name) == "accelerate"

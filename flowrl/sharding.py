@@ -23,6 +23,11 @@ chunks a rank owns, so under sharding
 Checkpoints and the final LoRA hold full tensors (the one-process files); resume cuts them back into
 each rank's shard.
 
+DeepSpeed ZeRO-2/3 (``train.sharding: zero2 | zero3``, :mod:`flowrl.zero`) uses the same lockstep
+pieces: ZeRO-3 partitions every parameter, so its forwards are collectives like FSDP2's
+(:func:`is_sharded`); under ZeRO-2 the model is whole on every rank and only the update's backwards
+and the optimizer-state gathers are collectives (:func:`collective_calls`).
+
 References:
     Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023;
     PyTorch ``torch.distributed.fsdp.fully_shard`` (FSDP2, per-parameter DTensor sharding).

@@ -146,7 +146,9 @@ class ZeroEngine:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         plugin = collective.deepspeed_plugin
         if plugin is not None:  # accelerate's DeepSpeed launch (GPUs; not run yet: no GPU in this work)
-            plugin.deepspeed_config = zero_config(stage, max_grad_norm, plugin.deepspeed_config)
+            config = zero_config(stage, max_grad_norm, plugin.deepspeed_config)
+            plugin.deepspeed_config.clear()  # in place: the plugin's HfDeepSpeedConfig holds the same dict
+            plugin.deepspeed_config.update(config)
             engine, _ = collective.accelerator.prepare(transformer, optimizer)
         else:  # CPU processes on gloo: the process group accelerate already set up
             engine, *_ = deepspeed.initialize(

@@ -1,10 +1,12 @@
-"""``memory.compile`` on the CPU: compile time, speed-up and exactness of the embedded denoiser.
+"""``memory.compile`` and torch threads on the CPU: compile time, speed-up and exactness of the embedded denoiser.
 
-Usage: ``python -m bench.compile_gain [--mode default] [--chunk 40] [--repeats 10]``. Builds the
+Usage: ``python -m bench.compile_gain [--mode default] [--chunk 40] [--repeats 7]``. Builds the
 embedded model's policy stack with a LoRA r8 (``flowrl.policy.build_policy``, as training does),
-times the first compiled call (tracing + code generation), then alternates eager and compiled
-no-grad forwards of one rollout chunk, and prints the medians, the ratio and the largest
-difference between the two velocities.
+times the first compiled no-grad call and the first compiled training call (tracing + code
+generation), then alternates eager and compiled calls of one rollout chunk at 1 and 2 torch
+threads: a no-grad forward (a rollout step) and a forward + backward of a squared-velocity loss
+(a training micro-step). Prints the medians, each over eager at one thread, and the largest
+difference between the eager and compiled velocities.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -24,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune"])
     parser.add_argument("--chunk", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     policy = build_policy(load_config(None, ["train.threads=1"]), trainable=True)
@@ -32,27 +35,52 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.chunk, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
     sigma = torch.full((args.chunk,), 0.5)
     cond = model.encode_prompt(["a bold handwritten 7"] * args.chunk)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model.velocity(x, sigma, cond)
+
+    def step() -> None:
+        model.velocity(x, sigma, cond).square().mean().backward()
+
     load = open("/proc/loadavg").read().split()[:3]
-    with torch.no_grad():
-        eager = model.velocity(x, sigma, cond)
-        compile_denoiser(transformer, args.mode)
+    eager = forward()
+    compile_denoiser(transformer, args.mode)
+    first = {}
+    for kind, fn in (("forward", forward), ("step", step)):
         t0 = time.perf_counter()
-        compiled = model.velocity(x, sigma, cond)
-        compile_s = time.perf_counter() - t0
-        impl = transformer._compiled_call_impl
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for _ in range(args.repeats):
-            for name, fn in (("eager", None), ("compiled", impl)):
-                transformer._compiled_call_impl = fn
-                t0 = time.perf_counter()
-                model.velocity(x, sigma, cond)
-                times[name].append(time.perf_counter() - t0)
-    e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
-    print(f"load {' '.join(load)} -> {' '.join(open('/proc/loadavg').read().split()[:3])}; 1 thread; mode {args.mode}")
-    print("| chunk | first compiled call s | eager median ms | compiled median ms | compiled / eager | max abs diff |")
-    print("|---|---|---|---|---|---|")
-    diff = (compiled - eager).abs().max().item()
-    print(f"| {args.chunk} | {compile_s:.1f} | {1e3 * e:.1f} | {1e3 * c:.1f} | {c / e:.3f} | {diff:.2e} |")
+        fn()
+        first[kind] = time.perf_counter() - t0
+    diff = (forward() - eager).abs().max().item()
+    impl = transformer._compiled_call_impl
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for _ in range(args.repeats):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for name, compiled in (("eager", None), ("compiled", impl)):
+                transformer._compiled_call_impl = compiled
+                for kind, fn in (("forward", forward), ("step", step)):
+                    times.setdefault((kind, name, threads), []).append(_timed(fn))
+    end = open("/proc/loadavg").read().split()[:3]
+    print(f"load {' '.join(load)} -> {' '.join(end)}; mode {args.mode}; chunk {args.chunk}; {args.repeats} repeats")
+    print(f"first compiled call: forward {first['forward']:.1f} s, training step {first['step']:.1f} s")
+    print(f"largest velocity difference compiled vs eager: {diff:.2e}")
+    print("| call | variant | threads | median ms | / eager 1 thread |")
+    print("|---|---|---|---|---|")
+    for kind in ("forward", "step"):
+        base = statistics.median(times[(kind, "eager", 1)])
+        for (k, name, threads), values in times.items():
+            if k == kind:
+                med = statistics.median(values)
+                print(f"| {kind} | {name} | {threads} | {1e3 * med:.1f} | {med / base:.3f} |")
+
+
+def _timed(fn: Callable[[], object], calls: int = 2) -> float:
+    """Mean seconds of ``calls`` calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from flowrl.checkpoint import load_checkpoint
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'flowrl[deepspeed]')")
 
 STAGES = ("zero2", "zero3")
+# worst LoRA weight |one process - 2 ranks|, and the bound on 99.9 % of them. Measured (docs/scale-out.md): ZeRO-2
+# <= 3.7e-6; ZeRO-3 <= 1.4e-5, 99.9 % <= 1.0e-6 (it rounds differently from the start: AWM's first rollout reward
+# is 6e-8 off; AdamW's first steps g / (|g| + eps) turn rounding into up to 0.5 % of lr where |g| is near eps)
+TOLERANCE = {"zero2": (1e-5, 1e-5), "zero3": (1e-4, 5e-6)}
 HOLDS = re.compile(r"(zero[23]): rank (\d) of 2 holds (\d+) of (\d+) denoiser parameters")
 
 
@@ -36,7 +40,11 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
     for stage in STAGES:
         two = train_two([*args, f"train.sharding={stage}"], tmp_path / stage)
         assert two.returncode == 0, two.stderr[-3000:]
-        assert_same_lora(tmp_path / "one", tmp_path / stage)
+        worst, bulk = TOLERANCE[stage]
+        assert_same_lora(tmp_path / "one", tmp_path / stage, tol=worst)
+        wa, wb = lora(tmp_path / "one"), lora(tmp_path / stage)
+        gaps = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+        assert float(gaps.quantile(0.999)) <= bulk, f"{stage}: 0.1 % of the LoRA weights differ by > {bulk:g}"
         m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / stage)
         assert [r["step"] for r in m2] == [0, 1, 2]
         for r1, r2 in zip(m1, m2):  # rewards, model evaluations (placeholder rows not counted), eval figures
@@ -44,6 +52,19 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
                 assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
             assert r2.get("nfe") == r1.get("nfe")
         assert two.stdout.count("done: 2 iterations") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_bad_step_is_undone_exactly(stage):
+    """A weight-check fault and a non-finite gradient: weights, masters and moments restored (zero_step_check.py)."""
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
+    cmd += [str(Path(__file__).with_name("zero_step_check.py")), str(stage)]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"zero{stage}: bad steps undone" in result.stdout
 
 
 @pytest.mark.slow

@@ -72,6 +72,9 @@ def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = 
     zero = {**cfg.get("zero_optimization", {}), "stage": stage}
     if stage == 3:  # partition every parameter, the small LoRA matrices too (gathered with their module)
         zero["stage3_param_persistence_threshold"] = 0
+        # DeepSpeed's own linear replaces torch.nn.functional.linear in the whole process (text encoders and
+        # rewards too) and rounds differently (measured); off unless the launcher config turns it on
+        zero.setdefault("memory_efficient_linear", False)
     cfg.update(
         zero_optimization=zero,
         train_micro_batch_size_per_gpu=1,  # flowrl feeds its own micro-batches; DeepSpeed never sees a dataloader

@@ -163,6 +163,7 @@ def test_the_deepspeed_config_is_flowrls():
         "stage": 3,
         "offload_optimizer": {"device": "cpu"},  # the launcher's offload is kept
         "stage3_param_persistence_threshold": 0,  # the small LoRA matrices are partitioned too
+        "memory_efficient_linear": False,  # torch.nn.functional.linear stays torch's
     }
     assert cfg["gradient_clipping"] == 1.0 and cfg["managed_gradient_accumulation"] is False  # flowrl's plan steps
     assert cfg["train_micro_batch_size_per_gpu"] == 1 and cfg["zero_allow_untested_optimizer"]

@@ -67,8 +67,17 @@ def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = 
         stage: ZeRO stage, 2 or 3.
         max_grad_norm: ``optim.max_grad_norm`` (DeepSpeed's ``gradient_clipping``).
         base: the accelerate plugin's config (offload settings kept), or None.
+
+    Raises:
+        ValueError: the launcher config turns on DeepSpeed's fp16 / bf16 engine (not wired).
     """
     cfg = dict(base or {})
+    for half in ("fp16", "bf16"):
+        if cfg.get(half, {}).get("enabled") in (True, "true", "auto"):
+            raise ValueError(
+                f"train.sharding=zero{stage} keeps the LoRA and its AdamW in fp32 and does not wire DeepSpeed's {half} "
+                "engine; set mixed_precision: 'no' in the launcher config (memory.autocast=bf16 for bf16 compute)"
+            )
     zero = {**cfg.get("zero_optimization", {}), "stage": stage}
     if stage == 3:  # partition every parameter, the small LoRA matrices too (gathered with their module)
         zero["stage3_param_persistence_threshold"] = 0

@@ -168,6 +168,8 @@ def test_the_deepspeed_config_is_flowrls():
     assert cfg["gradient_clipping"] == 1.0 and cfg["managed_gradient_accumulation"] is False  # flowrl's plan steps
     assert cfg["train_micro_batch_size_per_gpu"] == 1 and cfg["zero_allow_untested_optimizer"]
     assert launcher["gradient_clipping"] == 9.0  # not modified in place
+    with pytest.raises(ValueError, match="does not wire DeepSpeed's bf16 engine; set mixed_precision: 'no'"):
+        zero_config(2, 1.0, {"bf16": {"enabled": True}})
 
 
 def test_launch_commands_are_documented():

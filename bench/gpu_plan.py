@@ -217,6 +217,42 @@ def _bf16(*shape: int, grad: bool = False) -> torch.Tensor:
         return torch.randn(*shape, dtype=torch.bfloat16, requires_grad=grad)
 
 
+def sd3_inputs(side: int = 64) -> dict:
+    """One SD3 sample on meta: a (16, side, side) latent (side x 8 px) -> (side/2)^2 image + 333 text tokens."""
+    return dict(
+        hidden_states=_bf16(1, 16, side, side, grad=True),
+        encoder_hidden_states=_bf16(1, 333, 4096),
+        pooled_projections=_bf16(1, 2048),
+        timestep=_meta(lambda: torch.tensor([500.0])),
+    )
+
+
+def flux_inputs(side: int = 64) -> dict:
+    """One FLUX sample on meta: a (16, side, side) latent packed 2x2 -> (side/2)^2 tokens of 64 + 512 T5 tokens."""
+    tokens = (side // 2) ** 2
+    return dict(
+        hidden_states=_bf16(1, tokens, 64, grad=True),
+        encoder_hidden_states=_bf16(1, 512, 4096),
+        pooled_projections=_bf16(1, 768),
+        timestep=_meta(lambda: torch.tensor([0.5])),
+        guidance=_meta(lambda: torch.tensor([3.5])),
+        img_ids=_meta(lambda: torch.zeros(tokens, 3)),
+        txt_ids=_meta(lambda: torch.zeros(512, 3)),
+    )
+
+
+def sd3_medium_pass(model: nn.Module, side: int = 64) -> Pass:
+    """SD3.5-M (24 blocks, hidden 1536) at side x 8 px; the image-only sequence is the dual-attention one."""
+    n = (side // 2) ** 2
+    return measure(model, sd3_inputs(side), {n + 333, n}, 24, (n + 333) * 1536)
+
+
+def flux_dev_pass(model: nn.Module, side: int = 64) -> Pass:
+    """FLUX.1-dev (19 + 38 blocks, hidden 3072) at side x 8 px."""
+    n = (side // 2) ** 2
+    return measure(model, flux_inputs(side), {n + 512}, 57, (n + 512) * 3072)
+
+
 def main() -> None:
     from flowrl.models.flux import flux_lora_targets
     from flowrl.models.sd3 import SD3_LORA_TARGETS
@@ -226,38 +262,11 @@ def main() -> None:
     rows = []
     # SD3.5-M at 512^2: 64x64x16 latent -> 32x32 = 1024 image tokens; text 77 (CLIP) + 256 (T5) = 333 tokens
     sd3 = _meta(sd3_transformer).to(torch.bfloat16)
-    sd3_pass = measure(
-        sd3,
-        dict(
-            hidden_states=_bf16(1, 16, 64, 64, grad=True),
-            encoder_hidden_states=_bf16(1, 333, 4096),
-            pooled_projections=_bf16(1, 2048),
-            timestep=ts,
-        ),
-        {1357, 1024},
-        24,
-        1357 * 1536,
-    )
+    sd3_pass = sd3_medium_pass(sd3)
     rows.append(("SD3.5-M", sd3, sd3_pass, lora_params(sd3, SD3_LORA_TARGETS, 32), "r32 attention"))
     # FLUX.1-dev at 512^2: 64x64x16 latent packed 2x2 -> 1024 tokens of 64 channels; T5 512 tokens
     flux = _meta(flux_transformer).to(torch.bfloat16)
-    ids = _meta(lambda: torch.zeros(1024, 3))
-    txt_ids = _meta(lambda: torch.zeros(512, 3))
-    flux_pass = measure(
-        flux,
-        dict(
-            hidden_states=_bf16(1, 1024, 64, grad=True),
-            encoder_hidden_states=_bf16(1, 512, 4096),
-            pooled_projections=_bf16(1, 768),
-            timestep=_meta(lambda: torch.tensor([0.5])),
-            guidance=_meta(lambda: torch.tensor([3.5])),
-            img_ids=ids,
-            txt_ids=txt_ids,
-        ),
-        {1536},
-        57,
-        1536 * 3072,
-    )
+    flux_pass = flux_dev_pass(flux)
     rows.append(("FLUX.1-dev", flux, flux_pass, lora_params(flux, flux_lora_targets(38), 64), "r64 attention + MLP"))
     # Wan2.1-1.3B, 33 frames at 320^2: latent 16 x 9 x 40 x 40 -> 9 x 20 x 20 = 3600 tokens; UMT5 512 tokens
     wan = _meta(wan_transformer).to(torch.bfloat16)
@@ -354,7 +363,7 @@ OVERHEAD_GB = 2.5  # CUDA context, allocator fragmentation, cuBLAS workspaces (e
 DECODE_PEAK_GB = {"sd3.5m": 1.0, "flux1dev": 1.0, "wan2.1-1.3b": 4.0}  # one sample's VAE decode (sliced), estimate
 
 
-def _train_passes(objective: dict, num_steps: int, ckpt: bool) -> tuple[int, float]:
+def train_passes(objective: dict, num_steps: int, ckpt: bool) -> tuple[int, float]:
     """(trained (sample, step) pairs per sample, forward-equivalents per pair besides fwd + bwd)."""
     extra = 1.0 if ckpt else 0.0  # checkpointing recomputes the forward once
     if objective["name"] == "flow_grpo":
@@ -385,7 +394,7 @@ def iteration_table(passes: dict) -> None:
             n = cfg.prompts.per_iteration * cfg.prompts.group_size
             g = 2 if cfg.sampler.guidance_scale != 1.0 else 1
             rollout = n * cfg.sampler.num_steps * g * p.forward_tflop
-            pairs, extra = _train_passes(cfg.objective, cfg.sampler.num_steps, cfg.memory.gradient_checkpointing)
+            pairs, extra = train_passes(cfg.objective, cfg.sampler.num_steps, cfg.memory.gradient_checkpointing)
             train = n * pairs * g * (p.forward_tflop * (1 + extra) + p.backward_tflop)
             total = rollout + n * dec + train
             print(

@@ -134,6 +134,21 @@ def test_a_deepspeed_launcher_config_on_cpu_trains_with_its_stage(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_deepspeed_launch_without_gpus_or_use_cpu_is_refused_on_every_rank(tmp_path):
+    """Without ACCELERATE_USE_CPU accelerate 1.15 gives each CPU process a DeepSpeed type of its own (1 process)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: accelerate joins the DeepSpeed processes there")
+    script = tmp_path / "probe.py"
+    script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
+    launch = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")]
+    out = subprocess.run(
+        [*launch, "--num_processes", "2", str(script)], env=env(), capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode != 0 and "joined" not in out.stdout
+    assert out.stderr.count("started 2 processes but accelerate joined 1 (distributed type DEEPSPEED") == 2
+
+
+@pytest.mark.slow
 def test_an_unsupported_combination_is_refused_on_every_rank(tmp_path):
     result = train_two([*OBJECTIVES["diffusion_nft"], *TINY, "train.sharding=zero2", "solrl.mode=regenerate"], tmp_path)
     lines = {line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")}

@@ -81,6 +81,7 @@ MEASURED_TFLOPS = {
 TARGET_SPEEDUP = 4.64
 PAPER_SECONDS = {"bf16_rollout_96": 451.0, "solrl_rollout": 184.0, "train": 240.0}
 STEP_GRID = (2, 4, 6, 8)
+ISSUE_FP8_TARGET = 1.5  # issue 15: FP8 explore candidates/s >= 1.5x bf16 on an H100
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,17 @@ def project(w: Workload, f: PassFlops, tp: Throughput, explore_steps: int | None
         single_stage_seconds(w, f, tp, w.kept),
         single_stage_seconds(w, f, tp, w.candidates),
     )
+
+
+def explore_forward_speedup(quantised: float, peak_ratio: float, low_mfu: float) -> float:
+    """Explore forward speed-up over bf16: the quantised share at ``peak_ratio x low_mfu`` the bf16 rate (Amdahl)."""
+    return 1.0 / ((1.0 - quantised) + quantised / (peak_ratio * low_mfu))
+
+
+def low_mfu_needed(quantised: float, peak_ratio: float, target: float) -> float:
+    """Low-precision MFU (fraction of bf16's) for an explore forward ``target`` x faster than bf16 (inf: none)."""
+    rest = 1.0 / target - (1.0 - quantised)
+    return quantised / (peak_ratio * rest) if rest > 0 else math.inf
 
 
 def explore_budget(p: Projection, gain: float) -> float:
@@ -498,6 +510,38 @@ def steps_table(cases: list[tuple[str, int, Workload, PassFlops, int]]) -> None:
     )
 
 
+def forward_table(cases: list[tuple[str, int, Workload, PassFlops, int]]) -> None:
+    print(
+        "### Explore forward speed-up over a bf16 forward (attention and unquantised layers stay bf16; "
+        "the same on both GPUs: FP8 = 2x, FP4 = 4x the bf16 peak)\n"
+    )
+    rows = []
+    for model, side, _, f, _ in cases:
+        cells = [
+            f"{explore_forward_speedup(f.quantised, r, low):.2f}x" for r in (2.0, 4.0) for low in LOW_PRECISION_MFU
+        ]
+        need = low_mfu_needed(f.quantised, 2.0, ISSUE_FP8_TARGET)
+        rows.append(
+            [
+                f"{LABELS[model]} {side * 8}²",
+                f"{f.quantised:.1%}",
+                *cells,
+                f"{1.0 / (1.0 - f.quantised):.1f}x",
+                f"{need:.2f}" if math.isfinite(need) else "out of reach",
+            ]
+        )
+    table(
+        [
+            "model",
+            "quantisable share of F",
+            *[f"{fmt} @ {low:g}x MFU" for fmt in ("FP8", "FP4") for low in LOW_PRECISION_MFU],
+            "ceiling (free GEMMs)",
+            f"FP8 MFU (x bf16's) for the issue's {ISSUE_FP8_TARGET:g}x",
+        ],
+        rows,
+    )
+
+
 def memory_table(models: dict[str, nn.Module]) -> None:
     print("### Explore copy in GPU memory (LoRA merged; a second denoiser beside the bf16 policy)\n")
     rows = []
@@ -532,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     print("## Sol-RL on paper (python -m bench.solrl_projection)\n")
     assumptions_table()
     flop_table(cases)
+    forward_table(cases)
     time_table(cases)
     steps_table(cases)
     memory_table(models)

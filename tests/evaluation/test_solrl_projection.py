@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,9 @@ from bench.solrl_projection import (
     PassFlops,
     Workload,
     explore_copy_bytes,
+    explore_forward_speedup,
     load,
+    low_mfu_needed,
     paper_learning_gain,
     project,
     quantised_layers,
@@ -91,3 +95,12 @@ def test_quantised_share_and_copy_bytes_by_hand():
     assert explore_copy_bytes(model, rule, "fp4") == 2048 * 1024 / 2 + 1024 * 2048 / 16 + 4 + rest
     with pytest.raises(ValueError, match="unknown explore format 'int4'"):
         explore_copy_bytes(model, rule, "int4")
+
+
+def test_explore_forward_speedup_and_the_mfu_it_needs():
+    # 80 % of the forward at twice the bf16 rate, the rest at bf16: 1 / (0.2 + 0.8 / 2) = 1.667x
+    assert explore_forward_speedup(0.8, 2.0, 1.0) == pytest.approx(1 / 0.6)
+    assert explore_forward_speedup(0.8, 2.0, 0.5) == pytest.approx(1.0)
+    f = low_mfu_needed(0.8, 2.0, 1.5)
+    assert explore_forward_speedup(0.8, 2.0, f) == pytest.approx(1.5)
+    assert low_mfu_needed(0.8, 4.0, 6.0) == math.inf  # above the 1 / 0.2 = 5x ceiling

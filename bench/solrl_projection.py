@@ -72,9 +72,10 @@ LOW_PRECISION_MFU = (1.0, 0.5)  # low-precision GEMM MFU as a fraction of the me
 # `python -m bench.gpu_measure --batch 1 4 16 --repeats 3`, 2026-11-22), at the largest batch measured,
 # the training pass as the gpu80 preset runs it (SD3.5-M without, FLUX.1-dev with gradient checkpointing).
 MEASURED_TFLOPS = {
-    "sd3.5m": {"rollout": 183.0, "train": 168.0},  # batch 16
-    "flux1dev": {"rollout": 269.0, "train": 229.0},  # batch 4
+    "sd3.5m": {"rollout": 183.0, "train": 168.0},
+    "flux1dev": {"rollout": 269.0, "train": 229.0},
 }
+MEASURED_BATCH = {"sd3.5m": 16, "flux1dev": 4}
 
 # Sol-RL (reference: /work/shared/reference/nft-awm-solrl-sage.md §3.4): best convergence speed-up over
 # DiffusionNFT 24-in-24, and one reading of its Fig. 3a (seconds per iteration on 8x B200).
@@ -354,8 +355,9 @@ def assumptions_table() -> None:
             [
                 f"{LABELS[model]} bf16 MFU (rollout / train)",
                 f"{m['rollout'] / H100_BF16_PEAK:.1%} / {m['train'] / H100_BF16_PEAK:.1%} "
-                f"({m['rollout']:.0f} / {m['train']:.0f} TFLOP/s)",
-                "measured on an H100, docs/gpu-plan.md (bench.gpu_measure); the same fraction assumed on a B200",
+                f"({m['rollout']:.0f} / {m['train']:.0f} TFLOP/s at batch {MEASURED_BATCH[model]})",
+                "measured on an H100 at 512², docs/gpu-plan.md (bench.gpu_measure); "
+                "the same fraction assumed at 1024² and on a B200",
             ]
         )
     rows += [
@@ -380,7 +382,7 @@ def assumptions_table() -> None:
         [
             "paper learning gain G",
             f"t(24-in-24) / t(Sol-RL) = {ratio:.2f} per iteration, so G = {TARGET_SPEEDUP} / {ratio:.2f} = {gain:.2f}",
-            "derived: 24-in-24 rollout = 24/96 of 24-in-96's; Sol-RL learns per iteration as 24-in-96 (§3.4)",
+            "derived: 4.64x over that per-iteration ratio; 24-in-24's rollout taken as 24/96 of 24-in-96's",
         ],
     ]
     print("### Assumptions\n")

@@ -13,7 +13,12 @@ config through ``flowrl.policy.lora.add_lora``, and runs the training geometry o
 FLOPs are counted with ``FlopCounterMode`` on the same call, so the table gives the achieved
 TFLOP/s to compare with the 400 TFLOP/s that docs/gpu-plan.md assumes.
 
-Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5]``.
+``--compile MODE`` compiles each transformer with flowrl's ``memory.compile`` path
+(``flowrl.policy.memory.compile_denoiser``) before timing; its FLOPs are counted on the eager call
+(``FlopCounterMode`` does not see inside compiled kernels) and the first calls' compile time goes into
+the warm-up, which is printed.
+
+Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5] [--compile default]``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
-from flowrl.policy.memory import trainable_attention
+from flowrl.policy.memory import COMPILE_MODES, compile_denoiser, trainable_attention
 
 GIB = 1024**3
 
@@ -88,21 +93,29 @@ def _build(builder: Callable, targets: tuple[str, ...], rank: int) -> torch.nn.M
     return model
 
 
-def _time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up (kernel selection, allocator)
+def _time(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(median seconds of ``repeats`` calls, seconds of the warm-up call before them)."""
+    start = time.perf_counter()
+    fn()  # warm-up (kernel selection, allocator; with --compile: tracing and code generation)
     torch.cuda.synchronize()
+    warmup = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), warmup
 
 
-def _flops(fn: Callable[[], None]) -> float:
-    with FlopCounterMode(display=False) as counter:
-        fn()
+def _flops(fn: Callable[[], None], model: torch.nn.Module) -> float:
+    compiled = model._compiled_call_impl  # counted on the eager call: FlopCounterMode does not see compiled kernels
+    model._compiled_call_impl = None
+    try:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+    finally:
+        model._compiled_call_impl = compiled
     return counter.get_total_flops()
 
 
@@ -122,8 +135,10 @@ def measure(
     rank: int,
     batches: list[int],
     repeats: int,
+    compile_mode: str = "none",
 ) -> None:
     model = _build(builder, targets, rank)
+    compile_denoiser(model, compile_mode)
     weights = torch.cuda.memory_allocated() / GIB
     for b in batches:
         x = inputs(b)
@@ -150,8 +165,8 @@ def measure(
             cases.append(("train, checkpointing" if ckpt else "train", train))
             for case, fn in cases:
                 try:
-                    seconds = _time(fn, repeats)
-                    flops = _flops(fn)
+                    seconds, warmup = _time(fn, repeats)
+                    flops = _flops(fn, model)
                     peak = _peak(fn)
                 except (
                     torch.cuda.OutOfMemoryError,
@@ -164,12 +179,12 @@ def measure(
                         if isinstance(err, torch.cuda.OutOfMemoryError)
                         else str(err).splitlines()[0][:60]
                     )
-                    print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | |", flush=True)
+                    print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | | |", flush=True)
                     continue
                 print(
                     f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | "
                     f"{flops / 1e12:,.2f} | "
-                    f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} |",
+                    f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} | {warmup:.1f} |",
                     flush=True,
                 )
     # Free the weights before empty_cache. Rebinding (not ``del``) clears the cell that the closures above share,
@@ -183,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=None, help="subset of SD3.5-M FLUX.1-dev Wan2.1-1.3B")
+    parser.add_argument("--compile", default="none", choices=COMPILE_MODES, help="memory.compile mode of the denoiser")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
@@ -190,13 +206,16 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
-        f"median of {args.repeats}"
+        f"median of {args.repeats}, memory.compile={args.compile}"
     )
-    print("| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB "
+        "| first call s |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (builder, inputs, targets, rank) in _models().items():
         if args.models is None or name in args.models:
-            measure(name, builder, inputs, targets, rank, args.batch, args.repeats)
+            measure(name, builder, inputs, targets, rank, args.batch, args.repeats, args.compile)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,18 @@ images noise-like, so part of any agreement comes from the shared initial noise;
 is ``|img - img_ref| / |img_ref - img_noise|``: the explore copy's deviation over the reference
 model's own contribution. Trained weights are needed for the agreement Sol-RL reports.
 
-Printed per model and explore copy: quantised layers, build seconds, sampling seconds (median of
-``--repeats`` full runs after a one-chunk warm-up), candidates per second of the denoiser alone and
-with decode + reward, the speed-up over the reference (first variant), peak GPU memory, and the
+Printed per model and explore copy: quantised layers, the seconds to build the copy and make its
+first call (one chunk: kernel choice; with ``--compile MODE``, flowrl's ``memory.compile`` of the copy,
+tracing and code generation too), sampling seconds (median of ``--repeats`` full runs), candidates per
+second of the denoiser alone and with decode + reward, the speed-up over the reference (first
+variant), peak GPU memory (building the copy and sampling), and the
 reward agreement with the reference's samples of the same seeds: Kendall tau and Spearman rho over
 all samples, the mean per-prompt Kendall tau, and the overlap of Sol-RL's best-worst sets (top and
 bottom eighth of each prompt's seeds).
 
 Usage::
 
-    python -m bench.fp8_explore [--models SD3.5-M FLUX.1-dev] [--seeds 24] [--steps 6] [--repeats 2]
+    python -m bench.fp8_explore [--models SD3.5-M FLUX.1-dev] [--seeds 24] [--steps 6] [--repeats 2] [--compile default]
     python -m bench.fp8_explore --tiny        # CPU: tiny random SD3 and FLUX pipelines, fp32 reference
 """
 
@@ -49,6 +51,7 @@ import torch
 
 from flowrl.models.adapter import Cond, model_latent_shape, select_cond
 from flowrl.models.pipeline_schedule import pipeline_sigmas
+from flowrl.policy.memory import COMPILE_MODES, compile_denoiser
 from flowrl.policy.precision import build_explore
 from flowrl.rewards import build_reward
 from flowrl.rollouts.chunked import chunked_solve
@@ -91,6 +94,7 @@ class Case:
         cond: conditioning of the P prompts (one row each).
         resolution: (height, width) in pixels.
         chunk: samples per model call.
+        compile: ``memory.compile`` mode of each explore copy ("none": eager).
     """
 
     name: str
@@ -98,6 +102,7 @@ class Case:
     cond: Cond
     resolution: tuple[int, int]
     chunk: int
+    compile: str = "none"
 
 
 # --------------------------------------------------------------------------- models
@@ -236,14 +241,15 @@ def explore(case: Case, variant: str | None, seeds: list[int], steps: int, repea
     precision, options = VARIANTS[variant]
     start = time.perf_counter()
     model = build_explore(adapter, precision, **options)
-    sync(device)
-    build_s = time.perf_counter() - start
+    compile_denoiser(model.module, case.compile)
 
     def run(x: torch.Tensor, c: Cond) -> torch.Tensor:
         with torch.no_grad(), explore_transformer(adapter, model.module):
             return chunked_solve(adapter, c, x, sigmas, solver="euler", chunk_size=case.chunk)
 
-    run(noise[: case.chunk], select_cond(cond, slice(0, case.chunk)))  # warm-up: kernel choice, allocator
+    run(noise[: case.chunk], select_cond(cond, slice(0, case.chunk)))  # warm-up: kernel choice, allocator, compile
+    sync(device)
+    build_s = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         sync(device)
@@ -300,7 +306,7 @@ def rows_for(case: Case, variants: list[str], seeds_per_prompt: int, steps: int,
 
 
 HEADER = (
-    "| model | explore copy | steps | quantised layers | build s | sample s | candidates/s | x ref | "
+    "| model | explore copy | steps | quantised layers | build + first call s | sample s | candidates/s | x ref | "
     "candidates/s with decode + reward | peak GiB | Kendall tau | Spearman rho | per-prompt tau | "
     "best-worst overlap | image diff |\n"
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -326,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="deterministic Euler steps (Sol-RL's stage 1: 6)")
     parser.add_argument("--chunk", type=int, default=None, help="samples per call; default 16 SD3.5-M, 8 FLUX")
     parser.add_argument("--repeats", type=int, default=2, help="timed full runs per explore copy (median)")
+    parser.add_argument("--compile", default="none", choices=COMPILE_MODES, help="memory.compile of each copy")
     parser.add_argument("--tiny", action="store_true", help="tiny SD3 and FLUX pipelines on the CPU (a test)")
     args = parser.parse_args(argv)
     if args.seeds < 2:
@@ -336,10 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.tiny else torch.cuda.get_device_name()
     print(
         f"# {device}, torch {torch.__version__}, random weights, {args.seeds} seeds per prompt, {args.steps} Euler "
-        f"steps, reward jpeg_compressibility, reference {variants[0]}, median of {args.repeats} timed runs"
+        f"steps, reward jpeg_compressibility, reference {variants[0]}, median of {args.repeats} timed runs, "
+        f"memory.compile={args.compile}"
     )
     print(HEADER)
     for case in cases(args):  # full-size models are built one at a time, the previous one freed
+        case.compile = args.compile
         for line in rows_for(case, variants, args.seeds, args.steps, args.repeats):
             print(line, flush=True)
         if torch.cuda.is_available():

@@ -282,27 +282,31 @@ def agreement(got: Explored, ref: Explored, noise: Explored) -> dict[str, float]
     }
 
 
-def rows_for(case: Case, variants: list[str], seeds_per_prompt: int, steps: int, repeats: int) -> list[str]:
-    """Table rows of one model: each explore copy, then the seed-noise floor."""
+def rows_for(case: Case, variants: list[str], seeds_per_prompt: int, steps: int, repeats: int) -> Iterator[str]:
+    """Table rows of one model, each as soon as it is measured: the reference, the seed-noise floor, the others."""
     reward = build_reward("jpeg_compressibility")
     prompts = case.cond["encoder_hidden_states"].shape[0]
     seeds = [1000 + i for i in range(prompts * seeds_per_prompt)]
-    results = {v: explore(case, v, seeds, steps, repeats, reward) for v in variants}
     noise = explore(case, None, seeds, steps, repeats, reward)
-    ref = results[variants[0]]
-    out = []
-    for name, got in [*results.items(), ("seed noise only (no denoiser)", noise)]:
-        agree, n, sampled = agreement(got, ref, noise), len(seeds), got.sample_s > 0
-        cells = (
-            [steps, got.layers, f"{got.build_s:.1f}", f"{got.sample_s:.2f}", f"{n / got.sample_s:.1f}"]
-            if sampled
-            else ["-"] * 5
-        )
-        cells += [f"{ref.sample_s / got.sample_s:.2f}" if sampled else "-", f"{n / (got.sample_s + got.score_s):.1f}"]
-        cells += [f"{got.peak_gib:.1f}" if sampled and got.peak_gib else "-"]
-        cells += [f"{agree[key]:.3f}" for key in ("kendall", "spearman", "per_prompt", "overlap", "image_diff")]
-        out.append(f"| {case.name} | {name} | " + " | ".join(map(str, cells)) + " |")
-    return out
+    ref = explore(case, variants[0], seeds, steps, repeats, reward)
+    yield row(case.name, variants[0], ref, ref, noise, steps)
+    yield row(case.name, "seed noise only (no denoiser)", noise, ref, noise, steps)
+    for variant in variants[1:]:
+        yield row(case.name, variant, explore(case, variant, seeds, steps, repeats, reward), ref, noise, steps)
+
+
+def row(model: str, name: str, got: Explored, ref: Explored, noise: Explored, steps: int) -> str:
+    """One table row: speed of ``got`` and its agreement with the reference ``ref`` (floor: ``noise``)."""
+    agree, n, sampled = agreement(got, ref, noise), got.rewards.numel(), got.sample_s > 0
+    cells = (
+        [steps, got.layers, f"{got.build_s:.1f}", f"{got.sample_s:.2f}", f"{n / got.sample_s:.1f}"]
+        if sampled
+        else ["-"] * 5
+    )
+    cells += [f"{ref.sample_s / got.sample_s:.2f}" if sampled else "-", f"{n / (got.sample_s + got.score_s):.1f}"]
+    cells += [f"{got.peak_gib:.1f}" if sampled and got.peak_gib else "-"]
+    cells += [f"{agree[key]:.3f}" for key in ("kendall", "spearman", "per_prompt", "overlap", "image_diff")]
+    return f"| {model} | {name} | " + " | ".join(map(str, cells)) + " |"
 
 
 HEADER = (

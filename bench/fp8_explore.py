@@ -351,10 +351,11 @@ def main(argv: list[str] | None = None) -> None:
         f"memory.compile={args.compile}"
     )
     print(HEADER)
-    for case in cases(args):  # full-size models are built one at a time, the previous one freed
+    for case in cases(args):  # full-size models are built one at a time
         case.compile = args.compile
         for line in rows_for(case, variants, args.seeds, args.steps, args.repeats):
             print(line, flush=True)
+        case = None  # drop the model before the generator builds the next one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -68,6 +68,9 @@ def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = 
         max_grad_norm: ``optim.max_grad_norm`` (DeepSpeed's ``gradient_clipping``).
         base: the accelerate plugin's config (offload settings kept), or None.
 
+    Returns:
+        A new config dict (``base`` is not modified).
+
     Raises:
         ValueError: the launcher config turns on DeepSpeed's fp16 / bf16 engine (not wired).
     """

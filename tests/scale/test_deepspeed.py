@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
-from test_sharding import _tensors
+from test_sharding import _tensors, assert_diffusers_loads_lora
 
 from flowrl.checkpoint import load_checkpoint
 
@@ -79,16 +79,7 @@ def test_zero3_partitions_the_denoiser_and_the_lora_loads_with_diffusers(tmp_pat
         else:  # every parameter partitioned, the frozen base included
             assert l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full
 
-    from flowrl.models import load_adapter
-
-    model = load_adapter("flowrl-digits", dtype="float32", device="cpu")
-    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
-    sigma, cond = torch.full((2,), 0.7), model.encode_prompt(["a bold 3", "a thin 7"])
-    with torch.no_grad():
-        base = model.velocity(x, sigma, cond)
-        model.pipe.load_lora_weights(str(tmp_path / "zero3" / "lora"))  # diffusers reads the gathered LoRA
-        trained = model.velocity(x, sigma, cond)
-    assert float((trained - base).abs().max()) > 1e-6
+    assert_diffusers_loads_lora(tmp_path / "zero3" / "lora")
 
 
 @pytest.mark.slow

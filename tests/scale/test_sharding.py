@@ -80,6 +80,20 @@ def test_sharded_geometries_and_memory_settings_match_one_process(case, tmp_path
     assert_same_lora(tmp_path / "one", tmp_path / "two", tol=tol)
 
 
+def assert_diffusers_loads_lora(folder: Path) -> None:
+    """diffusers' ``load_lora_weights`` reads a sharded run's gathered LoRA, and it changes the velocity."""
+    from flowrl.models import load_adapter
+
+    model = load_adapter("flowrl-digits", dtype="float32", device="cpu")
+    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    sigma, cond = torch.full((2,), 0.7), model.encode_prompt(["a bold 3", "a thin 7"])
+    with torch.no_grad():
+        base = model.velocity(x, sigma, cond)
+        model.pipe.load_lora_weights(str(folder))
+        trained = model.velocity(x, sigma, cond)
+    assert float((trained - base).abs().max()) > 1e-6
+
+
 @pytest.mark.slow
 def test_each_rank_holds_half_the_denoiser_and_the_lora_loads_with_diffusers(tmp_path):
     args = [*OBJECTIVES["flow_grpo"], *TINY]
@@ -91,16 +105,7 @@ def test_each_rank_holds_half_the_denoiser_and_the_lora_loads_with_diffusers(tmp
     assert full == full1 and l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full  # ~1/W of base + LoRA
     assert lo0 + lo1 == lora_full and abs(lo0 - lora_full / 2) <= 0.05 * lora_full
 
-    from flowrl.models import load_adapter
-
-    model = load_adapter("flowrl-digits", dtype="float32", device="cpu")
-    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
-    sigma, cond = torch.full((2,), 0.7), model.encode_prompt(["a bold 3", "a thin 7"])
-    with torch.no_grad():
-        base = model.velocity(x, sigma, cond)
-        model.pipe.load_lora_weights(str(tmp_path / "two" / "lora"))  # diffusers reads the gathered LoRA
-        trained = model.velocity(x, sigma, cond)
-    assert float((trained - base).abs().max()) > 1e-6
+    assert_diffusers_loads_lora(tmp_path / "two" / "lora")
 
 
 @pytest.mark.slow

@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
-from test_sharding import _tensors, assert_diffusers_loads_lora
-
-from flowrl.checkpoint import load_checkpoint
+from test_sharding import assert_checkpoints_as_one_process_and_exact_resume, assert_diffusers_loads_lora
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'flowrl[deepspeed]')")
 
@@ -85,27 +83,7 @@ def test_zero3_partitions_the_denoiser_and_the_lora_loads_with_diffusers(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_checkpoints_hold_full_tensors_and_resume_exactly(stage, tmp_path):
-    zero = f"train.sharding={stage}"
-    args = [*OBJECTIVES["diffusion_nft"], *TINY, "train.save_every=1", "output.keep_checkpoints=5"]
-    full = train_two([*args, zero], tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
-    one = train_one([*args, "train.iterations=1"], tmp_path / "one")  # the same step on one process
-    assert one.returncode == 0, one.stderr[-3000:]
-    partitioned = load_checkpoint(tmp_path / "full" / "checkpoints" / "iter-000001")
-    plain = load_checkpoint(tmp_path / "one" / "checkpoints" / "iter-000001")
-    for key in ("lora", "adapters", "optimizer"):  # the one-process layout: full tensors, same shapes and values
-        flat_z, flat_p = _tensors(partitioned[key]), _tensors(plain[key])
-        assert flat_z.keys() == flat_p.keys()
-        assert all(flat_z[k].shape == flat_p[k].shape for k in flat_z)
-        # measured 3.5e-9 (both stages)
-        assert max(float((flat_z[k].float() - flat_p[k].float()).abs().max()) for k in flat_z) <= 1e-6
-    cut = tmp_path / "cut"
-    first = train_two([*args, zero, "train.iterations=1"], cut)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = train_two([*args, zero, "--resume", str(cut / "checkpoints" / "iter-000001")], cut)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    wa, wb = lora(tmp_path / "full"), lora(cut)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise, as an unsharded resume
+    assert_checkpoints_as_one_process_and_exact_resume(tmp_path, [f"train.sharding={stage}"])
 
 
 @pytest.mark.slow

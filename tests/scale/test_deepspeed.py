@@ -16,8 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, metrics, train_one, train_two
-from test_sharding import assert_checkpoints_as_one_process_and_exact_resume, assert_diffusers_loads_lora
+from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, train_one, train_two
+from test_sharding import (
+    assert_checkpoints_as_one_process_and_exact_resume,
+    assert_diffusers_loads_lora,
+    assert_same_metrics,
+)
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'flowrl[deepspeed]')")
 
@@ -41,13 +45,7 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
         wa, wb = lora(tmp_path / "one"), lora(tmp_path / stage)
         gaps = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
         assert float(gaps.quantile(0.999)) <= BULK, f"{stage}: over 0.1 % of the LoRA weights differ by > {BULK:g}"
-        m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / stage)
-        assert [r["step"] for r in m2] == [0, 1, 2]
-        for r1, r2 in zip(m1, m2):  # rewards, model evaluations (placeholder rows not counted), eval figures
-            for key in ("reward_mean", "eval/reward_mean"):
-                assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
-            assert r2.get("nfe") == r1.get("nfe")
-        assert two.stdout.count("done: 2 iterations") == 1
+        assert_same_metrics(tmp_path / "one", tmp_path / stage, two.stdout)
 
 
 @pytest.mark.slow

@@ -45,13 +45,18 @@ def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_lora(tmp_path / "one", tmp_path / "two")
-    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert_same_metrics(tmp_path / "one", tmp_path / "two", two.stdout)
+
+
+def assert_same_metrics(one: Path, two: Path, two_stdout: str) -> None:
+    """The 2-process run logged what one process did: rewards, model evaluations and eval figures, once."""
+    m1, m2 = metrics(one), metrics(two)
     assert [r["step"] for r in m2] == [0, 1, 2]
-    for r1, r2 in zip(m1, m2):  # rewards, model evaluations (placeholder rows not counted), eval figures
+    for r1, r2 in zip(m1, m2):  # placeholder rows are not counted as model evaluations
         for key in ("reward_mean", "eval/reward_mean"):
             assert (key in r1) == (key in r2) and r2.get(key) == pytest.approx(r1.get(key), abs=1e-5)
         assert r2.get("nfe") == r1.get("nfe")
-    assert two.stdout.count("done: 2 iterations") == 1
+    assert two_stdout.count("done: 2 iterations") == 1
 
 
 MORE = {  # (arguments, tolerance)

@@ -72,6 +72,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     _check_single_process()
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
+    if ns.processes is not None and not ns.check:
+        raise ValueError("--processes goes with --check; to train on N processes use accelerate (docs/scale-out.md)")
     if ns.check:
         from .resources import check_report
 

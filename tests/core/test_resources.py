@@ -244,3 +244,4 @@ def test_check_takes_the_processes_of_the_launch(capsys, monkeypatch):
     code, alone, _ = run_cli(capsys, "train", "--check", "train.sharding=fsdp2")
     assert code == 0 and alone != launched
     assert "--processes must be >= 1; got 0" in one_line_error(capsys, "train", "--check", "--processes", "0")
+    assert "--processes goes with --check" in one_line_error(capsys, "train", "--processes", "2")

@@ -35,10 +35,15 @@ from bench.profile import OBJECTIVES, TINY64, TINY64_PER_OBJECTIVE, run_for, tin
 VARIANTS = ("eager-1", "compile-1", "eager-2", "compile-2")
 
 
+def threads_of(variant: str) -> int:
+    """The torch thread count of a variant name (``eager-1`` -> 1)."""
+    return int(variant.split("-")[1])
+
+
 def variant_overrides(variant: str, mode: str) -> list[str]:
     """Config overrides of one variant name (``eager-1``, ``compile-2``, ...)."""
-    kind, threads = variant.split("-")
-    return [f"train.threads={int(threads)}", f"memory.compile={'none' if kind == 'eager' else mode}"]
+    compiled = variant.startswith("compile")
+    return [f"train.threads={threads_of(variant)}", f"memory.compile={mode if compiled else 'none'}"]
 
 
 def timed_iteration(run: Any, threads: int) -> tuple[float, dict[str, float]]:
@@ -56,12 +61,11 @@ def measure(config: str, overrides: list[str], variants: list[str], args: argpar
         runs = {}
         for v in variants:
             runs[v] = run_for(config, [*overrides, *variant_overrides(v, args.mode)], Path(tmp) / v)
-            threads = int(v.split("-")[1])
-            first, metrics = timed_iteration(runs[v], threads)
+            first, metrics = timed_iteration(runs[v], threads_of(v))
             out[v] = {"warmup": first, "times": [], "nfe": metrics.get("nfe"), "reward": metrics["reward_mean"]}
         for _ in range(args.iterations):
             for v in variants:
-                seconds, metrics = timed_iteration(runs[v], int(v.split("-")[1]))
+                seconds, metrics = timed_iteration(runs[v], threads_of(v))
                 out[v]["times"].append(seconds)
                 out[v]["nfe_timed"] = metrics.get("nfe")
         for run in runs.values():

@@ -127,7 +127,6 @@ def compile_denoiser(transformer: nn.Module, mode: str) -> None:
     if mode != "none":
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * COMPILED_GRAPHS)
         transformer.compile(mode=None if mode == "default" else mode)
 
 

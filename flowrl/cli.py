@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from .rewards.server import RewardServer
@@ -536,13 +537,16 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: the arguments after ``flowrl``; None reads ``sys.argv``, and then ``flowrl train`` runs
             under :mod:`flowrl.supervisor` (a crash of the training process still ends in one line).
-            An explicit ``argv`` always runs in this process.
+            An explicit ``argv`` always runs in this process and returns.
 
     Returns:
         The exit code: 0, 2 for a user error, 130 for Ctrl-C (supervised: the training process's code).
+        One process of a multi-process launch run from the command line does not return: it leaves
+        through :func:`flowrl.distributed.exit_launched_process` with that code.
     """
     from .supervisor import SUPERVISED_ENV, report_outcome, setup_child, should_supervise, supervise
 
+    launched = argv is None and _launched()  # one of several processes: leave without finalization
     if argv is None:
         argv = sys.argv[1:]
         if should_supervise(argv, os.environ):
@@ -554,10 +558,31 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise  # a plugin's sys.exit(): not an outcome this process reported (argparse's are, in _run)
     except BaseException:
-        report_outcome()  # Python prints the traceback
-        raise
+        report_outcome()
+        if launched:
+            traceback.print_exc()
+            _leave(1)
+        raise  # Python prints the traceback
     report_outcome()
+    if launched:
+        _leave(code)
     return code
+
+
+def _launched() -> bool:
+    """Whether this process is one of several of a distributed launch (torch is imported only then)."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    from .distributed import launch_world_size
+
+    return launch_world_size() > 1
+
+
+def _leave(code: int) -> NoReturn:
+    """End this launched process with ``code`` (:func:`flowrl.distributed.exit_launched_process`)."""
+    from .distributed import exit_launched_process
+
+    exit_launched_process(code)
 
 
 def _run(argv: list[str]) -> int:

@@ -21,10 +21,12 @@ References:
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, NoReturn, Sequence
 
 import torch
 from torch import Tensor
@@ -330,6 +332,32 @@ def launch_world_size(environ: dict[str, str] | None = None) -> int:
     """Processes in this launch (``WORLD_SIZE``, 1 when not launched by a distributed launcher)."""
     env = os.environ if environ is None else environ
     return int(env.get("WORLD_SIZE", "1") or 1)
+
+
+def exit_launched_process(code: int) -> NoReturn:
+    """End a process of a multi-process launch: exit handlers run, interpreter finalization does not.
+
+    torch's gloo backend runs worker threads for a process group as long as anything holds the group
+    (an FSDP2 device mesh, a DTensor, DeepSpeed's group registry), past ``destroy_process_group``.
+    A worker that frees its last collective's tensors after the main thread has begun finalizing the
+    interpreter needs the GIL, and CPython ends a thread that asks for it then in a way C++ cannot
+    unwind: ``terminate called without an active exception`` and SIGABRT, after every output was
+    written (4 of 40 two-rank launches under load in a minimal reproduction; a CI failure of the
+    FSDP2 test). So a launched process runs its ``atexit`` handlers (logging, multiprocessing
+    children) while the interpreter is whole, flushes its streams and leaves with ``os._exit``.
+
+    Args:
+        code: the process's exit status.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+                pass
+        os._exit(code)
 
 
 def join_launch() -> Collective:

@@ -1,0 +1,62 @@
+"""A launched process leaves without interpreter finalization (torch's gloo threads may still be live).
+
+``flowrl.distributed.exit_launched_process`` runs the ``atexit`` handlers, flushes the streams and
+ends with ``os._exit``; the command line takes that exit in every process of a multi-process launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FINALIZED = """
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+witness = Finalized()  # a module global: collected only when the interpreter finalizes
+"""
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**base, "HF_HUB_OFFLINE": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_exit_runs_exit_handlers_flushes_and_skips_finalization():
+    code = FINALIZED + (
+        "import atexit, sys\n"
+        "from flowrl.distributed import exit_launched_process\n"
+        "atexit.register(print, 'handler ran')\n"
+        "sys.stdout.write('buffered, no newline; ')\n"
+        "exit_launched_process(3)\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == "buffered, no newline; handler ran\n"  # nothing from finalization
+
+
+def test_the_command_line_of_a_launched_process_leaves_that_way():
+    code = FINALIZED + (
+        "import atexit, sys\n"
+        "from flowrl.cli import main\n"
+        "atexit.register(print, 'handler ran')\n"
+        "sys.argv = ['flowrl', 'train', 'configs/grpo/digits.yaml']\n"
+        "main()\n"
+    )
+    launched = run_python(code, WORLD_SIZE="2", FLOWRL_NO_SUPERVISOR="1")
+    assert launched.returncode == 2  # the user error's code, through os._exit
+    assert "WORLD_SIZE=2 but no launcher set MASTER_ADDR" in launched.stderr
+    assert launched.stdout == "handler ran\n"
+    alone = run_python(code.replace("main()\n", "sys.exit(main(['rewards', 'list']))\n"), WORLD_SIZE="2")
+    assert alone.returncode == 0 and alone.stdout.endswith("handler ran\nfinalized\n")  # an explicit argv returns

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from flowrl.distributed import Collective
+from flowrl.distributed import Collective, exit_launched_process
 from flowrl.zero import ZeroEngine, gathered
 
 
@@ -65,3 +65,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_launched_process(0)  # as flowrl's command line: gloo threads may outlive the process group

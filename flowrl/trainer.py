@@ -247,17 +247,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
             fault = agree_fault(self.collective, fault)
-            if fault is None and self.zero is not None:  # DeepSpeed reduces, clips and steps (undone on a fault)
+            if fault is not None and self.zero is not None:
+                self.zero.discard()  # DeepSpeed's buffers hold the gradients of the step not taken
+            elif self.zero is not None:  # DeepSpeed reduces, clips and steps (undone on a fault)
                 grad_norm, fault = self.zero.step(self.cfg.train.max_lora_weight)
             elif fault is None:
                 if self.lockstep is None:  # sharded gradients are already summed (reduce-scatter)
                     sum_gradients(self.params, self.collective)
                 grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm))
                 fault = tensor_fault("the gradient norm", grad_norm) or self._step()
-            if fault is not None:  # nothing applied (_step undoes its own): no checkpoint holds bad weights
+            if fault is not None:  # nothing applied (the steps undo their own): no checkpoint holds bad weights
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.zero is not None:
-                    self.zero.zero_grad()
                 skipped += 1
                 self.guard.skip(fault, self.iteration + 1)
                 continue
@@ -303,27 +303,35 @@ class Trainer:
         """Backward this rank's micro-batches of one optimizer step of ``size`` micro-batches in all.
 
         A placeholder micro-batch (``real`` False: a sharded model's lockstep) is backwarded with its
-        loss scaled by zero and is not counted (statistics, NFE).
+        loss scaled by zero and is not counted (statistics, NFE). A non-finite loss ends the step on
+        this rank at once, unless the backward itself is collective (a sharded model's reduce-scatter,
+        DeepSpeed's gradient reduction): then this rank backwards that micro-batch scaled by zero and
+        the rest as placeholders, so its collectives pair with the other ranks' until the step's
+        fault is agreed and the step dropped everywhere.
 
         Returns (fault, summed stats, (plan position, ratio) of the first micro-batch).
         """
         totals: dict[str, float] = {}
-        first = None
+        first = fault = None
         backward = torch.Tensor.backward if self.zero is None else self.zero.backward
+        in_step = self.lockstep is not None or self.zero is not None  # every rank must finish the backwards
         for pos, mb, real in mine:
-            if not real:
+            if not real or fault is not None:
                 placeholder_backward(self.objective, self.model, batch, mb, backward)
                 continue
             loss, stats = self.objective.loss(self.model, batch, mb)
             fault = tensor_fault(f"the {self.objective.name} loss", loss)
-            if fault is not None:
+            if fault is not None and not in_step:
                 return fault, {}, None
+            if fault is not None:
+                backward(loss * 0.0)  # gradients dropped with the step: only the collectives count
+                continue
             backward(loss / size)
             if first is None and "ratio" in stats:
                 first = (pos, stats["ratio"])
             for k, v in {"loss": float(loss.detach()), **stats}.items():
                 totals[k] = totals.get(k, 0.0) + v
-        return None, totals, first
+        return (fault, {}, None) if fault is not None else (None, totals, first)
 
     def _batch_fault(self, batch: RolloutBatch, info: dict[str, Tensor]) -> str | None:
         """What makes this iteration's rewards or advantages unusable, or None."""

@@ -197,8 +197,17 @@ class ZeroEngine:
         self.engine.backward(loss * self.collective.world_size)
         self.engine.optimizer.clear_backward_seen_flag()
 
-    def zero_grad(self) -> None:
-        """Drop the gradients accumulated for a step that will not be taken."""
+    def discard(self) -> None:
+        """Drop the gradients accumulated for a step that will not be taken (collective: every rank calls it).
+
+        ZeRO-2 keeps the reduced gradient partitions outside ``.grad`` until its step consumes them, so
+        clearing ``.grad`` would leave them to be added to the next step's. DeepSpeed's own step
+        consumes them here, and is undone exactly (:meth:`_snapshot`): nothing it wrote stays.
+        """
+        self.ensure_state()
+        restore = self._snapshot()
+        self.engine.step()
+        restore()
         self.engine.optimizer.zero_grad(set_to_none=True)
 
     def step(self, max_lora_weight: float) -> tuple[Tensor, str | None]:

@@ -221,3 +221,19 @@ def test_ranks_pair_their_micro_batches_and_pad_with_one_row_placeholders():
     assert one[1][1].noise.shape[0] == 1 and one[1][1].step == 0
     assert rank_microbatches(group, batch, ranks[1].owned_mask()) == one[:1]  # unsharded: own parts only
     assert rank_microbatches(group, batch, None) == [(i, mb, True) for i, mb in enumerate(group)]  # one process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero2"])
+def test_a_one_process_checkpoint_resumes_sharded(sharding, tmp_path):
+    """Start on one process, continue on two sharded ones: the run the uninterrupted one-process run gives."""
+    args = [*OBJECTIVES["diffusion_nft"], *TINY, "train.save_every=1"]
+    full = train_one(args, tmp_path / "full")
+    cut = tmp_path / "cut"
+    first = train_one([*args, "train.iterations=1"], cut)
+    assert full.returncode == 0 and first.returncode == 0, (full.stderr + first.stderr)[-3000:]
+    checkpoint = cut / "checkpoints" / "iter-000001"
+    resumed = train_two([*args, f"train.sharding={sharding}", "--resume", str(checkpoint)], cut)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(cut)] == [0, 1, 2]
+    assert_same_lora(tmp_path / "full", cut)  # gradient sums in another order: fp32 tolerance

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 import yaml
 
-from flowrl.distributed import Collective
+from flowrl.distributed import Collective, exit_launched_process
 from flowrl.policy.memory import trainable_attention
 from flowrl.sharding import local_numel, shard_transformer
 
@@ -230,3 +230,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_launched_process(0)  # its gloo / NCCL threads may outlive the group (flowrl.distributed)

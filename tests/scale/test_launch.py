@@ -187,12 +187,12 @@ def test_an_impossible_split_names_the_numbers(tmp_path):
     assert "sampler.chunk_size=2 must divide the 3 samples each rank holds" in chunks.stderr
 
 
-POISON = Path(__file__).with_name("nan_on_one_rank.py")
+FAULT = Path(__file__).with_name("fault_on_one_rank.py")
 
 
-def train_poisoned(out: Path, processes: int, *extra: str) -> subprocess.CompletedProcess:
-    """nan_on_one_rank.py (rank 0's first loss of iteration 2 is NaN) alone or on 2 gloo processes."""
-    args = [str(POISON), str(out), "0", *OBJECTIVES["flow_grpo"], *TINY, *extra]
+def train_faulty(out: Path, processes: int, fault: str, *extra: str) -> subprocess.CompletedProcess:
+    """fault_on_one_rank.py (``fault`` on rank 0) alone or on 2 gloo processes, the flow_grpo case."""
+    args = [str(FAULT), str(out), "0", fault, *OBJECTIVES["flow_grpo"], *TINY, *extra]
     cmd = [sys.executable, *args]
     if processes == 2:
         cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"), *args]
@@ -204,7 +204,7 @@ def train_poisoned(out: Path, processes: int, *extra: str) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def poisoned_alone(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("poisoned") / "one"
-    result = train_poisoned(out, 1)
+    result = train_faulty(out, 1, "nan_loss")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -213,7 +213,8 @@ def poisoned_alone(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("sharding", ["none", "fsdp2", "zero2", "zero3"])
 def test_a_non_finite_loss_on_one_rank_skips_that_update_on_every_rank(sharding, poisoned_alone, tmp_path):
     """Sharded backwards are collective: the faulty rank keeps pairing them, then every rank drops the step."""
-    two = train_poisoned(tmp_path / "two", 2, *([] if sharding == "none" else [f"train.sharding={sharding}"]))
+    sharded = [] if sharding == "none" else [f"train.sharding={sharding}"]
+    two = train_faulty(tmp_path / "two", 2, "nan_loss", *sharded)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("finished") == 2
     skipped = [row.get("train/skipped_updates") for row in metrics(tmp_path / "two")]

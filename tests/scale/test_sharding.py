@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from fault_on_one_rank import EVAL_ERROR
 from test_launch import (
     OBJECTIVES,
     ROOT,
@@ -25,6 +27,7 @@ from test_launch import (
     env,
     lora,
     metrics,
+    train_faulty,
     train_one,
     train_two,
 )
@@ -237,3 +240,15 @@ def test_a_one_process_checkpoint_resumes_sharded(sharding, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(cut)] == [0, 1, 2]
     assert_same_lora(tmp_path / "full", cut)  # gradient sums in another order: fp32 tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
+def test_an_error_on_rank_zero_in_lockstep_ends_the_launch_at_once(sharding, tmp_path):
+    """Rank 0's evaluation raises while the other rank waits in its lockstep calls: the launch ends with the error."""
+    t0 = time.monotonic()
+    run = train_faulty(tmp_path / "run", 2, "eval_error", "train.eval_every=1", f"train.sharding={sharding}")
+    wall = time.monotonic() - t0
+    assert run.returncode != 0 and EVAL_ERROR in run.stderr, run.stderr[-3000:]
+    assert "finished" not in run.stdout
+    assert wall < 300, f"{wall:.0f} s: the ranks waited for the process group's timeout"  # the launch took ~30 s

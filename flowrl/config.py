@@ -243,9 +243,10 @@ class TrainConfig:
     # contiguous = whole prompt groups per rank | spread = every group split over the ranks
     placement: Literal["contiguous", "spread"] = "contiguous"
     # several processes: none = every rank holds the whole denoiser | fsdp2 = its base and LoRA sharded over the
-    # ranks (flowrl/sharding.py; implied by an accelerate FSDP launch) | zero2 = DeepSpeed ZeRO-2 (LoRA's AdamW
-    # state and gradients sharded) | zero3 = ZeRO-3 (base and LoRA too; flowrl/zero.py; implied by a DeepSpeed launch)
-    sharding: Literal["none", "fsdp2", "zero2", "zero3"] = "none"
+    # ranks (flowrl/sharding.py; implied by an accelerate FSDP launch) | zero1 = DeepSpeed ZeRO-1 (LoRA's AdamW
+    # state sharded) | zero2 = ZeRO-2 (its gradients too) | zero3 = ZeRO-3 (base and LoRA too; flowrl/zero.py;
+    # implied by a DeepSpeed launch)
+    sharding: Literal["none", "fsdp2", "zero1", "zero2", "zero3"] = "none"
 
 
 @dataclass

@@ -395,19 +395,19 @@ def check_joined(launched: int, joined: int, distributed_type: str) -> None:
             f"accelerate launch started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
             "accelerate's FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch "
             f"--multi_gpu --num_processes {launched} (configs/accelerate/cpu_gloo.yaml), adding train.sharding=fsdp2 "
-            "(or zero2 / zero3) to shard the model"
+            "(or zero1 / zero2 / zero3) to shard the model"
         )
 
 
-ZERO_LAUNCH_STAGES = (2, 3)
-"""ZeRO stages of a DeepSpeed launch flowrl wires (``train.sharding`` zero2 / zero3, :mod:`flowrl.zero`)."""
+ZERO_LAUNCH_STAGES = (1, 2, 3)
+"""ZeRO stages of a DeepSpeed launch flowrl wires (``train.sharding`` zero1 / zero2 / zero3, :mod:`flowrl.zero`)."""
 
 
 def check_plugin(distributed_type: str, fsdp_version: int | None = None, zero_stage: int | None = None) -> None:
     """Refuse a sharding launch flowrl does not wire, instead of silently not sharding.
 
     An FSDP launch with ``fsdp_version: 2`` is wired (:mod:`flowrl.sharding`), and a DeepSpeed
-    launch with ZeRO stage 2 or 3 (:mod:`flowrl.zero`); FSDP1 and ZeRO stages 0 and 1 are not.
+    launch with ZeRO stage 1, 2 or 3 (:mod:`flowrl.zero`); FSDP1 and ZeRO stage 0 are not.
 
     Args:
         distributed_type: accelerate's ``DistributedType`` of the launch (e.g. ``"MULTI_GPU"``).
@@ -415,7 +415,7 @@ def check_plugin(distributed_type: str, fsdp_version: int | None = None, zero_st
         zero_stage: the ZeRO stage of a DeepSpeed launch (:attr:`Collective.deepspeed_stage`).
 
     Raises:
-        ValueError: an FSDP1 launch, or a DeepSpeed launch with ZeRO stage 0 or 1.
+        ValueError: an FSDP1 launch, or a DeepSpeed launch with ZeRO stage 0.
     """
     kind = distributed_type.rsplit(".", 1)[-1].upper()
     if kind == "FSDP" and fsdp_version != 2:
@@ -425,8 +425,8 @@ def check_plugin(distributed_type: str, fsdp_version: int | None = None, zero_st
         )
     if zero_stage is not None and zero_stage not in ZERO_LAUNCH_STAGES:
         raise ValueError(
-            f"accelerate launch with DeepSpeed ZeRO stage {zero_stage} is not wired into flowrl; set zero_stage: 2 or "
-            "3 in the launcher config (configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)"
+            f"accelerate launch with DeepSpeed ZeRO stage {zero_stage} is not wired into flowrl; set zero_stage: 1, 2 "
+            "or 3 in the launcher config (configs/accelerate/deepspeed_zero1.yaml, _zero2.yaml or _zero3.yaml)"
         )
 
 

@@ -23,9 +23,9 @@ chunks a rank owns, so under sharding
 Checkpoints and the final LoRA hold full tensors (the one-process files); resume cuts them back into
 each rank's shard.
 
-DeepSpeed ZeRO-2/3 (``train.sharding: zero2 | zero3``, :mod:`flowrl.zero`) uses the same lockstep
+DeepSpeed ZeRO-1/2/3 (``train.sharding: zero1 | zero2 | zero3``, :mod:`flowrl.zero`) uses the same lockstep
 pieces: ZeRO-3 partitions every parameter, so its forwards are collectives like FSDP2's
-(:func:`is_sharded`); under ZeRO-2 the model is whole on every rank and only the update's backwards
+(:func:`is_sharded`); under ZeRO-1/2 the model is whole on every rank and only the update's backwards
 and the optimizer-state gathers are collectives (:func:`collective_calls`).
 
 References:
@@ -277,12 +277,12 @@ def placeholder_backward(
     model.nfe = nfe
 
 
-COLLECTIVE_CALLS = {"zero2": ("state",)}
-"""Under ZeRO-2 only gathering the optimizer state is collective (the model is whole on every rank)."""
+COLLECTIVE_CALLS = {"zero1": ("state",), "zero2": ("state",)}
+"""Under ZeRO-1/2 only gathering the optimizer state is collective (the model is whole on every rank)."""
 
 
 def collective_calls(sharding: str, calls: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    """The calls of :class:`Lockstep` that are collectives under ``sharding`` (all of them, but for ZeRO-2)."""
+    """The calls of :class:`Lockstep` that are collectives under ``sharding`` (all of them, but for ZeRO-1/2)."""
     names = COLLECTIVE_CALLS.get(sharding, tuple(calls))
     return {k: v for k, v in calls.items() if k in names}
 

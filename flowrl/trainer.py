@@ -122,7 +122,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
-        self.zero: ZeroEngine | None = None  # train.sharding=zero2|zero3: DeepSpeed's engine steps (flowrl/zero.py)
+        self.zero: ZeroEngine | None = None  # train.sharding=zero1|2|3: DeepSpeed's engine steps (flowrl/zero.py)
         if sharding in ZERO_STAGES:
             self.zero = ZeroEngine.start(
                 self.model.transformer, self.optimizer, ZERO_STAGES[sharding], o.max_grad_norm, self.collective

@@ -1,9 +1,11 @@
-"""DeepSpeed ZeRO-2/3 (``train.sharding: zero2 | zero3``): the engine owns the LoRA's update.
+"""DeepSpeed ZeRO-1/2/3 (``train.sharding: zero1 | zero2 | zero3``): the engine owns the LoRA's update.
 
-Under ZeRO-2 each rank keeps the whole denoiser but only ``1/W`` of the trainable LoRA's fp32
-master weights, AdamW moments and reduced gradients; under ZeRO-3 every parameter is partitioned
-too, the frozen base and the objective's frozen adapters included (what a 12B FLUX needs). The
-trainer's backward, global clip and AdamW step go through the :class:`ZeroEngine`:
+Under ZeRO-1 each rank keeps the whole denoiser and the whole gradients (all-reduced) but only
+``1/W`` of the trainable LoRA's fp32 master weights and AdamW moments. Under ZeRO-2 each rank keeps
+the whole denoiser but only ``1/W`` of the LoRA's fp32 master weights, AdamW moments and reduced
+gradients; under ZeRO-3 every parameter is partitioned too, the frozen base and the objective's
+frozen adapters included (what a 12B FLUX needs). The trainer's backward, global clip and AdamW
+step go through the :class:`ZeroEngine`:
 
 - every micro-batch's loss goes through ``engine.backward`` (``managed_gradient_accumulation``
   off: flowrl's plan decides how many micro-batches make a step; each backward reduce-scatters
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 from .distributed import Collective, agree_fault
 from .guards import tensor_fault, weight_fault
 
-ZERO_STAGES = {"zero2": 2, "zero3": 3}
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 """``train.sharding`` values run by DeepSpeed, and their ZeRO stage."""
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -55,7 +57,8 @@ def require_deepspeed() -> Any:
         import deepspeed
     except ImportError:
         raise ValueError(
-            "train.sharding=zero2/zero3 needs DeepSpeed; pip install 'flowrl[deepspeed]' (or set train.sharding=fsdp2)"
+            "train.sharding=zero1/zero2/zero3 needs DeepSpeed; pip install 'flowrl[deepspeed]' "
+            "(or set train.sharding=fsdp2)"
         ) from None
     return deepspeed
 
@@ -64,7 +67,7 @@ def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = 
     """The DeepSpeed config of a flowrl run: ``base`` (a launcher's, or empty) with flowrl's own settings.
 
     Args:
-        stage: ZeRO stage, 2 or 3.
+        stage: ZeRO stage, 1, 2 or 3.
         max_grad_norm: ``optim.max_grad_norm`` (DeepSpeed's ``gradient_clipping``).
         base: the accelerate plugin's config (offload settings kept), or None.
 
@@ -200,7 +203,7 @@ class ZeroEngine:
     def discard(self) -> None:
         """Drop the gradients accumulated for a step that will not be taken (collective: every rank calls it).
 
-        ZeRO-2 keeps the reduced gradient partitions outside ``.grad`` until its step consumes them, so
+        ZeRO-1/2 keep the reduced gradients outside ``.grad`` until their step consumes them, so
         clearing ``.grad`` would leave them to be added to the next step's. DeepSpeed's own step
         consumes them here, and is undone exactly (:meth:`_snapshot`): nothing it wrote stays.
         """
@@ -266,7 +269,7 @@ class ZeroEngine:
                     **{k: torch.zeros_like(flat, memory_format=torch.preserve_format) for k in MOMENTS},
                 }
                 created = True
-        if created and self.stage == 2:
+        if created and self.stage in (1, 2):
             self.engine.optimizer._lazy_init_hp_params_optimizer_state()
 
     def optimizer_state(self) -> dict[str, Any]:

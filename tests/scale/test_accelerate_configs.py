@@ -14,6 +14,7 @@ EXPECTED = {
     "ddp.yaml": (DistributedType.MULTI_GPU, 8),
     "cpu_gloo.yaml": (DistributedType.MULTI_GPU, 2),
     "fsdp2.yaml": (DistributedType.FSDP, 8),
+    "deepspeed_zero1.yaml": (DistributedType.DEEPSPEED, 8),
     "deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 8),
     "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 8),
     "multi_node.yaml": (DistributedType.MULTI_GPU, 32),

@@ -210,7 +210,7 @@ def poisoned_alone(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp2", "zero2", "zero3"])
+@pytest.mark.parametrize("sharding", ["none", "fsdp2", "zero1", "zero2", "zero3"])
 def test_a_non_finite_loss_on_one_rank_skips_that_update_on_every_rank(sharding, poisoned_alone, tmp_path):
     """Sharded backwards are collective: the faulty rank keeps pairing them, then every rank drops the step."""
     sharded = [] if sharding == "none" else [f"train.sharding={sharding}"]

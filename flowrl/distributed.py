@@ -82,9 +82,14 @@ class Geometry:
 
     def owned_mask(self) -> Tensor:
         """(B,) bool: True on the rows of the global batch this rank owns."""
-        mask = torch.zeros(self.global_samples, dtype=torch.bool)
-        mask[self.indices()] = True
-        return mask
+        return self.owners() == self.rank
+
+    def owners(self) -> Tensor:
+        """(B,) int64: the rank that owns each row of the global batch."""
+        owners = torch.empty(self.global_samples, dtype=torch.long)
+        for rank in range(self.world_size):
+            owners[self.indices(rank)] = rank
+        return owners
 
     def needs_reward_gather(self, std: str) -> bool:
         """Whether advantages need the other ranks' rewards (``advantage.std``: global | group | none)."""

@@ -12,7 +12,8 @@ Those gathers are collectives: every rank must call the model the same number of
 same order (lockstep). The data-parallel path of :mod:`flowrl.distributed` calls the model only on
 chunks a rank owns, so under sharding
 
-- a rollout chunk without owned rows is evaluated on one placeholder row, its output dropped
+- in a rollout each rank calls the model on the chunks it owns rows of, then makes one-row
+  placeholder calls, outputs dropped, up to the busiest rank's count
   (:class:`flowrl.rollouts.owned.OwnedRows`);
 - in an optimizer step, each rank runs its own micro-batches side by side with the other ranks'
   and pads with placeholder losses on one row, scaled by zero, up to the most any rank runs

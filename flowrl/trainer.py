@@ -212,6 +212,7 @@ class Trainer:
             tree=self.tree,
             solver_levels=self.solver_levels,
             owned=self.owned,
+            owners=None if self.owned is None else self.geometry.owners(),
             gather_rows=lambda local: gather_rows(self.collective, self.geometry, local),
         )
 

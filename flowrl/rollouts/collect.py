@@ -60,6 +60,8 @@ class RolloutContext:
             (:func:`~flowrl.rollouts.chunked.sigma_window_levels`); None for other solvers.
         owned: (B,) bool, the rows of the global batch this rank samples, scores and trains
             (several processes, :mod:`flowrl.rollouts.owned`); None = every row (one process).
+        owners: (B,) int64, the rank that owns each row (with ``owned``): a sharded model's
+            lockstep counts every rank's calls from it.
         gather_rows: all-gather of every rank's owned rows into global order, (b, ...) -> (B, ...);
             needed with ``owned``.
         initial_noise: (B, *latent_shape) initial noise to use instead of drawing it from the run's
@@ -80,6 +82,7 @@ class RolloutContext:
     tree: TreeSpec | None = None
     solver_levels: Tensor | None = None
     owned: Tensor | None = None
+    owners: Tensor | None = None
     gather_rows: Callable[[Tensor], Tensor] | None = None
     initial_noise: Tensor | None = None
 
@@ -294,13 +297,17 @@ def collect_rollouts(
         cond: conditioning of the B samples.
 
     Returns:
-        (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts).
+        (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts,
+        ``rollout/placeholder_calls`` under a sharded model).
     """
     entry = ROLLOUTS[kind]
+    logged: dict[str, Tensor] = {}
     if ctx.owned is None:
         rollout, images, scored = _sample_and_score(ctx, entry, prompts, cond, ctx.scorer(prompts))
     else:
-        rollout, images, scored = _sample_and_score_owned(ctx, entry, prompts, cond)
+        rollout, images, scored, view = _sample_and_score_owned(ctx, entry, prompts, cond)
+        if view.lockstep:
+            logged["rollout/placeholder_calls"] = torch.tensor(float(view.placeholders))
     adv = entry.advantages(ctx, rollout, prompts, cond, scored)
     batch = RolloutBatch(
         prompts.texts,
@@ -316,7 +323,7 @@ def collect_rollouts(
         ctx.sampler.chunk_size,
         tree=adv.tree,
     )
-    return batch, {**adv.info, **{f"reward/{k}": v for k, v in scored.components.items()}}
+    return batch, {**adv.info, **logged, **{f"reward/{k}": v for k, v in scored.components.items()}}
 
 
 def _sample_and_score(
@@ -332,25 +339,30 @@ def _sample_and_score(
 
 def _sample_and_score_owned(
     ctx: RolloutContext, entry: RolloutKind, prompts: PromptBatch, cond: Cond
-) -> tuple[Rollout, Tensor, RewardOutput]:
+) -> tuple[Rollout, Tensor, RewardOutput, OwnedRows]:
     """:func:`_sample_and_score` on one rank: the model and the rewards see only the owned rows.
 
     Returns the global rollout (rows of other ranks are placeholders), images with zeros on those
-    rows, and the global rewards (all-gathered); a tree's edge log-probs are all-gathered too
-    (reward fusion reads them).
+    rows, the global rewards (all-gathered; a tree's edge log-probs are all-gathered too, reward
+    fusion reads them) and the model view, which counted the calls. Under a sharded model the rank
+    ends with placeholder calls up to the busiest rank's count (:meth:`OwnedRows.finish`).
     """
-    owned = ctx.owned
-    sample_ctx = replace(ctx, model=OwnedRows(ctx.model))
+    owned, owners = ctx.owned, ctx.owners
+    if owned is None or owners is None:
+        raise ValueError("a rollout on one rank of several needs RolloutContext.owned and .owners")
+    rank = int(owners[owned][0])
+    view = OwnedRows(ctx.model, rank, int(owners.max()) + 1)
     with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
         with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
             rollout = entry.sample(
-                sample_ctx, owned_cond(cond, owned), len(prompts.texts), owned_hook(scorer.submit, owned)
+                replace(ctx, model=view), owned_cond(cond, owners), len(prompts.texts), owned_hook(scorer.submit, owned)
             )
+            view.finish()
         images, scored = scorer.result(rollout.samples[owned.to(rollout.samples.device)])
     images, scored = global_scores(images, scored, owned, ctx.gather_rows)
     if rollout.tree is not None:
         rollout = rollout._replace(tree=_global_tree_log_probs(rollout.tree, owned, ctx.gather_rows))
-    return rollout, images, scored
+    return rollout, images, scored, view
 
 
 def _global_tree_log_probs(tree: TreeRollout, owned: Tensor, gather_rows: Callable[[Tensor], Tensor]) -> TreeRollout:

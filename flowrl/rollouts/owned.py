@@ -7,9 +7,17 @@ rows this rank owns and gives the others a zero velocity. A sampler's draws depe
 (``standard_normal(x, generator)``), so the stream advances exactly as on one process; the rows a
 rank does not own are never decoded, scored or trained on (their latents are placeholders).
 
-Which rows are owned rides in the conditioning under :data:`OWNED_KEY` (a (B,) bool tensor), so it
-follows every :func:`~flowrl.models.adapter.select_cond` of the samplers (chunks, a tree's
-per-tree conditioning, a frontier's nodes) without changing their signatures.
+Which rank owns each row rides in the conditioning under :data:`OWNED_KEY` (a (B,) int64 tensor of
+ranks), so it follows every :func:`~flowrl.models.adapter.select_cond` of the samplers (chunks, a
+tree's per-tree conditioning, a frontier's nodes) without changing their signatures.
+
+A sharded denoiser (FSDP2, ZeRO-3) gathers its weights inside every call, so every rank must make
+the same number of calls; the calls pair in order, whatever rows they hold. Each rank therefore
+calls the model only on its own rows, counts the calls every other rank makes on the same pass
+(from the owners of each call's rows, no communication), and tops its count up with one-row
+placeholder calls at the end of the rollout (:meth:`OwnedRows.finish`). A rank then makes as many
+calls as the busiest rank, not one per chunk of the global batch: with contiguous placement the
+gathers are 1/W of what calling on every chunk would cost.
 """
 
 from __future__ import annotations
@@ -25,45 +33,67 @@ from ..rewards import RewardOutput
 from ..sharding import is_sharded
 
 OWNED_KEY = "flowrl.owned_rows"
-"""Conditioning key of the (B,) bool mask of the rows this rank owns (stripped before the model sees it)."""
+"""Conditioning key of the (B,) int64 owner rank of each row (stripped before the model sees it)."""
 
 
 class OwnedRows:
     """A velocity-only view of a model that evaluates it on the owned rows of each call.
 
-    A sharded denoiser (``train.sharding: fsdp2``, :mod:`flowrl.sharding`) gathers its weights with
-    collectives inside every call, so every rank must call it in lockstep: a call without owned rows
-    then evaluates one placeholder row (not counted in the NFE) and drops its output.
+    Under a sharded denoiser (``train.sharding: fsdp2 | zero3``, :mod:`flowrl.sharding`) it also counts,
+    for every rank, the calls that hold that rank's rows, and :meth:`finish` makes this rank's count
+    up to the largest with one-row placeholder calls (not counted in the NFE, outputs dropped).
 
     Args:
         model: the sampling policy.
+        rank: this process's rank.
+        world_size: the number of ranks ``W``.
     """
 
-    def __init__(self, model: ModelAdapter) -> None:
+    def __init__(self, model: ModelAdapter, rank: int, world_size: int) -> None:
         self.model = model
+        self.rank = rank
         self.lockstep = is_sharded(model.transformer)
+        self.calls = torch.zeros(world_size, dtype=torch.long)  # (W,) calls holding each rank's rows
+        self.spare: tuple[Tensor, Tensor, Cond] | None = None  # one row of a call, for placeholder calls
+        self.placeholders = 0  # placeholder calls made by finish()
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """``model.velocity`` on the rows whose ``cond[OWNED_KEY]`` is True, zeros elsewhere: (b, ...)."""
+        """``model.velocity`` on the rows ``cond[OWNED_KEY]`` gives this rank, zeros elsewhere: (b, ...)."""
         cond = dict(cond)
-        owned = cond.pop(OWNED_KEY)
+        owners = cond.pop(OWNED_KEY)
+        if self.lockstep:
+            self._count(x, sigma, cond, owners)
+        owned = owners == self.rank
         if bool(owned.all()):
             return self.model.velocity(x, sigma, cond)
         v = torch.zeros_like(x)
         rows = owned.nonzero().squeeze(1)
         if len(rows):
             v[rows] = self.model.velocity(x[rows], sigma[rows], select_cond(cond, rows)).to(v.dtype)
-        elif self.lockstep:
-            nfe, first = self.model.nfe, torch.zeros(1, dtype=torch.long)
-            self.model.velocity(x[:1], sigma[:1], select_cond(cond, first))
-            self.model.nfe = nfe
         return v
 
+    def _count(self, x: Tensor, sigma: Tensor, cond: Cond, owners: Tensor) -> None:
+        """Count the call for every rank with rows in it; keep its first row for placeholders."""
+        self.calls += torch.bincount(owners.cpu(), minlength=len(self.calls)).clamp(max=1)
+        if self.spare is None:
+            first = torch.zeros(1, dtype=torch.long, device=owners.device)
+            self.spare = (x[:1].clone(), sigma[:1].clone(), select_cond(cond, first))
 
-def owned_cond(cond: Cond, owned: Tensor) -> Cond:
-    """``cond`` with the ownership mask (B,) added under :data:`OWNED_KEY` (on the conditioning's device)."""
+    def finish(self) -> None:
+        """Under a sharded model, placeholder calls up to the most calls any rank made (``placeholders``)."""
+        if not self.lockstep or self.spare is None:
+            return
+        nfe = self.model.nfe
+        for _ in range(int(self.calls.max() - self.calls[self.rank])):
+            self.model.velocity(*self.spare)
+            self.placeholders += 1
+        self.model.nfe = nfe
+
+
+def owned_cond(cond: Cond, owners: Tensor) -> Cond:
+    """``cond`` with the owner rank of each row (B,) added under :data:`OWNED_KEY` (on the conditioning's device)."""
     device = next(iter(cond.values())).device
-    return {**cond, OWNED_KEY: owned.to(device)}
+    return {**cond, OWNED_KEY: owners.to(device)}
 
 
 def owned_hook(submit: Callable[[slice, Tensor], None], owned: Tensor) -> Callable[[slice, Tensor], None]:

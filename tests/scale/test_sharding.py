@@ -49,6 +49,8 @@ def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_lora(tmp_path / "one", tmp_path / "two")
     assert_same_metrics(tmp_path / "one", tmp_path / "two", two.stdout)
+    # both ranks own as many chunks: neither pads its rollout calls (one per global chunk before)
+    assert [r["rollout/placeholder_calls"] for r in metrics(tmp_path / "two") if r["step"]] == [0.0, 0.0]
 
 
 def assert_same_metrics(one: Path, two: Path, two_stdout: str) -> None:
@@ -86,6 +88,9 @@ def test_sharded_geometries_and_memory_settings_match_one_process(case, tmp_path
     one, two = train_one(args, tmp_path / "one"), train_two([*args, *FSDP2], tmp_path / "two")
     assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
     assert_same_lora(tmp_path / "one", tmp_path / "two", tol=tol)
+    if case == "straddling_tree":  # frontiers of 2, 4, 8 nodes in chunks of 3, tree 0 on rank 0, tree 1 on rank 1:
+        # rank 0's rows meet 1 + 1 + 2 calls, rank 1's 1 + 2 + 2, so rank 0 pads one (it padded 2 of 6 per chunk)
+        assert [r["rollout/placeholder_calls"] for r in metrics(tmp_path / "two") if r["step"]] == [1.0, 1.0]
 
 
 def assert_diffusers_loads_lora(folder: Path) -> None:

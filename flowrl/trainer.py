@@ -136,7 +136,8 @@ class Trainer:
         )
         self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
         self.geometry = batch_geometry(cfg, self.collective, self.rollout_kind)
-        self.owned = self.geometry.owned_mask() if self.collective.world_size > 1 else None
+        self.owners = self.geometry.owners() if self.collective.world_size > 1 else None  # (B,) rank of each row
+        self.owned = None if self.owners is None else self.owners == self.geometry.rank
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.iteration = 0
         self.samples_seen = 0
@@ -211,8 +212,8 @@ class Trainer:
             advantage_clip=self.cfg.advantage.clip,
             tree=self.tree,
             solver_levels=self.solver_levels,
-            owned=self.owned,
-            owners=None if self.owned is None else self.geometry.owners(),
+            owners=self.owners,
+            rank=self.geometry.rank,
             gather_rows=lambda local: gather_rows(self.collective, self.geometry, local),
         )
 

@@ -58,12 +58,11 @@ class RolloutContext:
         tree: the validated tree geometry; None when the run has no tree rollouts.
         solver_levels: (T,) Flow-SDE levels of ``sampler.solver: sde_window``
             (:func:`~flowrl.rollouts.chunked.sigma_window_levels`); None for other solvers.
-        owned: (B,) bool, the rows of the global batch this rank samples, scores and trains
-            (several processes, :mod:`flowrl.rollouts.owned`); None = every row (one process).
-        owners: (B,) int64, the rank that owns each row (with ``owned``): a sharded model's
-            lockstep counts every rank's calls from it.
+        owners: (B,) int64, the rank that owns each row of the global batch (several processes,
+            :mod:`flowrl.rollouts.owned`); None = one process, every row is this one's.
+        rank: this process's rank (with ``owners``).
         gather_rows: all-gather of every rank's owned rows into global order, (b, ...) -> (B, ...);
-            needed with ``owned``.
+            needed with ``owners``.
         initial_noise: (B, *latent_shape) initial noise to use instead of drawing it from the run's
             generator (Sol-RL regenerates explored seeds, :mod:`flowrl.solrl.pipeline`); None = draw.
     """
@@ -81,10 +80,15 @@ class RolloutContext:
     advantage_clip: float
     tree: TreeSpec | None = None
     solver_levels: Tensor | None = None
-    owned: Tensor | None = None
     owners: Tensor | None = None
+    rank: int = 0
     gather_rows: Callable[[Tensor], Tensor] | None = None
     initial_noise: Tensor | None = None
+
+    @property
+    def owned(self) -> Tensor | None:
+        """(B,) bool: the rows this rank samples, scores and trains; None on one process."""
+        return None if self.owners is None else self.owners == self.rank
 
     def noise(self, rows: int) -> Tensor:
         """(rows, *latent_shape) initial noise: ``initial_noise`` when given, else from the run's generator.
@@ -286,7 +290,7 @@ def collect_rollouts(
 ) -> tuple[RolloutBatch, dict[str, Tensor]]:
     """Sample, decode + score, compute advantages and build the batch, for every rollout kind.
 
-    On one rank of several (``ctx.owned``), the model runs and the rewards are computed only on
+    On one rank of several (``ctx.owners``), the model runs and the rewards are computed only on
     the owned rows; the rewards of every rank are all-gathered before the advantages, so every
     rank holds the global rewards, advantages and ``keep`` (:mod:`flowrl.rollouts.owned`).
 
@@ -302,7 +306,7 @@ def collect_rollouts(
     """
     entry = ROLLOUTS[kind]
     logged: dict[str, Tensor] = {}
-    if ctx.owned is None:
+    if ctx.owners is None:
         rollout, images, scored = _sample_and_score(ctx, entry, prompts, cond, ctx.scorer(prompts))
     else:
         rollout, images, scored, view = _sample_and_score_owned(ctx, entry, prompts, cond)
@@ -348,10 +352,7 @@ def _sample_and_score_owned(
     ends with placeholder calls up to the busiest rank's count (:meth:`OwnedRows.finish`).
     """
     owned, owners = ctx.owned, ctx.owners
-    if owned is None or owners is None:
-        raise ValueError("a rollout on one rank of several needs RolloutContext.owned and .owners")
-    rank = int(owners[owned][0])
-    view = OwnedRows(ctx.model, rank, int(owners.max()) + 1)
+    view = OwnedRows(ctx.model, ctx.rank, int(owners.max()) + 1)
     with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
         with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
             rollout = entry.sample(

@@ -60,23 +60,23 @@ class OwnedRows:
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """``model.velocity`` on the rows ``cond[OWNED_KEY]`` gives this rank, zeros elsewhere: (b, ...)."""
         cond = dict(cond)
-        owners = cond.pop(OWNED_KEY)
+        owners = cond.pop(OWNED_KEY).cpu()  # one host copy per call: the counts and the owned rows
+        rows_of = torch.bincount(owners, minlength=len(self.calls))  # (W,) rows of each rank in this call
         if self.lockstep:
-            self._count(x, sigma, cond, owners)
-        owned = owners == self.rank
-        if bool(owned.all()):
+            self._count(x, sigma, cond, rows_of)
+        if int(rows_of[self.rank]) == len(owners):
             return self.model.velocity(x, sigma, cond)
         v = torch.zeros_like(x)
-        rows = owned.nonzero().squeeze(1)
+        rows = (owners == self.rank).nonzero().squeeze(1).to(x.device)
         if len(rows):
             v[rows] = self.model.velocity(x[rows], sigma[rows], select_cond(cond, rows)).to(v.dtype)
         return v
 
-    def _count(self, x: Tensor, sigma: Tensor, cond: Cond, owners: Tensor) -> None:
-        """Count the call for every rank with rows in it; keep its first row for placeholders."""
-        self.calls += torch.bincount(owners.cpu(), minlength=len(self.calls)).clamp(max=1)
+    def _count(self, x: Tensor, sigma: Tensor, cond: Cond, rows_of: Tensor) -> None:
+        """Count the call for every rank with rows in it (``rows_of`` (W,)); keep its first row for placeholders."""
+        self.calls += rows_of.clamp(max=1)
         if self.spare is None:
-            first = torch.zeros(1, dtype=torch.long, device=owners.device)
+            first = torch.zeros(1, dtype=torch.long, device=x.device)
             self.spare = (x[:1].clone(), sigma[:1].clone(), select_cond(cond, first))
 
     def finish(self) -> None:

@@ -250,7 +250,8 @@ def rank_microbatches(
     calls = max(sum(owned_microbatch(mb, batch, mask) is not None for mb in group) for mask in masks)
     first = group[0]
     noise = None if first.noise is None else first.noise[:1]
-    placeholder = first._replace(index=first.index[:1], noise=noise)
+    index = first.index[:1] if batch.rows is None else torch.zeros(1, dtype=torch.long)  # a row the rank holds
+    placeholder = first._replace(index=index, noise=noise)
     return mine + [(0, placeholder, False)] * (calls - len(mine))
 
 

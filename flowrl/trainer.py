@@ -38,6 +38,7 @@ from .prompts.files import Prompt
 from .rewards import MultiReward
 from .rollouts.chunked import sample_images, sigma_window_levels
 from .rollouts.collect import RolloutContext, collect_rollouts, rollout_kind
+from .rollouts.owned import owned_prompts
 from .rollouts.scoring import RolloutScorer, batch_index
 from .rollouts.scoring_process import ScoringProcess
 from .sharding import (
@@ -191,10 +192,12 @@ class Trainer:
         """
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
-        cond = self.prompt_cache.encode(prompts.texts)  # each distinct prompt encoded once per run
+        ctx = self.rollout_context()
+        held = prompts if ctx.held is None else owned_prompts(prompts, ctx.held)  # a rank encodes only rows it holds
+        cond = self.prompt_cache.encode(held.texts)  # each distinct prompt encoded once per run
         if self.solrl is not None:
             return self.solrl.collect(prompts, cond)
-        return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
+        return collect_rollouts(ctx, self.rollout_kind, prompts, cond)
 
     def rollout_context(self) -> RolloutContext:
         """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""
@@ -338,8 +341,8 @@ class Trainer:
     def _batch_fault(self, batch: RolloutBatch, info: dict[str, Tensor]) -> str | None:
         """What makes this iteration's rewards or advantages unusable, or None."""
         components = {k.removeprefix("reward/"): v for k, v in info.items() if k.startswith("reward/")}
-        return reward_fault(batch.rewards, components, self.cfg.train.max_abs_reward) or tensor_fault(
-            "the advantages", batch.advantages
+        return reward_fault(batch.global_rewards, components, self.cfg.train.max_abs_reward) or tensor_fault(
+            "the advantages", batch.global_advantages
         )
 
     def train_step(self) -> dict[str, float]:
@@ -355,7 +358,7 @@ class Trainer:
         if fault is not None:
             self.guard.skip(fault, self.iteration + 1)
             stats = {"skipped_updates": 1.0}
-        elif not bool(batch.keep.any()):
+        elif not bool(batch.global_keep.any()):
             print(
                 f"flowrl: warning: iteration {self.iteration + 1}: every prompt group was dropped (constant rewards "
                 "within each group, or no applicable reward); nothing to train on this iteration",
@@ -369,11 +372,11 @@ class Trainer:
             stats.update(self.objective.after_iteration(self.model, self.iteration))
         if self.collective.world_size > 1:  # every rank counts the model evaluations of all ranks
             self.model.nfe = nfe + int(self.collective.sum(torch.tensor([self.model.nfe - nfe])).item())
-        self.samples_seen += len(batch.prompts)
+        self.samples_seen += batch.size
         metrics = {
             "iteration": float(self.iteration),
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std(unbiased=False)),
+            "reward_mean": float(batch.global_rewards.mean()),
+            "reward_std": float(batch.global_rewards.std(unbiased=False)),
             **{k: float(v.float().nanmean()) if v.numel() > 1 else float(v) for k, v in info.items()},
             **{f"train/{k}": v for k, v in stats.items()},
             "guard/skipped_total": float(self.guard.total),

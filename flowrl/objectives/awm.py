@@ -31,11 +31,11 @@ from .base import (
     Objective,
     RolloutBatch,
     check_ranges,
-    chunk_indices,
     noised_microbatch,
     split_even,
     velocity_penalty,
 )
+from .planning import chunk_noise, kept_chunks
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -126,12 +126,9 @@ class AWM(Objective):
         """
         steps = stratified_steps(len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator)
         mbs = []
-        for idx in chunk_indices(len(batch.prompts), batch.chunk_size):
-            if not batch.keep[idx].any():
-                continue
+        for idx in kept_chunks(batch):
             for j in steps:
-                noise = torch.randn(batch.samples[idx].shape, generator=generator).to(batch.samples.device)
-                mbs.append(Microbatch(idx, j, noise))
+                mbs.append(Microbatch(idx, j, chunk_noise(batch, idx, generator)))
         if not mbs:
             return []
         if self.updates_per_iteration == 1:

@@ -22,6 +22,27 @@ if TYPE_CHECKING:  # the tree batch type only; objectives do not import the tree
     from ..tree.rollouts import TreeBatch
 
 
+class RankRows(NamedTuple):
+    """Where one rank's rows sit in the iteration's global batch (several processes, flat rollouts).
+
+    A rank keeps only its own rows of a flat rollout (samples, trajectories, images, conditioning),
+    so its memory is that of ``B / W`` rows whatever the number of ranks; the objectives plan over the
+    global batch (every rank the same plan, :func:`~flowrl.objectives.planning.owned_microbatch`),
+    and the loop logs and checks the global rewards, which every rank holds.
+
+    Attributes:
+        owned: (B,) bool, the global rows the batch holds, in global order.
+        keep: (B,) bool, ``keep`` of every row of the global batch.
+        rewards: (B,) the combined reward of every row.
+        advantages: (B,) the advantage of every row.
+    """
+
+    owned: Tensor
+    keep: Tensor
+    rewards: Tensor
+    advantages: Tensor
+
+
 class RolloutBatch(NamedTuple):
     """Everything one iteration collected.
 
@@ -43,6 +64,10 @@ class RolloutBatch(NamedTuple):
         tree: for tree rollouts of edge-trained objectives (BranchGRPO), the
             :class:`~flowrl.tree.rollouts.TreeBatch` (nodes, edge log-probs, advantages, pruning
             masks); ``samples`` are then the leaves. None otherwise.
+        rows: on one rank of several, where its rows sit in the global batch (:class:`RankRows`):
+            every per-row field above then holds only the rank's ``b = B / W`` rows. None when the
+            batch is global-shaped (one process, or tree rollouts, whose rows of other ranks are
+            placeholders).
     """
 
     prompts: list[str]
@@ -57,6 +82,27 @@ class RolloutBatch(NamedTuple):
     keep: Tensor
     chunk_size: int
     tree: TreeBatch | None = None
+    rows: RankRows | None = None
+
+    @property
+    def size(self) -> int:
+        """``B``: the rows of the global batch (the plan's row indices are below it)."""
+        return len(self.prompts) if self.rows is None else len(self.rows.owned)
+
+    @property
+    def global_keep(self) -> Tensor:
+        """(B,) ``keep`` of every row of the global batch (what a plan reads)."""
+        return self.keep if self.rows is None else self.rows.keep
+
+    @property
+    def global_rewards(self) -> Tensor:
+        """(B,) the combined reward of every row of the global batch, the same on every rank."""
+        return self.rewards if self.rows is None else self.rows.rewards
+
+    @property
+    def global_advantages(self) -> Tensor:
+        """(B,) the advantage of every row of the global batch, the same on every rank."""
+        return self.advantages if self.rows is None else self.rows.advantages
 
 
 class Microbatch(NamedTuple):

@@ -34,11 +34,11 @@ from .base import (
     Objective,
     RolloutBatch,
     check_ranges,
-    chunk_indices,
     noised_microbatch,
     split_even,
     velocity_penalty,
 )
+from .planning import chunk_noise, kept_chunks
 
 
 def optimality_probability(advantages: Tensor, clip: float) -> Tensor:
@@ -133,12 +133,9 @@ class DiffusionNFT(Objective):
         num = len(batch.sigmas) - 1
         count = max(1, int(num * self.train_fraction))
         mbs = []
-        for idx in chunk_indices(len(batch.prompts), batch.chunk_size):
-            if not batch.keep[idx].any():
-                continue
+        for idx in kept_chunks(batch):
             for j in torch.randperm(num, generator=generator)[:count].tolist():
-                noise = torch.randn(batch.samples[idx].shape, generator=generator).to(batch.samples.device)
-                mbs.append(Microbatch(idx, j, noise))
+                mbs.append(Microbatch(idx, j, chunk_noise(batch, idx, generator)))
         order = torch.randperm(len(mbs), generator=generator).tolist()
         return split_even([mbs[i] for i in order], self.updates_per_iteration) if mbs else []
 

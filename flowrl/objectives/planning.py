@@ -50,6 +50,20 @@ def chunk_children(parents: Tensor, factor: int, train: Tensor) -> tuple[Tensor,
     return children[keep], local[keep]
 
 
+def kept_chunks(batch: RolloutBatch) -> list[Tensor]:
+    """The global batch's rollout chunks (row indices) that hold at least one kept row.
+
+    Global on every rank of several (``batch.size``, ``batch.global_keep``), so all plan alike.
+    """
+    keep = batch.global_keep
+    return [c for c in chunk_indices(batch.size, batch.chunk_size) if keep[c].any()]
+
+
+def chunk_noise(batch: RolloutBatch, idx: Tensor, generator: torch.Generator) -> Tensor:
+    """Fresh noise (len(idx), ...) for the rows ``idx`` of the global batch, on the samples' device."""
+    return torch.randn((len(idx), *batch.samples.shape[1:]), generator=generator).to(batch.samples.device)
+
+
 def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
     """Every (chunk, stochastic step) pair of the stored trajectories once (Flow-GRPO).
 
@@ -58,7 +72,7 @@ def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: i
     """
     levels = batch.trajectory.noise_levels
     steps = [j for j in range(len(levels)) if levels[j] > 0]
-    chunks = [c for c in chunk_indices(len(batch.prompts), batch.chunk_size) if batch.keep[c].any()]
+    chunks = kept_chunks(batch)
     order = torch.randperm(len(chunks), generator=generator).tolist()
     mbs = []
     for c in order:
@@ -103,14 +117,17 @@ def owned_microbatch(
     """The part of a planned micro-batch on this rank's rows; None when it has none.
 
     Several processes plan over the global batch with the same draws (every rank the same plan),
-    and each rank runs only the micro-batches, or the parts of a tree frontier chunk, it owns.
-    Indices stay global (the batch is global-shaped on every rank). A tree edge micro-batch keeps
-    its weight ``n_mb / E``, so the parts' losses add up to the whole micro-batch's.
+    and each rank runs only the micro-batches, or the parts of a tree frontier chunk, it owns. A
+    batch that holds only the rank's rows (``batch.rows``, flat rollouts) gets indices into those
+    rows (the owned rows in global order); a global-shaped batch (trees) keeps global indices. A
+    tree edge micro-batch keeps its weight ``n_mb / E``, so the parts' losses add up to the whole
+    micro-batch's.
 
     Args:
         mb: a micro-batch of ``objective.plan`` (sample rows, or a tree's parents at one step).
         batch: the iteration's batch.
-        owned: (B,) bool rows of this rank; None = one process (everything owned).
+        owned: (B,) bool rows of the rank (this one's, or another's to count its micro-batches);
+            None = one process (everything owned).
     """
     if owned is None:
         return mb
@@ -120,9 +137,13 @@ def owned_microbatch(
         mask = trees[tr.trees(mb.step)[mb.index]]
     else:
         mask = owned[mb.index]
-    if bool(mask.all()):
-        return mb
     if not bool(mask.any()):
         return None
-    noise = None if mb.noise is None else mb.noise[mask.to(mb.noise.device)]
-    return mb._replace(index=mb.index[mask], noise=noise)
+    whole = bool(mask.all())
+    if whole and batch.rows is None:
+        return mb
+    index = mb.index if whole else mb.index[mask]
+    noise = mb.noise if whole or mb.noise is None else mb.noise[mask.to(mb.noise.device)]
+    if batch.rows is not None:
+        index = (owned.long().cumsum(0) - 1)[index]  # the rank's rows, numbered in global order
+    return mb._replace(index=index, noise=noise)

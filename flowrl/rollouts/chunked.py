@@ -27,6 +27,7 @@ def chunked_rollout(
     generator: torch.Generator | None = None,
     sde: str = "flow",
     on_chunk: ChunkHook | None = None,
+    store: Tensor | None = None,
 ) -> Trajectory:
     """Run :func:`flowrl.samplers.rollout` over consecutive chunks and concatenate.
 
@@ -44,21 +45,25 @@ def chunked_rollout(
         sde: the SDE step's name in :data:`flowrl.samplers.SDE_STEPS`.
         on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk (e.g. to decode
             and score it while the next chunk is sampled, :mod:`flowrl.rollouts.scoring`).
+        store: (B,) bool, the rows whose trajectories are kept (one rank's of several,
+            :mod:`flowrl.rollouts.owned`); None = every row.
 
     Returns:
-        Trajectory with latents (B, T + 1, ...) and log_probs (B, T).
+        Trajectory with latents (b, T + 1, ...) and log_probs (b, T) of the ``b`` stored rows (B without ``store``).
     """
     parts = []
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
-        parts.append(
-            rollout(
-                lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde
-            )
+        part = rollout(
+            lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde
         )
         if on_chunk is not None:
-            on_chunk(slice(start, start + parts[-1].latents.shape[0]), parts[-1].latents[:, -1])
+            on_chunk(slice(start, start + part.latents.shape[0]), part.latents[:, -1])
+        if store is not None:
+            rows = store[idx].to(part.latents.device)
+            part = part._replace(latents=part.latents[rows], log_probs=part.log_probs[rows])
+        parts.append(part)
     return Trajectory(
         torch.cat([p.latents for p in parts]),
         torch.cat([p.log_probs for p in parts]),
@@ -99,6 +104,7 @@ def chunked_solve(
     noise_levels: Tensor | None = None,
     generator: torch.Generator | None = None,
     on_chunk: ChunkHook | None = None,
+    store: Tensor | None = None,
 ) -> Tensor:
     """Clean samples from a black-box solver, chunk by chunk (no log-probs kept).
 
@@ -113,9 +119,10 @@ def chunked_solve(
         noise_levels: (T,) for "sde_window".
         generator: RNG for SDE noise.
         on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk.
+        store: (B,) bool, the rows whose samples are kept (one rank's of several); None = every row.
 
     Returns:
-        (B, ...) final latents, fp32.
+        (b, ...) final latents of the ``b`` stored rows (B without ``store``), fp32.
     """
     parts = []
     for start in range(0, x_init.shape[0], chunk_size):
@@ -132,6 +139,8 @@ def chunked_solve(
             parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
         if on_chunk is not None:
             on_chunk(slice(start, start + parts[-1].shape[0]), parts[-1])
+        if store is not None:
+            parts[-1] = parts[-1][store[idx].to(parts[-1].device)]
     return torch.cat(parts)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..advantages.group import AdvantageStats
 from ..config import SamplerConfig
 from ..models.adapter import Cond, ModelAdapter, select_cond
-from ..objectives.base import RolloutBatch
+from ..objectives.base import RankRows, RolloutBatch
 from ..policy.lora import use_adapter
 from ..prompts.batch import PromptBatch
 from ..rewards import RewardOutput
@@ -32,7 +32,7 @@ from ..samplers.types import Trajectory
 from ..samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from ..tree.rollouts import TreeBatch, TreeSpec, chunked_tree_rollout, edge_advantages, tree_levels
 from .chunked import ChunkHook, chunked_rollout, chunked_solve
-from .owned import OwnedRows, global_scores, owned_cond, owned_hook, owned_prompts
+from .owned import OwnedRows, gathered_rewards, global_rows, owned_hook, owned_prompts, row_cond
 from .scoring import RolloutScorer
 
 AdvantageFn = Callable[[dict[str, Tensor], Tensor, list[str]], tuple[Tensor, Tensor, AdvantageStats]]
@@ -89,6 +89,17 @@ class RolloutContext:
     def owned(self) -> Tensor | None:
         """(B,) bool: the rows this rank samples, scores and trains; None on one process."""
         return None if self.owners is None else self.owners == self.rank
+
+    @property
+    def held(self) -> Tensor | None:
+        """(B,) bool: the rows whose conditioning, latents and images this rank holds; None on one process.
+
+        Its own rows for flat rollouts; every row for tree rollouts (a tree batch is global-shaped,
+        the other ranks' rows placeholders).
+        """
+        if self.owners is None:
+            return None
+        return torch.ones_like(self.owners, dtype=torch.bool) if self.tree is not None else self.owned
 
     def noise(self, rows: int) -> Tensor:
         """(rows, *latent_shape) initial noise: ``initial_noise`` when given, else from the run's generator.
@@ -166,6 +177,7 @@ def sample_sde(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook) 
         generator=ctx.generator,
         sde=s.sde,
         on_chunk=on_chunk,
+        store=ctx.held,
     )
     return Rollout(traj.latents[:, -1], trajectory=traj)
 
@@ -184,6 +196,7 @@ def sample_solver(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHoo
         noise_levels=ctx.solver_levels,
         generator=ctx.generator,
         on_chunk=on_chunk,
+        store=ctx.held,
     )
     return Rollout(samples)
 
@@ -292,13 +305,16 @@ def collect_rollouts(
 
     On one rank of several (``ctx.owners``), the model runs and the rewards are computed only on
     the owned rows; the rewards of every rank are all-gathered before the advantages, so every
-    rank holds the global rewards, advantages and ``keep`` (:mod:`flowrl.rollouts.owned`).
+    rank computes the global advantages and ``keep`` (:mod:`flowrl.rollouts.owned`). A flat rollout's
+    batch then holds only the rank's rows, with the global rewards, advantages and ``keep`` in
+    ``batch.rows`` (:class:`~flowrl.objectives.base.RankRows`); a tree batch is global-shaped.
 
     Args:
         ctx: this iteration's rollout context.
         kind: a :data:`ROLLOUTS` key (:func:`rollout_kind`).
-        prompts: the iteration's prompts (each repeated ``prompts.group_size`` times).
-        cond: conditioning of the B samples.
+        prompts: the iteration's prompts (each repeated ``prompts.group_size`` times), all B rows.
+        cond: conditioning of the rows the rank holds (``ctx.held``): the B samples on one process
+            and for tree rollouts, the owned rows for flat rollouts on one rank of several.
 
     Returns:
         (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts,
@@ -313,6 +329,7 @@ def collect_rollouts(
         if view.lockstep:
             logged["rollout/placeholder_calls"] = torch.tensor(float(view.placeholders))
     adv = entry.advantages(ctx, rollout, prompts, cond, scored)
+    rewards = scored.total.cpu()
     batch = RolloutBatch(
         prompts.texts,
         prompts.group_ids,
@@ -321,13 +338,29 @@ def collect_rollouts(
         rollout.trajectory,
         ctx.sigmas,
         images.cpu(),
-        scored.total.cpu(),
+        rewards,
         adv.advantages,
         adv.keep,
         ctx.sampler.chunk_size,
         tree=adv.tree,
     )
+    if ctx.owners is not None and ctx.tree is None:
+        batch = _rank_batch(batch, ctx.owned, prompts)
     return batch, {**adv.info, **logged, **{f"reward/{k}": v for k, v in scored.components.items()}}
+
+
+def _rank_batch(batch: RolloutBatch, owned: Tensor, prompts: PromptBatch) -> RolloutBatch:
+    """A flat batch's per-row fields cut to the rank's rows (the rollout's are already); the global ones in ``rows``."""
+    mine = owned.to(batch.advantages.device)
+    local = owned_prompts(prompts, owned)
+    return batch._replace(
+        prompts=local.texts,
+        group_ids=local.group_ids,
+        rewards=batch.rewards[owned],
+        advantages=batch.advantages[mine],
+        keep=batch.keep[mine],
+        rows=RankRows(owned, batch.keep, batch.rewards, batch.advantages),
+    )
 
 
 def _sample_and_score(
@@ -346,22 +379,30 @@ def _sample_and_score_owned(
 ) -> tuple[Rollout, Tensor, RewardOutput, OwnedRows]:
     """:func:`_sample_and_score` on one rank: the model and the rewards see only the owned rows.
 
-    Returns the global rollout (rows of other ranks are placeholders), images with zeros on those
-    rows, the global rewards (all-gathered; a tree's edge log-probs are all-gathered too, reward
-    fusion reads them) and the model view, which counted the calls. Under a sharded model the rank
-    ends with placeholder calls up to the busiest rank's count (:meth:`OwnedRows.finish`).
+    The samplers run over the global batch with the index conditioning of :func:`row_cond` and keep
+    the rows the rank holds (``ctx.held``). Returns the rollout (the rank's rows of a flat rollout;
+    a global tree whose rows of other ranks are placeholders), the rank's images (a tree's with zeros
+    on the rows of other ranks), the global rewards (all-gathered; a tree's edge log-probs are
+    all-gathered too, reward fusion reads them) and the model view, which counted the calls. Under a
+    sharded model the rank ends with placeholder calls up to the busiest rank's count
+    (:meth:`OwnedRows.finish`).
     """
-    owned, owners = ctx.owned, ctx.owners
-    view = OwnedRows(ctx.model, ctx.rank, int(owners.max()) + 1)
+    owned, owners, held = ctx.owned, ctx.owners, ctx.held
+    view = OwnedRows(ctx.model, cond, ctx.rank, int(owners.max()) + 1)
     with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
         with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
             rollout = entry.sample(
-                replace(ctx, model=view), owned_cond(cond, owners), len(prompts.texts), owned_hook(scorer.submit, owned)
+                replace(ctx, model=view),
+                row_cond(owners, held, ctx.device),
+                len(prompts.texts),
+                owned_hook(scorer.submit, owned),
             )
             view.finish()
-        images, scored = scorer.result(rollout.samples[owned.to(rollout.samples.device)])
-    images, scored = global_scores(images, scored, owned, ctx.gather_rows)
+        mine = rollout.samples if ctx.tree is None else rollout.samples[owned.to(rollout.samples.device)]
+        images, scored = scorer.result(mine)
+    scored = gathered_rewards(scored, ctx.gather_rows)
     if rollout.tree is not None:
+        images = global_rows(images, owned)
         rollout = rollout._replace(tree=_global_tree_log_probs(rollout.tree, owned, ctx.gather_rows))
     return rollout, images, scored, view
 

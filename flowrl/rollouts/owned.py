@@ -7,9 +7,14 @@ rows this rank owns and gives the others a zero velocity. A sampler's draws depe
 (``standard_normal(x, generator)``), so the stream advances exactly as on one process; the rows a
 rank does not own are never decoded, scored or trained on (their latents are placeholders).
 
-Which rank owns each row rides in the conditioning under :data:`OWNED_KEY` (a (B,) int64 tensor of
-ranks), so it follows every :func:`~flowrl.models.adapter.select_cond` of the samplers (chunks, a
-tree's per-tree conditioning, a frontier's nodes) without changing their signatures.
+The samplers see an index conditioning instead of the real one (:func:`row_cond`): under
+:data:`OWNED_KEY`, a (B, 2) int64 tensor of the owner rank of each row and its row in the
+conditioning the rank holds. It follows every :func:`~flowrl.models.adapter.select_cond`
+of the samplers (chunks, a tree's per-tree conditioning, a frontier's nodes) without changing their
+signatures, and :class:`OwnedRows` looks the real conditioning of its rows up. So a rank holds the
+conditioning of its own rows only (flat rollouts; a tree batch keeps the global one), and with
+``store`` the chunked samplers keep only its rows' latents and trajectories: memory per rank is that
+of ``B / W`` rows, not of the global batch (:class:`~flowrl.objectives.base.RankRows`).
 
 A sharded denoiser (FSDP2, ZeRO-3) gathers its weights inside every call, so every rank must make
 the same number of calls; the calls pair in order, whatever rows they hold. Each rank therefore
@@ -33,7 +38,7 @@ from ..rewards import RewardOutput
 from ..sharding import is_sharded
 
 OWNED_KEY = "flowrl.owned_rows"
-"""Conditioning key of the (B,) int64 owner rank of each row (stripped before the model sees it)."""
+"""Index-conditioning key (:func:`row_cond`): (B, 2) int64, each row's owner rank and row in the held conditioning."""
 
 
 class OwnedRows:
@@ -45,12 +50,15 @@ class OwnedRows:
 
     Args:
         model: the sampling policy.
+        cond: the conditioning the rank holds (its own rows, or the global batch's), looked up by the
+            index conditioning of each call.
         rank: this process's rank.
         world_size: the number of ranks ``W``.
     """
 
-    def __init__(self, model: ModelAdapter, rank: int, world_size: int) -> None:
+    def __init__(self, model: ModelAdapter, cond: Cond, rank: int, world_size: int) -> None:
         self.model = model
+        self.cond = cond
         self.rank = rank
         self.lockstep = is_sharded(model.transformer)
         self.calls = torch.zeros(world_size, dtype=torch.long)  # (W,) calls holding each rank's rows
@@ -58,26 +66,25 @@ class OwnedRows:
         self.placeholders = 0  # placeholder calls made by finish()
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """``model.velocity`` on the rows ``cond[OWNED_KEY]`` gives this rank, zeros elsewhere: (b, ...)."""
-        cond = dict(cond)
-        owners = cond.pop(OWNED_KEY).cpu()  # one host copy per call: the counts and the owned rows
+        """``model.velocity`` on the rows the index conditioning ``cond`` gives this rank, zeros elsewhere: (b, ...)."""
+        owners, held = cond[OWNED_KEY].cpu().unbind(1)  # one host copy per call: counts, owned rows, their cond
         rows_of = torch.bincount(owners, minlength=len(self.calls))  # (W,) rows of each rank in this call
         if self.lockstep:
-            self._count(x, sigma, cond, rows_of)
-        if int(rows_of[self.rank]) == len(owners):
-            return self.model.velocity(x, sigma, cond)
+            self._count(x, sigma, rows_of)
+        mine = (owners == self.rank).nonzero().squeeze(1)
+        if len(mine) == len(owners):
+            return self.model.velocity(x, sigma, select_cond(self.cond, held))
         v = torch.zeros_like(x)
-        rows = (owners == self.rank).nonzero().squeeze(1).to(x.device)
-        if len(rows):
-            v[rows] = self.model.velocity(x[rows], sigma[rows], select_cond(cond, rows)).to(v.dtype)
+        if len(mine):
+            rows = mine.to(x.device)
+            v[rows] = self.model.velocity(x[rows], sigma[rows], select_cond(self.cond, held[mine])).to(v.dtype)
         return v
 
-    def _count(self, x: Tensor, sigma: Tensor, cond: Cond, rows_of: Tensor) -> None:
-        """Count the call for every rank with rows in it (``rows_of`` (W,)); keep its first row for placeholders."""
+    def _count(self, x: Tensor, sigma: Tensor, rows_of: Tensor) -> None:
+        """Count the call for every rank with rows in it (``rows_of`` (W,)); keep a row for placeholders."""
         self.calls += rows_of.clamp(max=1)
         if self.spare is None:
-            first = torch.zeros(1, dtype=torch.long, device=x.device)
-            self.spare = (x[:1].clone(), sigma[:1].clone(), select_cond(cond, first))
+            self.spare = (x[:1].clone(), sigma[:1].clone(), select_cond(self.cond, slice(0, 1)))
 
     def finish(self) -> None:
         """Under a sharded model, placeholder calls up to the most calls any rank made (``placeholders``)."""
@@ -90,10 +97,16 @@ class OwnedRows:
         self.model.nfe = nfe
 
 
-def owned_cond(cond: Cond, owners: Tensor) -> Cond:
-    """``cond`` with the owner rank of each row (B,) added under :data:`OWNED_KEY` (on the conditioning's device)."""
-    device = next(iter(cond.values())).device
-    return {**cond, OWNED_KEY: owners.to(device)}
+def row_cond(owners: Tensor, held: Tensor, device: torch.device) -> Cond:
+    """The samplers' index conditioning of the global batch (:data:`OWNED_KEY`, (B, 2) on ``device``).
+
+    Args:
+        owners: (B,) int64, the rank that owns each row.
+        held: (B,) bool, the rows whose conditioning the rank holds (its own, or all of them).
+        device: where the samplers' tensors live (a tree indexes the conditioning with device tensors).
+    """
+    rows = (held.long().cumsum(0) - 1).clamp(min=0)  # rows not held point at row 0; they are never looked up
+    return {OWNED_KEY: torch.stack([owners.long(), rows], dim=1).to(device)}
 
 
 def owned_hook(submit: Callable[[slice, Tensor], None], owned: Tensor) -> Callable[[slice, Tensor], None]:
@@ -120,21 +133,14 @@ def owned_prompts(prompts: PromptBatch, owned: Tensor) -> PromptBatch:
     return PromptBatch([prompts.texts[i] for i in rows], metadata, prompts.group_ids[owned])
 
 
-def global_scores(
-    images: Tensor, scored: RewardOutput, owned: Tensor, gather_rows: Callable[[Tensor], Tensor]
-) -> tuple[Tensor, RewardOutput]:
-    """Rewards of the global batch from every rank's scores, and images with zeros on the rows of other ranks.
-
-    Args:
-        images: (b, ...) this rank's decoded samples.
-        scored: this rank's rewards (b,).
-        owned: (B,) bool, this rank's rows.
-        gather_rows: all-gather of every rank's rows into global order, (b, ...) -> (B, ...).
-
-    Returns:
-        (images (B, ...), :class:`RewardOutput` of the B samples), the same rewards on every rank.
-    """
-    full = torch.zeros((owned.shape[0], *images.shape[1:]), dtype=images.dtype, device=images.device)
-    full[owned.to(images.device)] = images
+def gathered_rewards(scored: RewardOutput, gather_rows: Callable[[Tensor], Tensor]) -> RewardOutput:
+    """The global batch's rewards (B,) from this rank's (b,), all-gathered in global order (the same on every rank)."""
     components = {name: gather_rows(value.float()) for name, value in scored.components.items()}
-    return full, RewardOutput(gather_rows(scored.total.float()), components)
+    return RewardOutput(gather_rows(scored.total.float()), components)
+
+
+def global_rows(rows: Tensor, owned: Tensor) -> Tensor:
+    """This rank's rows (b, ...) placed in a global-shaped tensor (B, ...), zeros on the rows of other ranks."""
+    full = torch.zeros((owned.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    full[owned.to(rows.device)] = rows
+    return full

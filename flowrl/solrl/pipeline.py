@@ -130,7 +130,7 @@ class SolRL:
         batch, info = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
         seconds = time.perf_counter() - start
         explored = torch.gather(stage1.rewards, 1, chosen)
-        info.update(self.diagnostics(stage1, explored, batch.rewards.double().reshape(num_prompts, k), seconds))
+        info.update(self.diagnostics(stage1, explored, batch.global_rewards.double().reshape(num_prompts, k), seconds))
         return batch, info
 
     def explore_stage(self, prompts: PromptBatch, num_prompts: int, k: int) -> Stage1:

@@ -97,6 +97,11 @@ def test_a_deepspeed_launcher_config_on_cpu_trains_with_its_stage(tmp_path):
     assert_same_lora(tmp_path / "one", tmp_path / "two")
 
 
+def without_use_cpu() -> dict[str, str]:
+    """The launch environment without ACCELERATE_USE_CPU (whatever the caller's shell sets)."""
+    return {k: v for k, v in env().items() if k != "ACCELERATE_USE_CPU"}
+
+
 @pytest.mark.slow
 def test_a_deepspeed_launch_without_gpus_or_use_cpu_is_refused_on_every_rank(tmp_path):
     """Without ACCELERATE_USE_CPU accelerate 1.15 gives each CPU process a DeepSpeed type of its own (1 process)."""
@@ -106,7 +111,11 @@ def test_a_deepspeed_launch_without_gpus_or_use_cpu_is_refused_on_every_rank(tmp
     script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
     launch = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")]
     out = subprocess.run(
-        [*launch, "--num_processes", "2", str(script)], env=env(), capture_output=True, text=True, timeout=300
+        [*launch, "--num_processes", "2", str(script)],
+        env=without_use_cpu(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode != 0 and "joined" not in out.stdout
     assert out.stderr.count("started 2 processes but accelerate joined 1 (distributed type DEEPSPEED") == 2

@@ -125,7 +125,7 @@ def test_fsdp_launch_without_gpus_is_refused_on_every_rank(tmp_path: Path):
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+        env={**{k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}, "HF_HUB_OFFLINE": "1"},
+    )  # the premise: no ACCELERATE_USE_CPU (with it accelerate joins the CPU processes)
     assert out.returncode != 0 and "joined" not in out.stdout
     assert out.stderr.count("started 2 processes but accelerate joined 1") == 2, out.stderr[-3000:]

@@ -135,6 +135,20 @@ def test_two_processes_train_the_same_lora_as_one(case, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_run_solrl_as_one(tmp_path):
+    """Sol-RL (regenerate): each rank explores its prompts' seeds, every rank selects the same, stage 2 is split."""
+    args = ["configs/solrl/digits.yaml", "prompts.per_iteration=2", "prompts.group_size=2", "sampler.chunk_size=2",
+            "solrl.candidates=4", "solrl.explore_steps=2", *TINY]  # fmt: skip
+    one, two = train_one(args, tmp_path / "one"), train_two(args, tmp_path / "two")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert_same_lora(tmp_path / "one", tmp_path / "two")  # measured: bitwise (2026-11-24)
+    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for r1, r2 in zip(m1[1:], m2[1:]):  # the same selected seeds, rewards and model evaluations
+        for key in ("reward_mean", "nfe", "solrl/explore_reward_mean", "solrl/selected_explore_reward_mean"):
+            assert r2[key] == pytest.approx(r1[key], abs=1e-6), key
+
+
+@pytest.mark.slow
 def test_tree_micro_batches_split_between_ranks(tmp_path):
     """A frontier chunk on two ranks: each evaluates its rows (another batch geometry: fp32 noise through Adam)."""
     args = [*STRADDLING, *TINY]

@@ -318,7 +318,7 @@ def collect_rollouts(
 
     Returns:
         (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts,
-        ``rollout/placeholder_calls`` under a sharded model).
+        ``rollout/held_mb`` (:func:`held_megabytes`), ``rollout/placeholder_calls`` under a sharded model).
     """
     entry = ROLLOUTS[kind]
     logged: dict[str, Tensor] = {}
@@ -346,7 +346,22 @@ def collect_rollouts(
     )
     if ctx.owners is not None and ctx.tree is None:
         batch = _rank_batch(batch, ctx.owned, prompts)
+    logged["rollout/held_mb"] = torch.tensor(held_megabytes(batch))
     return batch, {**adv.info, **logged, **{f"reward/{k}": v for k, v in scored.components.items()}}
+
+
+def held_megabytes(batch: RolloutBatch) -> float:
+    """MiB this rank's batch holds in per-row tensors: conditioning, samples, trajectories, images, tree nodes.
+
+    Counted by storage, so a view (a trajectory's last latents as the samples) counts once.
+    """
+    tensors = [*batch.cond.values(), batch.samples, batch.images]
+    if batch.trajectory is not None:
+        tensors += [batch.trajectory.latents, batch.trajectory.log_probs]
+    if batch.tree is not None:
+        tensors += [*batch.tree.rollout.nodes, *batch.tree.rollout.log_probs]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) / 2**20
 
 
 def _rank_batch(batch: RolloutBatch, owned: Tensor, prompts: PromptBatch) -> RolloutBatch:

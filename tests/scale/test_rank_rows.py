@@ -73,7 +73,7 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(objective,
         prompts = sample_groups(t.train_prompts, PROMPTS, GROUP, t.generator)
         ctx = replace(t.rollout_context(), owners=owners, rank=rank, gather_rows=gather_from(rewards, owned))
         cond = t.prompt_cache.encode(owned_prompts(prompts, ctx.held).texts)
-        batch, _ = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
+        batch, logged = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
         assert torch.equal(t.generator.get_state(), after)  # the run's draws advanced exactly as on one process
 
         # the rank holds b = B / 2 rows: the one-process rows, in global order
@@ -81,6 +81,7 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(objective,
         assert batch.prompts == [p for p, mine in zip(ref.prompts, owned) if mine]
         assert all(v.shape[0] == half for v in batch.cond.values())
         assert batch.samples.shape[0] == batch.images.shape[0] == half
+        assert float(logged["rollout/held_mb"]) == pytest.approx(float(info["rollout/held_mb"]) / 2, rel=1e-6)
         assert torch.equal(batch.samples, ref.samples[owned]) and torch.equal(batch.images, ref.images[owned])
         assert torch.equal(batch.group_ids, ref.group_ids[owned])
         if ref.trajectory is not None:

@@ -250,9 +250,22 @@ def rank_microbatches(
     calls = max(sum(owned_microbatch(mb, batch, mask) is not None for mb in group) for mask in masks)
     first = group[0]
     noise = None if first.noise is None else first.noise[:1]
-    index = first.index[:1] if batch.rows is None else torch.zeros(1, dtype=torch.long)  # a row the rank holds
+    index = first.index[:1] if batch.rows is None else held_row(batch, first.step)
     placeholder = first._replace(index=index, noise=noise)
     return mine + [(0, placeholder, False)] * (calls - len(mine))
+
+
+def held_row(batch: Any, step: int) -> Tensor:
+    """(1,) a row of a rank's own batch for a placeholder micro-batch at ``step``.
+
+    Its first row; for a tree, its first parent node at ``step`` with a trained edge (else its first).
+    """
+    first = torch.zeros(1, dtype=torch.long)
+    if batch.tree is None:
+        return first
+    tb = batch.tree
+    trained = tb.train[step].reshape(-1, int(tb.rollout.factors[step])).any(dim=1).nonzero().squeeze(1)
+    return trained[:1] if len(trained) else first
 
 
 def placeholder_backward(

@@ -70,14 +70,19 @@ class TreeRollout(NamedTuple):
         """(N * L, ...) final latents, tree-major."""
         return self.nodes[-1]
 
+    def width(self, depth: int) -> int:
+        """``n_d``: nodes per tree at ``depth`` (from the split factors, so it holds without ``nodes``)."""
+        return int(self.factors[:depth].prod())
+
     def parents(self, step: int) -> Tensor:
         """(N * n_{t+1},) index into ``nodes[t]`` of each child drawn at ``step``."""
         f = int(self.factors[step])
-        return torch.arange(self.nodes[step + 1].shape[0]) // f
+        return torch.arange(self.num_trees * self.width(step + 1)) // f
 
     def trees(self, depth: int) -> Tensor:
         """(N * n_d,) tree index of each node at ``depth``."""
-        return torch.arange(self.nodes[depth].shape[0]) // (self.nodes[depth].shape[0] // self.num_trees)
+        width = self.width(depth)
+        return torch.arange(self.num_trees * width) // width
 
 
 def split_factors(num_steps: int, split_steps: Sequence[int], factors: Sequence[int]) -> Tensor:
@@ -183,6 +188,7 @@ def tree_rollout(
     sde: str = "flow",
     generator: torch.Generator | None = None,
     noises: Sequence[Tensor] | None = None,
+    store: Tensor | None = None,
 ) -> TreeRollout:
     """Grow ``N`` trees from their roots; the model runs once per node and step.
 
@@ -198,9 +204,11 @@ def tree_rollout(
         sde: the step's name in :data:`flowrl.samplers.SDE_STEPS`.
         generator: RNG for the noises when ``noises`` is None.
         noises: optional T standard normals, ``noises[t]`` (N * n_{t+1}, ...), for exact replay.
+        store: (N,) bool, the trees whose nodes and edge log-probs are kept (one rank's of several);
+            None = every tree. The frontier of every tree is still grown, so the draws are the same.
 
     Returns:
-        :class:`TreeRollout`.
+        :class:`TreeRollout` of the stored trees.
     """
     num_steps = sigmas.shape[0] - 1
     if noise_levels.shape != (num_steps,) or factors.shape != (num_steps,):
@@ -218,7 +226,11 @@ def tree_rollout(
     scales = torch.where(factors > 1, split_noise_scale, 1.0).double()
     x = roots.float()
     num_trees = x.shape[0]
-    nodes, log_probs = [x], []
+
+    def kept(v: Tensor) -> Tensor:  # the rows of the stored trees (tree-major)
+        return v if store is None else v[store.repeat_interleave(v.shape[0] // num_trees).to(v.device)]
+
+    nodes, log_probs = [kept(x)], []
     for t in range(num_steps):
         trees = torch.arange(x.shape[0]) // (x.shape[0] // num_trees)
         v = velocity_fn(x, sigmas[t].float().expand(x.shape[0]), trees)
@@ -238,10 +250,11 @@ def tree_rollout(
             generator=generator,
         )
         x = step.sample.float()
-        nodes.append(x)
+        nodes.append(kept(x))
         log_probs.append(
-            step.log_prob.float()
+            kept(step.log_prob.float())
             if float(noise_levels[t]) > 0
-            else torch.zeros_like(step.log_prob, dtype=torch.float32)
+            else kept(torch.zeros_like(step.log_prob, dtype=torch.float32))
         )
-    return TreeRollout(nodes, log_probs, factors, scales, sigmas, noise_levels, sde, num_trees)
+    stored = num_trees if store is None else int(store.sum())
+    return TreeRollout(nodes, log_probs, factors, scales, sigmas, noise_levels, sde, stored)

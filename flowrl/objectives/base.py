@@ -23,10 +23,10 @@ if TYPE_CHECKING:  # the tree batch type only; objectives do not import the tree
 
 
 class RankRows(NamedTuple):
-    """Where one rank's rows sit in the iteration's global batch (several processes, flat rollouts).
+    """Where one rank's rows sit in the iteration's global batch (several processes).
 
-    A rank keeps only its own rows of a flat rollout (samples, trajectories, images, conditioning),
-    so its memory is that of ``B / W`` rows whatever the number of ranks; the objectives plan over the
+    A rank keeps only its own rows (samples, trajectories, a tree's nodes, images, conditioning), so
+    its memory is that of ``B / W`` rows whatever the number of ranks; the objectives plan over the
     global batch (every rank the same plan, :func:`~flowrl.objectives.planning.owned_microbatch`),
     and the loop logs and checks the global rewards, which every rank holds.
 
@@ -35,12 +35,16 @@ class RankRows(NamedTuple):
         keep: (B,) bool, ``keep`` of every row of the global batch.
         rewards: (B,) the combined reward of every row.
         advantages: (B,) the advantage of every row.
+        tree: the global trees' :class:`~flowrl.tree.rollouts.TreeBatch` without node latents (edge
+            log-probs, advantages and pruning masks of every tree, what a plan reads); None for flat
+            rollouts.
     """
 
     owned: Tensor
     keep: Tensor
     rewards: Tensor
     advantages: Tensor
+    tree: TreeBatch | None = None
 
 
 class RolloutBatch(NamedTuple):
@@ -65,9 +69,8 @@ class RolloutBatch(NamedTuple):
             :class:`~flowrl.tree.rollouts.TreeBatch` (nodes, edge log-probs, advantages, pruning
             masks); ``samples`` are then the leaves. None otherwise.
         rows: on one rank of several, where its rows sit in the global batch (:class:`RankRows`):
-            every per-row field above then holds only the rank's ``b = B / W`` rows. None when the
-            batch is global-shaped (one process, or tree rollouts, whose rows of other ranks are
-            placeholders).
+            every per-row field above (and ``tree``) then holds only the rank's ``b = B / W`` rows
+            (whole trees). None on one process.
     """
 
     prompts: list[str]
@@ -93,6 +96,11 @@ class RolloutBatch(NamedTuple):
     def global_keep(self) -> Tensor:
         """(B,) ``keep`` of every row of the global batch (what a plan reads)."""
         return self.keep if self.rows is None else self.rows.keep
+
+    @property
+    def global_tree(self) -> TreeBatch | None:
+        """The global trees' :class:`~flowrl.tree.rollouts.TreeBatch` (what a plan reads; no node latents on a rank)."""
+        return self.tree if self.rows is None else self.rows.tree
 
     @property
     def global_rewards(self) -> Tensor:

@@ -90,14 +90,14 @@ def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: in
     Raises:
         ValueError: the batch holds no tree (the objective's rollout is not a tree).
     """
-    tb = batch.tree
+    tb = batch.global_tree
     if tb is None:
         raise ValueError(
             "tree-edge planning needs tree rollouts (batch.tree is None); set the objective's rollout to 'tree'"
         )
     tr, mbs, edges = tb.rollout, [], []
     for t in range(len(tb.train)):
-        f, parents_n = int(tr.factors[t]), tr.nodes[t].shape[0]
+        f, parents_n = int(tr.factors[t]), tr.num_trees * tr.width(t)
         has_child = tb.train[t].reshape(parents_n, f).any(dim=1)
         for chunk in chunk_indices(parents_n, tb.chunk_size):
             parents = chunk[has_child[chunk]]
@@ -118,9 +118,9 @@ def owned_microbatch(
 
     Several processes plan over the global batch with the same draws (every rank the same plan),
     and each rank runs only the micro-batches, or the parts of a tree frontier chunk, it owns. A
-    batch that holds only the rank's rows (``batch.rows``, flat rollouts) gets indices into those
-    rows (the owned rows in global order); a global-shaped batch (trees) keeps global indices. A
-    tree edge micro-batch keeps its weight ``n_mb / E``, so the parts' losses add up to the whole
+    batch that holds only the rank's rows (``batch.rows``) gets indices into those rows (the owned
+    rows, or a tree step's owned parent nodes, in global order); a global-shaped batch keeps global
+    indices. A tree edge micro-batch keeps its weight ``n_mb / E``, so the parts' losses add up to the whole
     micro-batch's.
 
     Args:
@@ -131,12 +131,13 @@ def owned_microbatch(
     """
     if owned is None:
         return mb
-    if batch.tree is not None:
-        tr = batch.tree.rollout
-        trees = owned.reshape(tr.num_trees, -1)[:, 0]
-        mask = trees[tr.trees(mb.step)[mb.index]]
+    tree = batch.global_tree
+    if tree is not None:  # the rows are the step's parent nodes; a rank owns whole trees
+        tr = tree.rollout
+        held = owned.reshape(tr.num_trees, -1)[:, 0][tr.trees(mb.step)]
     else:
-        mask = owned[mb.index]
+        held = owned
+    mask = held[mb.index]
     if not bool(mask.any()):
         return None
     whole = bool(mask.all())
@@ -145,5 +146,5 @@ def owned_microbatch(
     index = mb.index if whole else mb.index[mask]
     noise = mb.noise if whole or mb.noise is None else mb.noise[mask.to(mb.noise.device)]
     if batch.rows is not None:
-        index = (owned.long().cumsum(0) - 1)[index]  # the rank's rows, numbered in global order
+        index = (held.long().cumsum(0) - 1)[index]  # the rank's rows (a tree's nodes), numbered in global order
     return mb._replace(index=index, noise=noise)

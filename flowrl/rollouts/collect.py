@@ -32,7 +32,7 @@ from ..samplers.types import Trajectory
 from ..samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from ..tree.rollouts import TreeBatch, TreeSpec, chunked_tree_rollout, edge_advantages, tree_levels
 from .chunked import ChunkHook, chunked_rollout, chunked_solve
-from .owned import OwnedRows, gathered_rewards, global_rows, owned_hook, owned_prompts, row_cond
+from .owned import OwnedRows, gathered_rewards, owned_hook, owned_prompts, row_cond
 from .scoring import RolloutScorer
 
 AdvantageFn = Callable[[dict[str, Tensor], Tensor, list[str]], tuple[Tensor, Tensor, AdvantageStats]]
@@ -92,14 +92,8 @@ class RolloutContext:
 
     @property
     def held(self) -> Tensor | None:
-        """(B,) bool: the rows whose conditioning, latents and images this rank holds; None on one process.
-
-        Its own rows for flat rollouts; every row for tree rollouts (a tree batch is global-shaped,
-        the other ranks' rows placeholders).
-        """
-        if self.owners is None:
-            return None
-        return torch.ones_like(self.owners, dtype=torch.bool) if self.tree is not None else self.owned
+        """(B,) bool: the rows whose conditioning, latents and images this rank holds (its own); None on one process."""
+        return self.owned
 
     def noise(self, rows: int) -> Tensor:
         """(rows, *latent_shape) initial noise: ``initial_noise`` when given, else from the run's generator.
@@ -137,12 +131,15 @@ class Scored(NamedTuple):
         keep: (B,) bool, False for samples of dropped groups.
         tree: the :class:`~flowrl.tree.rollouts.TreeBatch` for edge-trained objectives, else None.
         info: tensors to log (``zero_std_groups``, tree edge counts).
+        plan_tree: on one rank of several, the global trees' :class:`TreeBatch` without node latents
+            (``tree`` is then the rank's); None otherwise.
     """
 
     advantages: Tensor
     keep: Tensor
     tree: TreeBatch | None
     info: dict[str, Tensor]
+    plan_tree: TreeBatch | None = None
 
 
 def iteration_levels(ctx: RolloutContext) -> Tensor:
@@ -205,10 +202,12 @@ def sample_tree(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook)
     """One tree per prompt (``rows`` = trees x leaves).
 
     The leaves are reported chunk by chunk at the end, so async scoring modes split their scoring with
-    the worker.
+    the worker. On one rank of several only its trees are kept (``ctx.held``: a rank owns whole trees),
+    and the chunks reported are rows of its leaves.
     """
     s, spec = ctx.sampler, ctx.tree
     num_trees = rows // spec.leaves
+    store = None if ctx.held is None else ctx.held.reshape(num_trees, -1)[:, 0]
     roots = ctx.noise(num_trees)
     levels = tree_levels(spec, None if s.window == "none" else iteration_levels(ctx), s.noise_level)
     tree = chunked_tree_rollout(
@@ -222,6 +221,7 @@ def sample_tree(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook)
         split_noise_scale=s.tree.split_noise_scale,
         sde=s.sde,
         generator=ctx.generator,
+        store=store,
     )
     leaves = tree.leaves
     for start in range(0, leaves.shape[0], s.chunk_size):
@@ -247,14 +247,20 @@ def tree_edge_advantages(
 ) -> Scored:
     """Depth-wise advantages of every tree edge and the pruning masks (BranchGRPO).
 
-    The per-sample advantages are the leaves' (for logging), every leaf kept.
+    The per-sample advantages are the leaves' (for logging), every leaf kept. On one rank of several
+    the rollout holds the rank's trees: the edge log-probs of every tree are all-gathered (reward
+    fusion reads them), the advantages and masks computed for every tree, and the rank's
+    :class:`TreeBatch` cut from them; the global one (without node latents) is ``Scored.plan_tree``.
     """
-    leaves, spec = rollout.samples, ctx.tree
-    num_trees = leaves.shape[0] // spec.leaves
+    leaves, spec, tree = rollout.samples, ctx.tree, rollout.tree
+    num_trees = len(prompts.texts) // spec.leaves
+    if ctx.owners is not None:
+        log_probs = [ctx.gather_rows(lp).to(lp.device) for lp in tree.log_probs]
+        tree = tree._replace(nodes=[], log_probs=log_probs, num_trees=num_trees)
     tb = edge_advantages(
-        rollout.tree,
+        tree,
         scored.total.to(leaves.device),
-        tree_cond(cond, spec, num_trees),
+        tree_cond(cond, spec, leaves.shape[0] // spec.leaves),
         spec,
         ctx.sampler.tree,
         clip=ctx.advantage_clip,
@@ -266,8 +272,31 @@ def tree_edge_advantages(
         "tree/edges": torch.tensor(float(sum(m.numel() for m in tb.train))),
         "tree/trained_edges": torch.tensor(float(sum(int(m.sum()) for m in tb.train))),
     }
-    keep = torch.ones(leaves.shape[0], dtype=torch.bool, device=leaves.device)
-    return Scored(tb.advantages[-1], keep, tb, info)
+    keep = torch.ones(len(prompts.texts), dtype=torch.bool, device=leaves.device)
+    if ctx.owners is None:
+        return Scored(tb.advantages[-1], keep, tb, info)
+    return Scored(tb.advantages[-1], keep, rank_trees(tb, rollout.tree, ctx.held), info, plan_tree=tb)
+
+
+def rank_trees(tb: TreeBatch, tree: TreeRollout, held: Tensor) -> TreeBatch:
+    """The rank's trees of the global :class:`TreeBatch` ``tb``: its ``tree`` (nodes, edge log-probs), its edges' rest.
+
+    Args:
+        tb: the trees of the global batch (advantages, masks, node rewards of every tree).
+        tree: the rank's sampled trees.
+        held: (B,) bool, the rank's rows (whole trees).
+    """
+    trees = held.reshape(tb.rollout.num_trees, -1)[:, 0]
+
+    def mine(v: Tensor) -> Tensor:  # the rank's trees' rows of a (N * n, ...) tree-major tensor
+        return v[trees.repeat_interleave(v.shape[0] // len(trees)).to(v.device)]
+
+    return tb._replace(
+        rollout=tree,
+        advantages=[mine(a) for a in tb.advantages],
+        train=[mine(m) for m in tb.train],
+        node_rewards=[mine(r) for r in tb.node_rewards],
+    )
 
 
 class RolloutKind(NamedTuple):
@@ -305,16 +334,16 @@ def collect_rollouts(
 
     On one rank of several (``ctx.owners``), the model runs and the rewards are computed only on
     the owned rows; the rewards of every rank are all-gathered before the advantages, so every
-    rank computes the global advantages and ``keep`` (:mod:`flowrl.rollouts.owned`). A flat rollout's
-    batch then holds only the rank's rows, with the global rewards, advantages and ``keep`` in
-    ``batch.rows`` (:class:`~flowrl.objectives.base.RankRows`); a tree batch is global-shaped.
+    rank computes the global advantages and ``keep`` (:mod:`flowrl.rollouts.owned`). The batch then
+    holds only the rank's rows (whole trees for tree rollouts), with the global rewards, advantages,
+    ``keep`` and trees in ``batch.rows`` (:class:`~flowrl.objectives.base.RankRows`).
 
     Args:
         ctx: this iteration's rollout context.
         kind: a :data:`ROLLOUTS` key (:func:`rollout_kind`).
         prompts: the iteration's prompts (each repeated ``prompts.group_size`` times), all B rows.
-        cond: conditioning of the rows the rank holds (``ctx.held``): the B samples on one process
-            and for tree rollouts, the owned rows for flat rollouts on one rank of several.
+        cond: conditioning of the rows the rank holds (``ctx.held``): the B samples on one process,
+            the owned rows on one rank of several.
 
     Returns:
         (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts,
@@ -344,8 +373,8 @@ def collect_rollouts(
         ctx.sampler.chunk_size,
         tree=adv.tree,
     )
-    if ctx.owners is not None and ctx.tree is None:
-        batch = _rank_batch(batch, ctx.owned, prompts)
+    if ctx.owners is not None:
+        batch = _rank_batch(batch, ctx.owned, prompts, adv.plan_tree)
     logged["rollout/held_mb"] = torch.tensor(held_megabytes(batch))
     return batch, {**adv.info, **logged, **{f"reward/{k}": v for k, v in scored.components.items()}}
 
@@ -364,8 +393,8 @@ def held_megabytes(batch: RolloutBatch) -> float:
     return sum(storages.values()) / 2**20
 
 
-def _rank_batch(batch: RolloutBatch, owned: Tensor, prompts: PromptBatch) -> RolloutBatch:
-    """A flat batch's per-row fields cut to the rank's rows (the rollout's are already); the global ones in ``rows``."""
+def _rank_batch(batch: RolloutBatch, owned: Tensor, prompts: PromptBatch, plan_tree: TreeBatch | None) -> RolloutBatch:
+    """A batch's per-row fields cut to the rank's rows (the rollout's are already); the global ones in ``rows``."""
     mine = owned.to(batch.advantages.device)
     local = owned_prompts(prompts, owned)
     return batch._replace(
@@ -374,7 +403,7 @@ def _rank_batch(batch: RolloutBatch, owned: Tensor, prompts: PromptBatch) -> Rol
         rewards=batch.rewards[owned],
         advantages=batch.advantages[mine],
         keep=batch.keep[mine],
-        rows=RankRows(owned, batch.keep, batch.rewards, batch.advantages),
+        rows=RankRows(owned, batch.keep, batch.rewards, batch.advantages, plan_tree),
     )
 
 
@@ -395,38 +424,19 @@ def _sample_and_score_owned(
     """:func:`_sample_and_score` on one rank: the model and the rewards see only the owned rows.
 
     The samplers run over the global batch with the index conditioning of :func:`row_cond` and keep
-    the rows the rank holds (``ctx.held``). Returns the rollout (the rank's rows of a flat rollout;
-    a global tree whose rows of other ranks are placeholders), the rank's images (a tree's with zeros
-    on the rows of other ranks), the global rewards (all-gathered; a tree's edge log-probs are
-    all-gathered too, reward fusion reads them) and the model view, which counted the calls. Under a
-    sharded model the rank ends with placeholder calls up to the busiest rank's count
+    the rows the rank holds (``ctx.held``). Returns the rollout and the images of the rank's rows
+    (whole trees), the global rewards (all-gathered) and the model view, which counted the calls.
+    Under a sharded model the rank ends with placeholder calls up to the busiest rank's count
     (:meth:`OwnedRows.finish`).
     """
-    owned, owners, held = ctx.owned, ctx.owners, ctx.held
+    owned, owners = ctx.owned, ctx.owners
     view = OwnedRows(ctx.model, cond, ctx.rank, int(owners.max()) + 1)
     with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
+        hook = scorer.submit if ctx.tree is not None else owned_hook(scorer.submit, owned)  # trees: local rows
         with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
             rollout = entry.sample(
-                replace(ctx, model=view),
-                row_cond(owners, held, ctx.device),
-                len(prompts.texts),
-                owned_hook(scorer.submit, owned),
+                replace(ctx, model=view), row_cond(owners, owned, ctx.device), len(prompts.texts), hook
             )
             view.finish()
-        mine = rollout.samples if ctx.tree is None else rollout.samples[owned.to(rollout.samples.device)]
-        images, scored = scorer.result(mine)
-    scored = gathered_rewards(scored, ctx.gather_rows)
-    if rollout.tree is not None:
-        images = global_rows(images, owned)
-        rollout = rollout._replace(tree=_global_tree_log_probs(rollout.tree, owned, ctx.gather_rows))
-    return rollout, images, scored, view
-
-
-def _global_tree_log_probs(tree: TreeRollout, owned: Tensor, gather_rows: Callable[[Tensor], Tensor]) -> TreeRollout:
-    """The trees' edge log-probs of every rank (each rank owns whole trees, contiguously)."""
-    trees = owned.reshape(tree.num_trees, -1)[:, 0]
-    log_probs = []
-    for lp in tree.log_probs:
-        mine = lp.reshape(tree.num_trees, -1)[trees.to(lp.device)].reshape(-1)
-        log_probs.append(gather_rows(mine).to(lp.device))
-    return tree._replace(log_probs=log_probs)
+        images, scored = scorer.result(rollout.samples)
+    return rollout, images, gathered_rewards(scored, ctx.gather_rows), view

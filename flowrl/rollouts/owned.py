@@ -12,9 +12,9 @@ The samplers see an index conditioning instead of the real one (:func:`row_cond`
 conditioning the rank holds. It follows every :func:`~flowrl.models.adapter.select_cond`
 of the samplers (chunks, a tree's per-tree conditioning, a frontier's nodes) without changing their
 signatures, and :class:`OwnedRows` looks the real conditioning of its rows up. So a rank holds the
-conditioning of its own rows only (flat rollouts; a tree batch keeps the global one), and with
-``store`` the chunked samplers keep only its rows' latents and trajectories: memory per rank is that
-of ``B / W`` rows, not of the global batch (:class:`~flowrl.objectives.base.RankRows`).
+conditioning of its own rows only, and with ``store`` the samplers keep only its rows' latents and
+trajectories (a tree rollout its own trees' nodes): memory per rank is that of ``B / W`` rows, not
+of the global batch (:class:`~flowrl.objectives.base.RankRows`).
 
 A sharded denoiser (FSDP2, ZeRO-3) gathers its weights inside every call, so every rank must make
 the same number of calls; the calls pair in order, whatever rows they hold. Each rank therefore
@@ -50,7 +50,7 @@ class OwnedRows:
 
     Args:
         model: the sampling policy.
-        cond: the conditioning the rank holds (its own rows, or the global batch's), looked up by the
+        cond: the conditioning the rank holds (its own rows), looked up by the
             index conditioning of each call.
         rank: this process's rank.
         world_size: the number of ranks ``W``.
@@ -137,10 +137,3 @@ def gathered_rewards(scored: RewardOutput, gather_rows: Callable[[Tensor], Tenso
     """The global batch's rewards (B,) from this rank's (b,), all-gathered in global order (the same on every rank)."""
     components = {name: gather_rows(value.float()) for name, value in scored.components.items()}
     return RewardOutput(gather_rows(scored.total.float()), components)
-
-
-def global_rows(rows: Tensor, owned: Tensor) -> Tensor:
-    """This rank's rows (b, ...) placed in a global-shaped tensor (B, ...), zeros on the rows of other ranks."""
-    full = torch.zeros((owned.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    full[owned.to(rows.device)] = rows
-    return full

@@ -57,6 +57,7 @@ def chunked_tree_rollout(
     split_noise_scale: float = 1.0,
     sde: str = "flow",
     generator: torch.Generator | None = None,
+    store: Tensor | None = None,
 ) -> TreeRollout:
     """:func:`~flowrl.samplers.tree.tree_rollout` with the model, frontier chunk by chunk.
 
@@ -71,9 +72,10 @@ def chunked_tree_rollout(
         split_noise_scale: std multiplier at split steps.
         sde: SDE step name.
         generator: RNG for the step noises.
+        store: (N,) bool, the trees to keep (one rank's of several); None = every tree.
 
     Returns:
-        :class:`TreeRollout`.
+        :class:`TreeRollout` of the stored trees.
     """
 
     def velocity(x: Tensor, sigma: Tensor, trees: Tensor) -> Tensor:
@@ -92,6 +94,7 @@ def chunked_tree_rollout(
         split_noise_scale=split_noise_scale,
         sde=sde,
         generator=generator,
+        store=store,
     )
 
 

@@ -8,6 +8,7 @@ are ``tests/scale/test_launch.py`` and ``tests/scale/test_sharding.py``.
 """
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,60 +26,84 @@ from flowrl.rollouts.collect import collect_rollouts
 from flowrl.rollouts.owned import owned_prompts
 from flowrl.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, CHUNK = 4, 4, 2  # B = 16; chunks of 2 are whole on one rank in both placements
 
 
-def one_process_trainer(objective):
+TREE = ["sampler.tree.split_steps=[0,1]"]  # factors 2, 2: trees of 4 leaves
+CASES = {  # config file, overrides
+    "flow_grpo": (None, ["objective.name=flow_grpo"]),
+    "diffusion_nft": (None, ["objective.name=diffusion_nft"]),
+    "branch_grpo": ("configs/branch/digits.yaml", TREE),  # a tree, every edge trained
+    "awm_tree_leaves": ("configs/awm/digits_fast.yaml", ["sampler.solver=tree", *TREE]),
+}
+
+
+def one_process_trainer(case):
+    path, extra = CASES[case]
     overrides = [
-        f"objective.name={objective}",
+        *extra,
         f"prompts.per_iteration={PROMPTS}",
         f"prompts.group_size={GROUP}",
         f"sampler.chunk_size={CHUNK}",
         "sampler.num_steps=3",
         "train.eval_seeds=1",
     ]
-    cfg = load_config(None, overrides)
+    cfg = load_config(None if path is None else ROOT / path, overrides)
     reward = MultiReward({"ink": (ink("prompt"), 1.0), "ink_bold": (ink("bold"), 0.5)})
     prompts = load_prompts("digits-styles")
     model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
     return Trainer(cfg, build_policy(cfg, model=model, trainable=True), reward, prompts, prompts[:2])
 
 
+def mine(full, owned):
+    """The rank's rows of a global tensor: of the B rows, or of a tree-major (N * n, ...) tensor (whole trees)."""
+    if full.shape[0] == owned.shape[0]:
+        return full[owned]
+    trees = owned.reshape(PROMPTS, -1)[:, 0]
+    return full[trees.repeat_interleave(full.shape[0] // PROMPTS)]
+
+
 def gather_from(reference, owned):
-    """An all-gather answered by the reference, in the order the rewards are gathered (each component,
-    then the total): the rank's part must be the reference's rows exactly."""
+    """An all-gather answered by the reference, in the order the loop gathers (each reward component,
+    the total, then a tree's edge log-probs step by step): the rank's part must be the reference's rows exactly."""
     queue = list(reference)
 
     def gather_rows(local):
         full = queue.pop(0)
-        assert torch.equal(full[owned].to(local.dtype), local), "a rank's rewards are not the one-process rewards"
+        assert torch.equal(mine(full, owned).to(local.dtype), local), "a rank's part is not the one-process rows"
         return full.to(local.dtype)
 
     return gather_rows
 
 
-@pytest.mark.parametrize("placement", ["contiguous", "spread"])
-@pytest.mark.parametrize("objective", ["flow_grpo", "diffusion_nft"])
-def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(objective, placement):
-    one = one_process_trainer(objective)
+@pytest.mark.parametrize(
+    "case, placement",
+    [(c, p) for c in ("flow_grpo", "diffusion_nft") for p in ("contiguous", "spread")]
+    + [("branch_grpo", "contiguous"), ("awm_tree_leaves", "contiguous")],
+)
+def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(case, placement):
+    one = one_process_trainer(case)
     ref, info = one.collect()
     after = one.generator.get_state()
-    rewards = [*(v for k, v in info.items() if k.startswith("reward/")), ref.rewards]
+    gathered = [*(v for k, v in info.items() if k.startswith("reward/")), ref.rewards]
+    if ref.tree is not None:
+        gathered += ref.tree.rollout.log_probs
     plan = [mb for group in one.objective.plan(ref, one.generator) for mb in group]
     half = PROMPTS * GROUP // 2
     for rank in (0, 1):
-        t = one_process_trainer(objective)  # a fresh run: advantage trackers keep state between iterations
+        t = one_process_trainer(case)  # a fresh run: advantage trackers keep state between iterations
         owners = derive_geometry(PROMPTS, GROUP, CHUNK, 2, rank, placement).owners()
         owned = owners == rank
         prompts = sample_groups(t.train_prompts, PROMPTS, GROUP, t.generator)
-        ctx = replace(t.rollout_context(), owners=owners, rank=rank, gather_rows=gather_from(rewards, owned))
+        ctx = replace(t.rollout_context(), owners=owners, rank=rank, gather_rows=gather_from(gathered, owned))
         cond = t.prompt_cache.encode(owned_prompts(prompts, ctx.held).texts)
         batch, logged = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
         assert torch.equal(t.generator.get_state(), after)  # the run's draws advanced exactly as on one process
 
         # the rank holds b = B / 2 rows: the one-process rows, in global order
         assert batch.size == 2 * half and len(batch.prompts) == half
-        assert batch.prompts == [p for p, mine in zip(ref.prompts, owned) if mine]
+        assert batch.prompts == [p for p, m in zip(ref.prompts, owned) if m]
         assert all(v.shape[0] == half for v in batch.cond.values())
         assert batch.samples.shape[0] == batch.images.shape[0] == half
         assert float(logged["rollout/held_mb"]) == pytest.approx(float(info["rollout/held_mb"]) / 2, rel=1e-6)
@@ -87,27 +112,35 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(objective,
         if ref.trajectory is not None:
             assert torch.equal(batch.trajectory.latents, ref.trajectory.latents[owned])
             assert torch.equal(batch.trajectory.log_probs, ref.trajectory.log_probs[owned])
-        for mine, full, everyone in [
+        if ref.tree is not None:  # the rank's whole trees: nodes, edges, advantages, masks; the global plan view
+            tb, full = batch.tree, ref.tree
+            assert tb.rollout.num_trees == PROMPTS // 2 and batch.global_tree.rollout.num_trees == PROMPTS
+            for got, want in [(tb.rollout.nodes, full.rollout.nodes), (tb.rollout.log_probs, full.rollout.log_probs),
+                              (tb.advantages, full.advantages), (tb.train, full.train)]:  # fmt: skip
+                assert all(torch.equal(g, mine(w, owned)) for g, w in zip(got, want))
+            assert all(torch.equal(g, w) for g, w in zip(batch.global_tree.train, full.train))
+        for local, full, everyone in [
             (batch.rewards, ref.rewards, batch.global_rewards),
             (batch.advantages, ref.advantages, batch.global_advantages),
             (batch.keep, ref.keep, batch.global_keep),
         ]:
-            assert torch.equal(everyone, full) and torch.equal(mine, full[owned])
+            assert torch.equal(everyone, full) and torch.equal(local, full[owned])
 
         # the same plan on every rank; a micro-batch's part on the rank's rows has the one-process loss
         assert [mb.index.tolist() for group in t.objective.plan(batch, t.generator) for mb in group] == [
             mb.index.tolist() for mb in plan
         ]
-        for mb in plan[:4]:
+        checked = 0
+        for mb in plan:
             part = owned_microbatch(mb, batch, owned)
-            if not bool(owned[mb.index].all()):
-                assert part is None  # chunks are whole on one rank
+            if part is None:
                 continue
-            assert part.index.max() < half and torch.equal(owned.nonzero().squeeze(1)[part.index], mb.index)
+            assert torch.equal(part.index, mb.index - int(part.index.numel() and mb.index[0] - part.index[0]))
             with torch.no_grad():
-                torch.testing.assert_close(
-                    t.objective.loss(t.model, batch, part)[0], t.objective.loss(t.model, ref, mb)[0], rtol=0, atol=0
-                )
+                got, want = t.objective.loss(t.model, batch, part)[0], t.objective.loss(t.model, ref, mb)[0]
+            assert torch.equal(got, want)
+            checked += 1
+        assert checked > 0
 
 
 def test_a_micro_batch_split_between_ranks_gets_the_rank_local_rows():

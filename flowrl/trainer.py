@@ -193,8 +193,8 @@ class Trainer:
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         ctx = self.rollout_context()
-        held = prompts if ctx.held is None else owned_prompts(prompts, ctx.held)  # a rank encodes only rows it holds
-        cond = self.prompt_cache.encode(held.texts)  # each distinct prompt encoded once per run
+        mine = prompts if ctx.owned is None else owned_prompts(prompts, ctx.owned)  # a rank encodes only its rows
+        cond = self.prompt_cache.encode(mine.texts)  # each distinct prompt encoded once per run
         if self.solrl is not None:
             return self.solrl.collect(prompts, cond)
         return collect_rollouts(ctx, self.rollout_kind, prompts, cond)

@@ -87,13 +87,8 @@ class RolloutContext:
 
     @property
     def owned(self) -> Tensor | None:
-        """(B,) bool: the rows this rank samples, scores and trains; None on one process."""
+        """(B,) bool: the rows this rank samples, scores, trains and holds in memory; None on one process."""
         return None if self.owners is None else self.owners == self.rank
-
-    @property
-    def held(self) -> Tensor | None:
-        """(B,) bool: the rows whose conditioning, latents and images this rank holds (its own); None on one process."""
-        return self.owned
 
     def noise(self, rows: int) -> Tensor:
         """(rows, *latent_shape) initial noise: ``initial_noise`` when given, else from the run's generator.
@@ -174,7 +169,7 @@ def sample_sde(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook) 
         generator=ctx.generator,
         sde=s.sde,
         on_chunk=on_chunk,
-        store=ctx.held,
+        store=ctx.owned,
     )
     return Rollout(traj.latents[:, -1], trajectory=traj)
 
@@ -193,7 +188,7 @@ def sample_solver(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHoo
         noise_levels=ctx.solver_levels,
         generator=ctx.generator,
         on_chunk=on_chunk,
-        store=ctx.held,
+        store=ctx.owned,
     )
     return Rollout(samples)
 
@@ -202,12 +197,12 @@ def sample_tree(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook)
     """One tree per prompt (``rows`` = trees x leaves).
 
     The leaves are reported chunk by chunk at the end, so async scoring modes split their scoring with
-    the worker. On one rank of several only its trees are kept (``ctx.held``: a rank owns whole trees),
+    the worker. On one rank of several only its trees are kept (``ctx.owned``: a rank owns whole trees),
     and the chunks reported are rows of its leaves.
     """
     s, spec = ctx.sampler, ctx.tree
     num_trees = rows // spec.leaves
-    store = None if ctx.held is None else ctx.held.reshape(num_trees, -1)[:, 0]
+    store = None if ctx.owned is None else ctx.owned.reshape(num_trees, -1)[:, 0]
     roots = ctx.noise(num_trees)
     levels = tree_levels(spec, None if s.window == "none" else iteration_levels(ctx), s.noise_level)
     tree = chunked_tree_rollout(
@@ -275,18 +270,18 @@ def tree_edge_advantages(
     keep = torch.ones(len(prompts.texts), dtype=torch.bool, device=leaves.device)
     if ctx.owners is None:
         return Scored(tb.advantages[-1], keep, tb, info)
-    return Scored(tb.advantages[-1], keep, rank_trees(tb, rollout.tree, ctx.held), info, plan_tree=tb)
+    return Scored(tb.advantages[-1], keep, rank_trees(tb, rollout.tree, ctx.owned), info, plan_tree=tb)
 
 
-def rank_trees(tb: TreeBatch, tree: TreeRollout, held: Tensor) -> TreeBatch:
+def rank_trees(tb: TreeBatch, tree: TreeRollout, owned: Tensor) -> TreeBatch:
     """The rank's trees of the global :class:`TreeBatch` ``tb``: its ``tree`` (nodes, edge log-probs), its edges' rest.
 
     Args:
         tb: the trees of the global batch (advantages, masks, node rewards of every tree).
         tree: the rank's sampled trees.
-        held: (B,) bool, the rank's rows (whole trees).
+        owned: (B,) bool, the rank's rows (whole trees).
     """
-    trees = held.reshape(tb.rollout.num_trees, -1)[:, 0]
+    trees = owned.reshape(tb.rollout.num_trees, -1)[:, 0]
 
     def mine(v: Tensor) -> Tensor:  # the rank's trees' rows of a (N * n, ...) tree-major tensor
         return v[trees.repeat_interleave(v.shape[0] // len(trees)).to(v.device)]
@@ -342,8 +337,8 @@ def collect_rollouts(
         ctx: this iteration's rollout context.
         kind: a :data:`ROLLOUTS` key (:func:`rollout_kind`).
         prompts: the iteration's prompts (each repeated ``prompts.group_size`` times), all B rows.
-        cond: conditioning of the rows the rank holds (``ctx.held``): the B samples on one process,
-            the owned rows on one rank of several.
+        cond: conditioning of the rows the rank holds: the B samples on one process, the owned rows
+            (``ctx.owned``) on one rank of several.
 
     Returns:
         (the :class:`RolloutBatch`, tensors to log: ``zero_std_groups``, ``reward/<name>``, tree counts,
@@ -358,7 +353,6 @@ def collect_rollouts(
         if view.lockstep:
             logged["rollout/placeholder_calls"] = torch.tensor(float(view.placeholders))
     adv = entry.advantages(ctx, rollout, prompts, cond, scored)
-    rewards = scored.total.cpu()
     batch = RolloutBatch(
         prompts.texts,
         prompts.group_ids,
@@ -367,7 +361,7 @@ def collect_rollouts(
         rollout.trajectory,
         ctx.sigmas,
         images.cpu(),
-        rewards,
+        scored.total.cpu(),
         adv.advantages,
         adv.keep,
         ctx.sampler.chunk_size,
@@ -424,7 +418,7 @@ def _sample_and_score_owned(
     """:func:`_sample_and_score` on one rank: the model and the rewards see only the owned rows.
 
     The samplers run over the global batch with the index conditioning of :func:`row_cond` and keep
-    the rows the rank holds (``ctx.held``). Returns the rollout and the images of the rank's rows
+    the rank's rows (``ctx.owned``). Returns the rollout and the images of the rank's rows
     (whole trees), the global rewards (all-gathered) and the model view, which counted the calls.
     Under a sharded model the rank ends with placeholder calls up to the busiest rank's count
     (:meth:`OwnedRows.finish`).

@@ -97,7 +97,7 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(case, plac
         owned = owners == rank
         prompts = sample_groups(t.train_prompts, PROMPTS, GROUP, t.generator)
         ctx = replace(t.rollout_context(), owners=owners, rank=rank, gather_rows=gather_from(gathered, owned))
-        cond = t.prompt_cache.encode(owned_prompts(prompts, ctx.held).texts)
+        cond = t.prompt_cache.encode(owned_prompts(prompts, ctx.owned).texts)
         batch, logged = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
         assert torch.equal(t.generator.get_state(), after)  # the run's draws advanced exactly as on one process
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import Collective, Geometry
-from .objectives.planning import owned_microbatch
+from .objectives.planning import owned_microbatch, trained_parents
 from .policy.lora import adapter_parameters, load_lora_state, lora_mismatch, lora_state_dict
 from .zero import ZERO_STAGES, adapters_gathered, is_partitioned, require_deepspeed
 
@@ -263,8 +263,7 @@ def held_row(batch: Any, step: int) -> Tensor:
     first = torch.zeros(1, dtype=torch.long)
     if batch.tree is None:
         return first
-    tb = batch.tree
-    trained = tb.train[step].reshape(-1, int(tb.rollout.factors[step])).any(dim=1).nonzero().squeeze(1)
+    trained = trained_parents(batch.tree, step).nonzero().squeeze(1)
     return trained[:1] if len(trained) else first
 
 

@@ -192,12 +192,11 @@ class Trainer:
         """
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
-        ctx = self.rollout_context()
-        mine = prompts if ctx.owned is None else owned_prompts(prompts, ctx.owned)  # a rank encodes only its rows
+        mine = prompts if self.owned is None else owned_prompts(prompts, self.owned)  # a rank encodes only its rows
         cond = self.prompt_cache.encode(mine.texts)  # each distinct prompt encoded once per run
         if self.solrl is not None:
             return self.solrl.collect(prompts, cond)
-        return collect_rollouts(ctx, self.rollout_kind, prompts, cond)
+        return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
 
     def rollout_context(self) -> RolloutContext:
         """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""

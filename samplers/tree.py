@@ -85,6 +85,11 @@ class TreeRollout(NamedTuple):
         return torch.arange(self.num_trees * width) // width
 
 
+def select_trees(rows: Tensor, trees: Tensor) -> Tensor:
+    """The rows of the trees ``trees`` ((N,) bool) of a tree-major (N * n, ...) tensor: (N' * n, ...)."""
+    return rows[trees.repeat_interleave(rows.shape[0] // trees.shape[0]).to(rows.device)]
+
+
 def split_factors(num_steps: int, split_steps: Sequence[int], factors: Sequence[int]) -> Tensor:
     """Children per node at each step: (T,) long, ``factors[k]`` at ``split_steps[k]``, else 1.
 
@@ -227,8 +232,8 @@ def tree_rollout(
     x = roots.float()
     num_trees = x.shape[0]
 
-    def kept(v: Tensor) -> Tensor:  # the rows of the stored trees (tree-major)
-        return v if store is None else v[store.repeat_interleave(v.shape[0] // num_trees).to(v.device)]
+    def kept(v: Tensor) -> Tensor:  # the rows of the stored trees
+        return v if store is None else select_trees(v, store)
 
     nodes, log_probs = [kept(x)], []
     for t in range(num_steps):
@@ -251,10 +256,7 @@ def tree_rollout(
         )
         x = step.sample.float()
         nodes.append(kept(x))
-        log_probs.append(
-            kept(step.log_prob.float())
-            if float(noise_levels[t]) > 0
-            else kept(torch.zeros_like(step.log_prob, dtype=torch.float32))
-        )
+        log_prob = step.log_prob.float() if float(noise_levels[t]) > 0 else torch.zeros_like(step.log_prob).float()
+        log_probs.append(kept(log_prob))
     stored = num_trees if store is None else int(store.sum())
     return TreeRollout(nodes, log_probs, factors, scales, sigmas, noise_levels, sde, stored)

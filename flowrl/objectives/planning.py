@@ -12,12 +12,15 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .base import Microbatch, RolloutBatch, chunk_indices, split_even
+
+if TYPE_CHECKING:  # the tree batch type only, as in .base
+    from ..tree.rollouts import TreeBatch
 
 
 class EdgeMicrobatch(NamedTuple):
@@ -48,6 +51,11 @@ def chunk_children(parents: Tensor, factor: int, train: Tensor) -> tuple[Tensor,
     local = torch.arange(len(parents)).repeat_interleave(factor)
     keep = train[children]
     return children[keep], local[keep]
+
+
+def trained_parents(tb: TreeBatch, step: int) -> Tensor:
+    """(N * n_t,) bool: the parent nodes at ``step`` with at least one trained (unpruned) child edge."""
+    return tb.train[step].reshape(-1, int(tb.rollout.factors[step])).any(dim=1)
 
 
 def kept_chunks(batch: RolloutBatch) -> list[Tensor]:
@@ -98,7 +106,7 @@ def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: in
     tr, mbs, edges = tb.rollout, [], []
     for t in range(len(tb.train)):
         f, parents_n = int(tr.factors[t]), tr.num_trees * tr.width(t)
-        has_child = tb.train[t].reshape(parents_n, f).any(dim=1)
+        has_child = trained_parents(tb, t)
         for chunk in chunk_indices(parents_n, tb.chunk_size):
             parents = chunk[has_child[chunk]]
             if len(parents):

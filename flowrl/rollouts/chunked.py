@@ -12,7 +12,7 @@ from ..runtime import seeded_noise
 from ..samplers.rollout import rollout
 from ..samplers.types import Trajectory
 
-ChunkHook = Callable[[slice, Tensor], None]  # (rows of the batch, final latents of those rows)
+ChunkHook = Callable[[slice, Tensor], None]  # (rows of the stored batch, final latents of those rows)
 
 
 @torch.no_grad()
@@ -43,27 +43,27 @@ def chunked_rollout(
         chunk_size: samples per model call.
         generator: RNG for the SDE noise.
         sde: the SDE step's name in :data:`flowrl.samplers.SDE_STEPS`.
-        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk (e.g. to decode
-            and score it while the next chunk is sampled, :mod:`flowrl.rollouts.scoring`).
+        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk with stored rows (e.g. to
+            decode and score it while the next chunk is sampled, :mod:`flowrl.rollouts.scoring`);
+            ``rows`` number the stored rows.
         store: (B,) bool, the rows whose trajectories are kept (one rank's of several,
             :mod:`flowrl.rollouts.owned`); None = every row.
 
     Returns:
         Trajectory with latents (b, T + 1, ...) and log_probs (b, T) of the ``b`` stored rows (B without ``store``).
     """
-    parts = []
+    parts, stored = [], 0
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
         part = rollout(
             lambda x, s: model.velocity(x, s, c), x_init[idx], sigmas, noise_levels, generator=generator, sde=sde
         )
-        if on_chunk is not None:
-            on_chunk(slice(start, start + part.latents.shape[0]), part.latents[:, -1])
         if store is not None:
             rows = store[idx].to(part.latents.device)
             part = part._replace(latents=part.latents[rows], log_probs=part.log_probs[rows])
         parts.append(part)
+        stored = _report(on_chunk, stored, part.latents[:, -1])
     return Trajectory(
         torch.cat([p.latents for p in parts]),
         torch.cat([p.log_probs for p in parts]),
@@ -118,13 +118,13 @@ def chunked_solve(
         chunk_size: samples per model call.
         noise_levels: (T,) for "sde_window".
         generator: RNG for SDE noise.
-        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk.
+        on_chunk: called as ``on_chunk(rows, final_latents)`` after each chunk with stored rows.
         store: (B,) bool, the rows whose samples are kept (one rank's of several); None = every row.
 
     Returns:
         (b, ...) final latents of the ``b`` stored rows (B without ``store``), fp32.
     """
-    parts = []
+    parts, stored = [], 0
     for start in range(0, x_init.shape[0], chunk_size):
         idx = slice(start, start + chunk_size)
         c = select_cond(cond, idx)
@@ -137,11 +137,17 @@ def chunked_solve(
             from ..samplers.ode_solve import ode_solve
 
             parts.append(ode_solve(fn, x_init[idx].float(), sigmas, method=solver).float())
-        if on_chunk is not None:
-            on_chunk(slice(start, start + parts[-1].shape[0]), parts[-1])
         if store is not None:
             parts[-1] = parts[-1][store[idx].to(parts[-1].device)]
+        stored = _report(on_chunk, stored, parts[-1])
     return torch.cat(parts)
+
+
+def _report(on_chunk: ChunkHook | None, stored: int, final: Tensor) -> int:
+    """``on_chunk`` on a finished chunk's stored rows ``final`` (b, ...), numbered from ``stored``; the new count."""
+    if on_chunk is not None and final.shape[0]:
+        on_chunk(slice(stored, stored + final.shape[0]), final)
+    return stored + final.shape[0]
 
 
 @torch.no_grad()

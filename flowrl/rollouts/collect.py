@@ -27,12 +27,12 @@ from ..policy.lora import use_adapter
 from ..prompts.batch import PromptBatch
 from ..rewards import RewardOutput
 from ..samplers.rollout import sde_noise_levels
-from ..samplers.tree import TreeRollout
+from ..samplers.tree import TreeRollout, select_trees
 from ..samplers.types import Trajectory
 from ..samplers.windows import progressive_window_start, random_window_start, window_noise_levels
 from ..tree.rollouts import TreeBatch, TreeSpec, chunked_tree_rollout, edge_advantages, tree_levels
 from .chunked import ChunkHook, chunked_rollout, chunked_solve
-from .owned import OwnedRows, gathered_rewards, owned_hook, owned_prompts, row_cond
+from .owned import OwnedRows, gathered_rewards, owned_prompts, row_cond
 from .scoring import RolloutScorer
 
 AdvantageFn = Callable[[dict[str, Tensor], Tensor, list[str]], tuple[Tensor, Tensor, AdvantageStats]]
@@ -198,7 +198,7 @@ def sample_tree(ctx: RolloutContext, cond: Cond, rows: int, on_chunk: ChunkHook)
 
     The leaves are reported chunk by chunk at the end, so async scoring modes split their scoring with
     the worker. On one rank of several only its trees are kept (``ctx.owned``: a rank owns whole trees),
-    and the chunks reported are rows of its leaves.
+    and the chunks reported are rows of its leaves, as the chunked samplers report their stored rows.
     """
     s, spec = ctx.sampler, ctx.tree
     num_trees = rows // spec.leaves
@@ -282,15 +282,11 @@ def rank_trees(tb: TreeBatch, tree: TreeRollout, owned: Tensor) -> TreeBatch:
         owned: (B,) bool, the rank's rows (whole trees).
     """
     trees = owned.reshape(tb.rollout.num_trees, -1)[:, 0]
-
-    def mine(v: Tensor) -> Tensor:  # the rank's trees' rows of a (N * n, ...) tree-major tensor
-        return v[trees.repeat_interleave(v.shape[0] // len(trees)).to(v.device)]
-
     return tb._replace(
         rollout=tree,
-        advantages=[mine(a) for a in tb.advantages],
-        train=[mine(m) for m in tb.train],
-        node_rewards=[mine(r) for r in tb.node_rewards],
+        advantages=[select_trees(a, trees) for a in tb.advantages],
+        train=[select_trees(m, trees) for m in tb.train],
+        node_rewards=[select_trees(r, trees) for r in tb.node_rewards],
     )
 
 
@@ -426,10 +422,9 @@ def _sample_and_score_owned(
     owned, owners = ctx.owned, ctx.owners
     view = OwnedRows(ctx.model, cond, ctx.rank, int(owners.max()) + 1)
     with ctx.scorer(owned_prompts(prompts, owned)) as scorer:
-        hook = scorer.submit if ctx.tree is not None else owned_hook(scorer.submit, owned)  # trees: local rows
         with use_adapter(ctx.model.transformer, ctx.sampling_adapter):
             rollout = entry.sample(
-                replace(ctx, model=view), row_cond(owners, owned, ctx.device), len(prompts.texts), hook
+                replace(ctx, model=view), row_cond(owners, ctx.rank, ctx.device), len(prompts.texts), scorer.submit
             )
             view.finish()
         images, scored = scorer.result(rollout.samples)

@@ -68,9 +68,8 @@ class OwnedRows:
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """``model.velocity`` on the rows the index conditioning ``cond`` gives this rank, zeros elsewhere: (b, ...)."""
         owners, held = cond[OWNED_KEY].cpu().unbind(1)  # one host copy per call: counts, owned rows, their cond
-        rows_of = torch.bincount(owners, minlength=len(self.calls))  # (W,) rows of each rank in this call
         if self.lockstep:
-            self._count(x, sigma, rows_of)
+            self._count(x, sigma, torch.bincount(owners, minlength=len(self.calls)))
         mine = (owners == self.rank).nonzero().squeeze(1)
         if len(mine) == len(owners):
             return self.model.velocity(x, sigma, select_cond(self.cond, held))
@@ -97,33 +96,16 @@ class OwnedRows:
         self.model.nfe = nfe
 
 
-def row_cond(owners: Tensor, held: Tensor, device: torch.device) -> Cond:
+def row_cond(owners: Tensor, rank: int, device: torch.device) -> Cond:
     """The samplers' index conditioning of the global batch (:data:`OWNED_KEY`, (B, 2) on ``device``).
 
     Args:
         owners: (B,) int64, the rank that owns each row.
-        held: (B,) bool, the rows whose conditioning the rank holds (its own, or all of them).
+        rank: this process's rank (it holds the conditioning of its own rows).
         device: where the samplers' tensors live (a tree indexes the conditioning with device tensors).
     """
-    rows = (held.long().cumsum(0) - 1).clamp(min=0)  # rows not held point at row 0; they are never looked up
+    rows = ((owners == rank).long().cumsum(0) - 1).clamp(min=0)  # other ranks' rows point at row 0, never looked up
     return {OWNED_KEY: torch.stack([owners.long(), rows], dim=1).to(device)}
-
-
-def owned_hook(submit: Callable[[slice, Tensor], None], owned: Tensor) -> Callable[[slice, Tensor], None]:
-    """Translate a rollout's ``on_chunk(global rows, latents)`` into ``submit(local rows, owned latents)``.
-
-    Local rows number the owned rows in global order, so the chunks arrive in order and cover the
-    rank's batch; a chunk without owned rows is not submitted.
-    """
-    before = torch.cat([torch.zeros(1, dtype=torch.long), owned.long().cumsum(0)])
-
-    def on_chunk(rows: slice, latents: Tensor) -> None:
-        mask = owned[rows.start : rows.start + latents.shape[0]]
-        if bool(mask.any()):
-            start = int(before[rows.start])
-            submit(slice(start, start + int(mask.sum())), latents[mask.to(latents.device)])
-
-    return on_chunk
 
 
 def owned_prompts(prompts: PromptBatch, owned: Tensor) -> PromptBatch:

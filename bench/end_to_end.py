@@ -12,9 +12,12 @@ this script, and is timed from start to exit. Arms:
   --num_processes 2`` (gloo, one thread per process; the global batch, seeds and geometry of one
   process, so the same LoRA within fp32 tolerance: tests/scale).
 - ``compile``: ``memory.compile=default`` (compile time included in the wall time).
+- ``procs2-compile``: ``procs2`` with ``memory.compile=default`` in each process.
 - ``threads2``: ``train.threads=2``.
 
-Printed: wall seconds, each arm over ``base``, and the end-of-run figures from ``summary.json``
+Printed: wall seconds, each arm over ``base``, the median training iteration (``time/iteration_s``
+of rank 0's ``metrics.jsonl``, the first iteration left out: it holds a compiled arm's compile
+time) over ``base``'s, and the end-of-run figures from ``summary.json``
 (held-out reward, the SVC digit accuracy of the run's report, ink gap, diversity ratio) with
 their largest difference from ``base``: an arm has "the same results" when its figures agree to
 the digits shown.
@@ -25,17 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from bench.scale_out import ROOT, train_command
+from flowrl.outputs import read_metrics
 
 ARMS = {
     "base": (1, []),
     "procs2": (2, []),
     "compile": (1, ["memory.compile=default"]),
+    "procs2-compile": (2, ["memory.compile=default"]),
     "threads2": (1, ["train.threads=2"]),
 }
 FIGURES = ("eval/reward_mean", "eval/accuracy", "eval/ink_gap", "eval/diversity_ratio")
@@ -54,18 +60,24 @@ def run_arm(name: str, out: Path, extra: list[str]) -> dict[str, float]:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     figures = {k: float(summary["end"][k]) for k in FIGURES}
-    return {"wall": wall, "train_wall": float(summary["train_wall_s"]), "load": load, **figures}
+    rows = [json.loads(line) for _, line in read_metrics(out / "metrics.jsonl")]
+    seconds = [row["time/iteration_s"] for row in rows if "time/iteration_s" in row]
+    iteration = statistics.median(seconds[1:] or seconds)
+    return {"wall": wall, "train_wall": float(summary["train_wall_s"]), "load": load, "iteration": iteration, **figures}
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
     """One row per arm: wall, ratio to base, load before, and the end figures."""
     base = results.get("base")
-    head = "| arm | wall s | / base | load before | " + " | ".join(FIGURES) + " |"
-    lines = [head, "|" + "---|" * (4 + len(FIGURES))]
+    head = "| arm | wall s | / base | s/iteration (median) | / base | load before | " + " | ".join(FIGURES) + " |"
+    lines = [head, "|" + "---|" * (6 + len(FIGURES))]
     for name, r in results.items():
         ratio = f"{r['wall'] / base['wall']:.3f}" if base else "-"
+        per_it = f"{r['iteration'] / base['iteration']:.3f}" if base else "-"
         figs = " | ".join(f"{r[k]:.4f}" for k in FIGURES)
-        lines.append(f"| {name} | {r['wall']:.0f} | {ratio} | {r['load']:.2f} | {figs} |")
+        lines.append(
+            f"| {name} | {r['wall']:.0f} | {ratio} | {r['iteration']:.3f} | {per_it} | {r['load']:.2f} | {figs} |"
+        )
     if base:
         for name, r in results.items():
             if name != "base":

@@ -249,7 +249,8 @@ def rank_microbatches(
     masks = [replace(geometry, rank=r).owned_mask() for r in range(geometry.world_size)]
     calls = max(sum(owned_microbatch(mb, batch, mask) is not None for mb in group) for mask in masks)
     first = group[0]
-    noise = None if first.noise is None else first.noise[:1]
+    # zero noise of one row: the rank may hold none of ``first``'s rows, and the loss is scaled by zero
+    noise = None if first.noise is None else first.noise.new_zeros((1, *first.noise.shape[1:]))
     index = first.index[:1] if batch.rows is None else held_row(batch, first.step)
     placeholder = first._replace(index=index, noise=noise)
     return mine + [(0, placeholder, False)] * (calls - len(mine))

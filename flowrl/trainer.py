@@ -29,6 +29,7 @@ from .distributed import (
 from .evaluation.heldout import HeldOutEvaluation, HeldOutResult
 from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
 from .objectives import OBJECTIVES, Objective, RolloutBatch
+from .objectives.planning import plan_megabytes
 from .policy import Policy
 from .policy.lora import adapter_names, adapters_disabled, load_lora_state, use_adapter
 from .policy.memory import trainable_attention
@@ -244,7 +245,8 @@ class Trainer:
         count = skipped = position = 0
         first: tuple[int, float] | None = None  # (position in the plan, ratio) of the first trained micro-batch
         update_stats: dict[str, float] = {}
-        for group in self.objective.plan(batch, self.generator):
+        plan = self.objective.plan(batch, self.generator)
+        for group in plan:
             parts = rank_microbatches(group, batch, self.owned, None if self.lockstep is None else self.geometry)
             mine = [(position + i, mb, real) for i, mb, real in parts]
             position += len(group)
@@ -281,6 +283,7 @@ class Trainer:
         out = {k: v / max(count, 1) for k, v in totals.items()}
         out.update(update_stats)
         out["skipped_updates"] = float(skipped)
+        out["plan_mb"] = plan_megabytes(plan)
         if first is not None:
             out["first_ratio"] = first[1]
         return out

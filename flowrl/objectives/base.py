@@ -116,8 +116,10 @@ class RolloutBatch(NamedTuple):
 class Microbatch(NamedTuple):
     """Sample indices (b,), the step of the sigma grid to train at, and optional fresh noise.
 
-    ``noise`` (b, ...) is drawn in ``plan`` by forward-process objectives, so ``loss`` stays a
-    pure function of its inputs.
+    ``noise`` (n, ...) is drawn in ``plan`` by forward-process objectives, so ``loss`` stays a
+    pure function of its inputs. It holds the rows of ``index`` the batch holds: all b of them on
+    one process; on a rank of several (``RolloutBatch.rows``) only the rank's own, in global order
+    (:func:`~flowrl.objectives.planning.chunk_noise`), so no rank holds the global batch's noise.
     """
 
     index: Tensor

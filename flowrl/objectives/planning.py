@@ -68,8 +68,21 @@ def kept_chunks(batch: RolloutBatch) -> list[Tensor]:
 
 
 def chunk_noise(batch: RolloutBatch, idx: Tensor, generator: torch.Generator) -> Tensor:
-    """Fresh noise (len(idx), ...) for the rows ``idx`` of the global batch, on the samples' device."""
-    return torch.randn((len(idx), *batch.samples.shape[1:]), generator=generator).to(batch.samples.device)
+    """Fresh noise (n, ...) for the rows ``idx`` of the global batch that ``batch`` holds, on the samples' device.
+
+    The noise of all ``len(idx)`` rows is drawn, so the generator advances as on one process; a rank's
+    batch (``batch.rows``) keeps only its own rows' (n of them, in global order), so the plan holds
+    the fresh noise of ``B / W`` rows on each of W ranks (see :class:`~flowrl.objectives.base.Microbatch`).
+    """
+    noise = torch.randn((len(idx), *batch.samples.shape[1:]), generator=generator)
+    if batch.rows is not None:
+        noise = noise[batch.rows.owned[idx]]
+    return noise.to(batch.samples.device)
+
+
+def plan_megabytes(plan: list[list[Microbatch]]) -> float:
+    """MiB of fresh noise a plan's micro-batches hold (0 for plans that draw none)."""
+    return sum(mb.noise.nbytes for group in plan for mb in group if mb.noise is not None) / 2**20
 
 
 def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
@@ -135,7 +148,8 @@ def owned_microbatch(
         mb: a micro-batch of ``objective.plan`` (sample rows, or a tree's parents at one step).
         batch: the iteration's batch.
         owned: (B,) bool rows of the rank (this one's, or another's to count its micro-batches);
-            None = one process (everything owned).
+            None = one process (everything owned). A rank's batch (``batch.rows``) planned only its
+            own rows' noise, which the part keeps as it is.
     """
     if owned is None:
         return mb
@@ -152,7 +166,6 @@ def owned_microbatch(
     if whole and batch.rows is None:
         return mb
     index = mb.index if whole else mb.index[mask]
-    noise = mb.noise if whole or mb.noise is None else mb.noise[mask.to(mb.noise.device)]
-    if batch.rows is not None:
-        index = (held.long().cumsum(0) - 1)[index]  # the rank's rows (a tree's nodes), numbered in global order
-    return mb._replace(index=index, noise=noise)
+    if batch.rows is not None:  # the plan's noise is already the rank's rows' (chunk_noise)
+        return mb._replace(index=(held.long().cumsum(0) - 1)[index])  # the rank's rows, numbered in global order
+    return mb._replace(index=index, noise=None if mb.noise is None else mb.noise[mask.to(mb.noise.device)])

@@ -132,6 +132,7 @@ def test_two_processes_train_the_same_lora_as_one(case, tmp_path):
         assert r2["reward_mean"] == pytest.approx(r1["reward_mean"], abs=1e-5)
         assert r2["nfe"] == r1["nfe"]
         assert r2["rollout/held_mb"] == pytest.approx(0.5 * r1["rollout/held_mb"], rel=1e-6)  # a rank's half
+        assert r2["train/plan_mb"] == pytest.approx(0.5 * r1["train/plan_mb"], rel=1e-6)  # its rows' noise (NFT, AWM)
     assert two.stdout.count("done: 2 iterations") == 1  # rank 0 reports once
 
 

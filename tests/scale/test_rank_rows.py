@@ -17,7 +17,7 @@ from conftest import tiny_sd3_pipeline
 from flowrl.config import load_config
 from flowrl.distributed import derive_geometry
 from flowrl.models.sd3 import SD3Adapter
-from flowrl.objectives.planning import owned_microbatch
+from flowrl.objectives.planning import owned_microbatch, plan_megabytes
 from flowrl.policy import build_policy
 from flowrl.prompts.batch import sample_groups
 from flowrl.prompts.sets import load_prompts
@@ -90,7 +90,7 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(case, plac
     if ref.tree is not None:
         gathered += ref.tree.rollout.log_probs
     plan = [mb for group in one.objective.plan(ref, one.generator) for mb in group]
-    half = PROMPTS * GROUP // 2
+    half, plan_mb = PROMPTS * GROUP // 2, {}
     for rank in (0, 1):
         t = one_process_trainer(case)  # a fresh run: advantage trackers keep state between iterations
         owners = derive_geometry(PROMPTS, GROUP, CHUNK, 2, rank, placement).owners()
@@ -126,21 +126,27 @@ def test_a_rank_holds_its_rows_only_and_they_are_the_one_process_rows(case, plac
         ]:
             assert torch.equal(everyone, full) and torch.equal(local, full[owned])
 
-        # the same plan on every rank; a micro-batch's part on the rank's rows has the one-process loss
-        assert [mb.index.tolist() for group in t.objective.plan(batch, t.generator) for mb in group] == [
-            mb.index.tolist() for mb in plan
-        ]
+        # the same plan on every rank, with the same draws; it holds only the rank's rows' fresh noise, and a
+        # micro-batch's part on the rank's rows has the one-process loss
+        ours = [mb for group in t.objective.plan(batch, t.generator) for mb in group]
+        assert torch.equal(t.generator.get_state(), one.generator.get_state())
+        assert [mb.index.tolist() for mb in ours] == [mb.index.tolist() for mb in plan]
+        plan_mb[rank] = plan_megabytes([ours])
         checked = 0
-        for mb in plan:
-            part = owned_microbatch(mb, batch, owned)
+        for mb_rank, mb in zip(ours, plan):
+            part = owned_microbatch(mb_rank, batch, owned)
             if part is None:
                 continue
             assert torch.equal(part.index, mb.index - int(part.index.numel() and mb.index[0] - part.index[0]))
+            if mb.noise is not None:
+                assert torch.equal(part.noise, mb.noise[owned[mb.index]])
             with torch.no_grad():
                 got, want = t.objective.loss(t.model, batch, part)[0], t.objective.loss(t.model, ref, mb)[0]
             assert torch.equal(got, want)
             checked += 1
         assert checked > 0
+    assert sum(plan_mb.values()) == pytest.approx(plan_megabytes([plan]), rel=1e-12)  # the ranks split the noise
+    assert (plan_megabytes([plan]) > 0) == (case in ("diffusion_nft", "awm_tree_leaves"))
 
 
 def test_a_micro_batch_split_between_ranks_gets_the_rank_local_rows():
@@ -153,10 +159,13 @@ def test_a_micro_batch_split_between_ranks_gets_the_rank_local_rows():
     batch = RolloutBatch(["a"] * 3, torch.zeros(3), {}, x, None, None, x, x[:, 0, 0, 0], x[:, 0, 0, 0], keep[:3], 3,
                          rows=rows)  # fmt: skip
     noise = torch.arange(3.0)[:, None, None, None].expand(3, 2, 2, 2) + 10
-    mb = Microbatch(torch.tensor([0, 1, 2]), 1, noise)
+    mb = Microbatch(torch.tensor([0, 1, 2]), 1, noise[[0, 2]])  # a rank's plan holds its rows' noise (chunk_noise)
     part = owned_microbatch(mb, batch, owned)
     assert part.index.tolist() == [0, 1] and part.step == 1  # global rows 0 and 2 are the rank's rows 0 and 1
     assert part.noise[:, 0, 0, 0].tolist() == [10.0, 12.0]
+    global_shaped = batch._replace(rows=None)  # a batch of every row keeps global indices and cuts the noise
+    part = owned_microbatch(mb._replace(noise=noise), global_shaped, owned)
+    assert part.index.tolist() == [0, 2] and part.noise[:, 0, 0, 0].tolist() == [10.0, 12.0]
     assert owned_microbatch(Microbatch(torch.tensor([5]), 0, noise[:1]), batch, owned).index.tolist() == [2]
     assert owned_microbatch(Microbatch(torch.tensor([1, 3]), 0, noise[:2]), batch, owned) is None
 
@@ -170,11 +179,13 @@ def test_sharded_placeholders_use_a_row_the_rank_holds():
     x, keep = torch.zeros(4, 2, 2, 2), torch.ones(8, dtype=torch.bool)
     batch = RolloutBatch(["a"] * 4, torch.zeros(4), {}, x, None, None, x, x[:, 0, 0, 0], x[:, 0, 0, 0], keep[:4], 2,
                          rows=RankRows(owned, keep, torch.zeros(8), torch.zeros(8)))  # fmt: skip
-    noise = torch.randn(2, 2, 2, 2)
-    group = [Microbatch(torch.tensor([0, 1]), 0, noise), Microbatch(torch.tensor([2, 3]), 1, noise),
+    noise, none = torch.randn(2, 2, 2, 2), torch.zeros(0, 2, 2, 2)  # the plan holds rank 1's rows' noise only
+    group = [Microbatch(torch.tensor([0, 1]), 0, none), Microbatch(torch.tensor([2, 3]), 1, none),
              Microbatch(torch.tensor([6, 7]), 2, noise)]  # fmt: skip
     parts = rank_microbatches(group, batch, owned, geometry)  # rank 0 runs two, so rank 1 pads one
     assert [(i, mb.index.tolist(), mb.step, real) for i, mb, real in parts] == [
         (2, [2, 3], 2, True),
         (0, [0], 0, False),
     ]
+    assert parts[0][1].noise is noise
+    assert torch.equal(parts[1][1].noise, torch.zeros(1, 2, 2, 2))  # one row, though the rank holds none of group[0]'s

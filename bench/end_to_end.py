@@ -1,7 +1,7 @@
 """The default job end to end, as a user runs it, against the same job on two processes or compiled.
 
 Usage: ``python -m bench.end_to_end [--arms base procs2 compile threads2] [--set key=value ...]
-[--keep DIR]``.
+[--model tiny64] [--keep DIR]``.
 
 Every arm runs the whole default job (``flowrl train`` with no config: 70 Flow-GRPO iterations,
 evaluations every 10, grids, checkpoints) in its own process, one after the other in one run of
@@ -15,6 +15,10 @@ this script, and is timed from start to exit. Arms:
 - ``procs2-compile``: ``procs2`` with ``memory.compile=default`` in each process.
 - ``threads2``: ``train.threads=2``.
 
+``--model tiny64`` runs the same arms on ``bench.profile``'s random-weight SD3 pipeline at 64²
+(saved as a diffusers folder, ``model.path``), 8 prompts x 4 in chunks of 16 (one chunk per rank on
+two processes); figures it has no reader for print as ``nan``.
+
 Printed: wall seconds, each arm over ``base``, the median training iteration (``time/iteration_s``
 of rank 0's ``metrics.jsonl``, the first iteration left out: it holds a compiled arm's compile
 time) over ``base``'s, and the end-of-run figures from ``summary.json``
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -34,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.profile import tiny_sd3_64
 from bench.scale_out import ROOT, train_command
 from flowrl.outputs import read_metrics
 
@@ -44,6 +50,7 @@ ARMS = {
     "procs2-compile": (2, ["memory.compile=default"]),
     "threads2": (1, ["train.threads=2"]),
 }
+TINY64_E2E = ["prompts.per_iteration=8", "prompts.group_size=4", "sampler.chunk_size=16"]
 FIGURES = ("eval/reward_mean", "eval/accuracy", "eval/ink_gap", "eval/diversity_ratio")
 
 
@@ -59,7 +66,7 @@ def run_arm(name: str, out: Path, extra: list[str]) -> dict[str, float]:
     if result.returncode:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    figures = {k: float(summary["end"][k]) for k in FIGURES}
+    figures = {k: float(summary["end"].get(k, "nan")) for k in FIGURES}  # a model that is not digits has no reader
     rows = [json.loads(line) for _, line in read_metrics(out / "metrics.jsonl")]
     seconds = [row["time/iteration_s"] for row in rows if "time/iteration_s" in row]
     iteration = statistics.median(seconds[1:] or seconds)
@@ -81,7 +88,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
     if base:
         for name, r in results.items():
             if name != "base":
-                diff = max(abs(r[k] - base[k]) for k in FIGURES)
+                diff = max((abs(r[k] - base[k]) for k in FIGURES if not math.isnan(base[k])), default=0.0)
                 speed = base["wall"] / r["wall"]
                 lines.append(f"\n{name}: base / {name} = {speed:.2f}x; largest figure diff {diff:.1e}")
     return "\n".join(lines)
@@ -92,12 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", default=["base", "procs2"], choices=list(ARMS))
     parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every arm (e.g. a shorter job)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run folders here")
+    parser.add_argument("--model", choices=("digits", "tiny64"), default="digits")
     args = parser.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory(prefix="flowrl-e2e-") as tmp:
         folder = args.keep or Path(tmp)
+        extra = list(args.set)
+        if args.model == "tiny64":
+            model = tiny_sd3_64(Path(tmp) / "tiny64")
+            extra = [f"model.path={model}", *TINY64_E2E, *extra]
         for name in args.arms:
-            results[name] = run_arm(name, folder / name, args.set)
+            results[name] = run_arm(name, folder / name, extra)
             print(f"{name}: {results[name]['wall']:.0f} s", flush=True)
     print(f"{os.cpu_count()} CPU cores; load at the end {os.getloadavg()[0]:.2f}")
     print(table(results))

@@ -33,15 +33,13 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from bench.profile import tiny_sd3_64
-from bench.scale_out import ROOT, train_command
-from flowrl.outputs import read_metrics
+from bench.scale_out import ROOT, median_iteration, train_command
 
 ARMS = {
     "base": (1, []),
@@ -67,9 +65,7 @@ def run_arm(name: str, out: Path, extra: list[str]) -> dict[str, float]:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     figures = {k: float(summary["end"].get(k, "nan")) for k in FIGURES}  # a model that is not digits has no reader
-    rows = [json.loads(line) for _, line in read_metrics(out / "metrics.jsonl")]
-    seconds = [row["time/iteration_s"] for row in rows if "time/iteration_s" in row]
-    iteration = statistics.median(seconds[1:] or seconds)
+    iteration = median_iteration(out)
     return {"wall": wall, "train_wall": float(summary["train_wall_s"]), "load": load, "iteration": iteration, **figures}
 
 

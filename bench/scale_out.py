@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowrl.outputs import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,6 +61,16 @@ def train_command(processes: int, env: dict[str, str]) -> list[str]:
     return cmd + ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train"]
 
 
+def median_iteration(out: Path) -> float:
+    """Median ``time/iteration_s`` of a run folder's ``metrics.jsonl`` (rank 0's), the first iteration left out.
+
+    The first is warm-up (a compiled run's compile time); a one-iteration run keeps it.
+    """
+    rows = [json.loads(line) for _, line in read_metrics(out / "metrics.jsonl")]
+    times = [r["time/iteration_s"] for r in rows if "time/iteration_s" in r]
+    return statistics.median(times[1:] or times)
+
+
 def run(processes: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     """Train on ``processes`` processes; returns samples/s, median iteration seconds and the load around it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FLOWRL_NO_SUPERVISOR": "1"}
@@ -68,9 +80,7 @@ def run(processes: int, args: argparse.Namespace, out: Path) -> dict[str, float]
     result = subprocess.run([*cmd, *overrides(args, out)], cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(result.stderr[-3000:])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time/iteration_s"] for r in rows if "time/iteration_s" in r][1:]  # the first is warm-up
-    median = statistics.median(times)
+    median = median_iteration(out)
     return {
         "samples_s": args.prompts * args.group / median,
         "iteration_s": median,

@@ -15,7 +15,9 @@ The memory estimate reads the model's geometry without loading weights
 - the prompt cache (host memory): every prompt a run encodes, ``text tokens x text width`` in
   ``model.dtype`` (twice under true CFG: the negative prompt rides along);
 - one iteration: the rollout latents (fp32; every step for SDE and tree rollouts, the last one
-  for solver rollouts), the decoded images (fp32), the conditioning of the batch, the activations
+  for solver rollouts), the decoded images (fp32), the conditioning of the batch, the fresh
+  training noise a forward-process objective's plan holds (fp32, ``Objective.noise_per_row``
+  latents per sample: DiffusionNFT, AWM), the activations
   of one training chunk (``sampler.chunk_size`` rows; 28 values per token, hidden unit and layer,
   or layer inputs + 28 with ``memory.gradient_checkpointing``, calibrated on the H100
   measurements of docs/gpu-plan.md) and one VAE decode;
@@ -46,6 +48,7 @@ from .runtime import check_threads
 
 if TYPE_CHECKING:
     from .config import Config
+    from .objectives.base import Objective
 
 MAX_SAMPLE_STEPS = 10**7
 """Most samples x denoising steps one iteration (or one evaluation) may take: far beyond any real run,
@@ -251,11 +254,16 @@ def _persistent(
     ]
 
 
-def _rollout_kind(cfg: Config) -> str:
-    """The rollout kind of the configured objective, built from its options (SAGE-GRPO's depends on them)."""
+def _objective(cfg: Config) -> Objective:
+    """The configured objective, built from its options (what it trains on can depend on them)."""
     from .objectives import OBJECTIVES
 
-    return OBJECTIVES[cfg.objective["name"]](**cfg.objective).rollout
+    return OBJECTIVES[cfg.objective["name"]](**cfg.objective)
+
+
+def _rollout_kind(cfg: Config) -> str:
+    """The rollout kind of the configured objective (SAGE-GRPO's depends on its options)."""
+    return _objective(cfg).rollout
 
 
 def _samples(
@@ -281,7 +289,8 @@ def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]
     """One training iteration of one process: its rows of the rollout batch, conditioning, one chunk, one decode."""
     s, p, res = cfg.sampler, cfg.prompts, f"model.resolution={z.height}x{z.width}"
     batch = -(-p.per_iteration * p.group_size // processes)
-    steps = s.num_steps + 1 if _rollout_kind(cfg) in ("sde", "tree") else 1
+    objective = _objective(cfg)
+    steps = s.num_steps + 1 if objective.rollout in ("sde", "tree") else 1
     chunk, rows = min(s.chunk_size, batch), min(cfg.train.score_chunk_size or s.chunk_size, batch)
     size = f"prompts.per_iteration={p.per_iteration} x prompts.group_size={p.group_size}"
     size += f" / {processes} processes" if processes > 1 else ""
@@ -294,8 +303,17 @@ def _iteration(cfg: Config, g: Geometry, z: Sizes, processes: int) -> list[Part]
         "lower sampler.chunk_size or model.resolution, or set memory.gradient_checkpointing=true",
         "lower train.score_chunk_size or model.resolution, or set memory.vae_slicing=true",
     ]
+    noise = objective.noise_per_row(s.num_steps)
+    plan = [
+        Part(
+            f"training noise of the plan ({size} samples x {noise} sigmas at {res})",
+            batch * noise * z.latent * 4,
+            f"lower prompts.per_iteration or prompts.group_size, or the training sigmas of {objective.name}",
+        )
+    ]
     return [
         *_samples(cfg, g, z, "rollout", batch, steps, size, fixes),
+        *(plan if noise else []),
         *_chunk(
             cfg, g, z, f"training chunk (sampler.chunk_size={chunk} at {res})", chunk, rows, chunk_fixes, training=True
         ),

@@ -47,6 +47,12 @@ def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> 
     return -(sigma.double() / power) * ((mse + eps) ** power - eps**power)
 
 
+def _stratum_range(num_steps: int, fraction: float, skip_first: bool) -> tuple[int, int]:
+    """The first and last step index (inclusive) :func:`stratified_steps` draws from."""
+    lo = 1 if skip_first else 0
+    return lo, max(lo, min(num_steps - 1, int(num_steps * fraction)))
+
+
 def stratified_steps(
     num_steps: int, count: int, fraction: float, generator: torch.Generator, skip_first: bool = True
 ) -> list[int]:
@@ -62,8 +68,7 @@ def stratified_steps(
     Returns:
         ``count`` sorted step indices (fewer if the range is shorter).
     """
-    lo = 1 if skip_first else 0
-    hi = max(lo, min(num_steps - 1, int(num_steps * fraction)))
+    lo, hi = _stratum_range(num_steps, fraction, skip_first)
     edges = torch.linspace(lo, hi + 1, count + 1)
     steps = []
     for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
@@ -118,6 +123,11 @@ class AWM(Objective):
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "ema" adapter (the trust-region anchor)."""
         add_frozen_copy(model.transformer, "ema")
+
+    def noise_per_row(self, num_steps: int) -> int:
+        """At most ``num_timesteps`` training sigmas per sample (fewer when the usable steps are fewer)."""
+        lo, hi = _stratum_range(num_steps, self.timestep_fraction, skip_first=True)
+        return min(self.num_timesteps, hi - lo + 1)
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every chunk at the same stratified sigmas, fresh noise; one optimizer step in all.

@@ -165,6 +165,15 @@ class Objective(Protocol):
         """Scalar loss of one micro-batch and detached stats for logging."""
         raise NotImplementedError
 
+    def noise_per_row(self, num_steps: int) -> int:
+        """At most how many fresh noise latents :meth:`plan` draws per trained row (default: none).
+
+        Forward-process objectives (DiffusionNFT, AWM) re-noise each clean sample at a few sigmas of
+        the rollout's ``num_steps``-step grid; the memory estimate (``flowrl train --check``) counts
+        ``rows x noise_per_row x latent`` for the plan.
+        """
+        return 0
+
     def after_update(self, model: ModelAdapter) -> dict[str, float]:
         """Called after every optimizer step; returns stats to log (default: nothing to do)."""
         return {}

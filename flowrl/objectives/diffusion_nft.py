@@ -128,10 +128,14 @@ class DiffusionNFT(Objective):
         add_frozen_copy(model.transformer, "old")
         add_frozen_copy(model.transformer, "ema")
 
+    def noise_per_row(self, num_steps: int) -> int:
+        """Training sigmas per sample: ``max(1, int(num_steps * train_fraction))``, one fresh noise each."""
+        return max(1, int(num_steps * self.train_fraction))
+
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every chunk at a random subset of the rollout sigmas (excluding sigma = 0), fresh noise."""
         num = len(batch.sigmas) - 1
-        count = max(1, int(num * self.train_fraction))
+        count = self.noise_per_row(num)
         mbs = []
         for idx in kept_chunks(batch):
             for j in torch.randperm(num, generator=generator)[:count].tolist():

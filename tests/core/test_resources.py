@@ -245,3 +245,36 @@ def test_check_takes_the_processes_of_the_launch(capsys, monkeypatch):
     assert code == 0 and alone != launched
     assert "--processes must be >= 1; got 0" in one_line_error(capsys, "train", "--check", "--processes", "0")
     assert "--processes goes with --check" in one_line_error(capsys, "train", "--processes", "2")
+
+
+@pytest.mark.parametrize(
+    "name, extra, sigmas",
+    [
+        ("diffusion_nft", ["objective.train_fraction=0.5"], 2),
+        ("diffusion_nft", [], 4),
+        ("awm", [], 4),
+        ("flow_grpo", [], 0),
+    ],
+)
+def test_the_estimate_counts_the_plans_training_noise_per_rank(name, extra, sigmas):
+    """DiffusionNFT / AWM plans hold fresh noise for each row and training sigma; a rank holds its rows' share."""
+    from flowrl.resources import estimate_memory
+
+    overrides = [
+        f"objective.name={name}",
+        "sampler.num_steps=5",
+        "prompts.per_iteration=10",
+        "prompts.group_size=4",
+        *extra,
+    ]
+    g = read_geometry(DIGITS_DIR, None)
+    cfg = load_config(None, overrides)
+    latent = sample_sizes(cfg, g).latent
+    for processes in (1, 2):
+        parts = [p for p in estimate_memory(cfg, g, processes=processes).parts if p.name.startswith("training noise")]
+        if not sigmas:
+            assert parts == []
+            continue
+        (part,) = parts
+        assert part.nbytes == 40 // processes * sigmas * latent * 4
+        assert f"x {sigmas} sigmas" in part.name and f"training sigmas of {name}" in part.fix

@@ -151,3 +151,28 @@ def test_awm_updates_per_iteration_split_the_same_microbatches():
     assert sorted(map(key, one[0])) == sorted(key(mb) for g in three for mb in g)
     with pytest.raises(ValueError, match="updates_per_iteration"):
         AWM(updates_per_iteration=0)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 10, 40])
+@pytest.mark.parametrize(
+    "objective",
+    [DiffusionNFT(), DiffusionNFT(train_fraction=0.3), AWM(), AWM(num_timesteps=2), AWM(timestep_fraction=0.5)],
+)
+def test_noise_per_row_bounds_what_the_plan_draws(objective, steps):
+    """The memory estimate's count (``noise_per_row``) against the plan's fresh noise latents per sample."""
+    batch = _plan_batch(steps=steps)
+    drawn = []
+    for seed in range(8):
+        plan = objective.plan(batch, torch.Generator().manual_seed(seed))
+        drawn.append(sum(mb.noise.shape[0] for group in plan for mb in group) // batch.samples.shape[0])
+    bound = objective.noise_per_row(steps)
+    assert max(drawn) <= bound
+    if isinstance(objective, DiffusionNFT) or steps >= 10:  # NFT's count is fixed; AWM's strata are distinct here
+        assert set(drawn) == {bound}
+
+
+def test_objectives_that_draw_no_noise_count_none():
+    from flowrl.objectives import OBJECTIVES
+
+    none = {name for name, cls in OBJECTIVES.items() if cls().noise_per_row(10) == 0}
+    assert none == set(OBJECTIVES) - {"diffusion_nft", "awm"} and {"flow_grpo", "branch_grpo", "sage_grpo"} <= none

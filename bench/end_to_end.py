@@ -14,6 +14,8 @@ this script, and is timed from start to exit. Arms:
 - ``compile``: ``memory.compile=default`` (compile time included in the wall time).
 - ``procs2-compile``: ``procs2`` with ``memory.compile=default`` in each process.
 - ``threads2``: ``train.threads=2``.
+- ``auto``: ``flowrl train --processes auto`` (flowrl starts the accelerate launch itself: one
+  process per usable core, here 2; the same job as ``procs2``).
 
 ``--model tiny64`` runs the same arms on ``bench.profile``'s random-weight SD3 pipeline at 64²
 (saved as a diffusers folder, ``model.path``), 8 prompts x 4 in chunks of 16 (one chunk per rank on
@@ -34,6 +36,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +50,7 @@ ARMS = {
     "compile": (1, ["memory.compile=default"]),
     "procs2-compile": (2, ["memory.compile=default"]),
     "threads2": (1, ["train.threads=2"]),
+    "auto": ("auto", []),
 }
 TINY64_E2E = ["prompts.per_iteration=8", "prompts.group_size=4", "sampler.chunk_size=16"]
 FIGURES = ("eval/reward_mean", "eval/accuracy", "eval/ink_gap", "eval/diversity_ratio")
@@ -56,7 +60,11 @@ def run_arm(name: str, out: Path, extra: list[str]) -> dict[str, float]:
     """Run one arm's whole job; its wall seconds, load around it and end-of-run figures."""
     processes, overrides = ARMS[name]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [*train_command(processes, env), *overrides, *extra, f"output.dir={out}", "train.progress=false"]
+    if processes == "auto":  # the product path: flowrl train's own launch (pre-launch checks, then accelerate)
+        command = [sys.executable, "-m", "flowrl", "train", "--processes", "auto"]
+    else:
+        command = train_command(processes, env)
+    cmd = [*command, *overrides, *extra, f"output.dir={out}", "train.progress=false"]
     load = os.getloadavg()[0]
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

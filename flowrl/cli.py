@@ -72,13 +72,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
     _check_single_process()
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
-    if ns.processes is not None and not ns.check:
-        raise ValueError("--processes goes with --check; to train on N processes use accelerate (docs/scale-out.md)")
+    processes = None
+    if ns.processes is not None:
+        from .local_launch import parse_processes, resolve_processes
+
+        processes = resolve_processes(cfg, parse_processes(ns.processes))
     if ns.check:
         from .resources import check_report
 
-        print(check_report(cfg, ns.processes))
+        print(check_report(cfg, processes))
         return 0
+    if processes is not None and processes > 1:
+        from .local_launch import launch_training
+
+        return launch_training(cfg, ns, processes)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in config or []
@@ -278,10 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--processes",
-        type=int,
         default=None,
         metavar="N",
-        help="with --check: estimate one of N processes' share (default: this launch's WORLD_SIZE)",
+        help="train on N processes of this machine through accelerate launch (gloo on a CPU); auto: one per CPU "
+        "core (per GPU for a CUDA model) that the batch splits over; with --check: estimate one of N processes' share "
+        "(default: this launch's WORLD_SIZE)",
     )
     train.add_argument(
         "--resume",

@@ -55,6 +55,19 @@ def disk_full_error(what: str, folder: Path, size: int | None, run_dir: Path | N
     )
 
 
+def check_run_dir_free(path: str | Path, overwrite: bool, resume: str | None = None) -> None:
+    """Refuse a run folder that already holds files, before anything is built or launched.
+
+    Raises:
+        FileExistsError: the folder holds files and neither ``overwrite`` nor ``resume`` is given.
+    """
+    path = Path(path)
+    if path.is_dir() and any(path.iterdir()) and not overwrite and resume is None:
+        raise FileExistsError(
+            f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
+        )
+
+
 def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
     """Create the run folder, refusing one that already holds a run unless ``overwrite``.
 

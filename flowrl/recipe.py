@@ -32,6 +32,7 @@ from .evaluation.heldout import HeldOutResult
 from .models.digits import EVAL_REPORTS
 from .outputs import (
     MetricsLogger,
+    check_run_dir_free,
     image_grid,
     json_row,
     open_wandb,
@@ -122,10 +123,7 @@ class Run:
         if cfg.output.wandb and self.is_main:
             require_wandb()  # enabled but not installed: one line, before the model loads
         self.out = Path(cfg.output.dir)
-        if self.out.is_dir() and any(self.out.iterdir()) and not overwrite and resume is None:
-            raise FileExistsError(
-                f"output folder {self.out} already holds files; pass --overwrite or set output.dir=<new folder>"
-            )
+        check_run_dir_free(self.out, overwrite, resume)
         self.overwrite = overwrite
         self.resume = self._find_resume(resume) if resume else None
         self.threads = configure_threads(cfg.train.threads)

@@ -8,9 +8,14 @@ import torch
 
 
 def default_threads() -> int:
-    """1 thread on machines with <= 2 cores (steadier under host contention), else half the cores."""
+    """1 thread on machines with <= 2 cores (steadier under host contention), else half the cores.
+
+    Under a launch the half is shared by this machine's processes (``LOCAL_WORLD_SIZE``), at least one each.
+    """
     cores = os.cpu_count() or 1
-    return 1 if cores <= 2 else max(1, cores // 2)
+    total = 1 if cores <= 2 else max(1, cores // 2)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, total // max(local, 1))
 
 
 THREADS_PER_CORE = 4

@@ -27,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 SUPERVISED_ENV = "FLOWRL_SUPERVISED"  # set in the child: run the command itself
 NO_SUPERVISOR_ENV = "FLOWRL_NO_SUPERVISOR"  # "1": never supervise
@@ -125,6 +125,46 @@ def death_message(returncode: int) -> str:
     return f"flowrl: error: the training process died with signal {name} ({cause}); {_FIX}"
 
 
+class Waited(NamedTuple):
+    """How a child that :func:`wait_forwarding` waited for ended.
+
+    Attributes:
+        returncode: ``Popen.returncode`` (negative: killed by that signal).
+        forwarded: the signals forwarded to it, in order.
+        interrupted: a Ctrl-C from the terminal reached this process (and the child) while it waited.
+    """
+
+    returncode: int
+    forwarded: list[int]
+    interrupted: bool
+
+
+def wait_forwarding(child: subprocess.Popen, signals: Sequence[int]) -> Waited:
+    """Wait for ``child``, forwarding ``signals`` that reach this process to it.
+
+    A SIGINT the terminal sent is not forwarded: it reached the child too (the same foreground
+    process group). The previous handlers are restored before returning.
+    """
+    forwarded: list[int] = []
+    interrupted = False
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        if signum == signal.SIGINT and _terminal_sent_it():
+            interrupted = True
+            return
+        forwarded.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        returncode = child.wait()
+        return Waited(returncode, forwarded, interrupted)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def supervise(argv: Sequence[str]) -> int:
     """Run ``python -m flowrl ARGV`` in a child process and wait for it.
 
@@ -139,20 +179,7 @@ def supervise(argv: Sequence[str]) -> int:
     env = {**os.environ, SUPERVISED_ENV: "1", REPORT_FD_ENV: str(write_fd)}
     child = subprocess.Popen([sys.executable, "-m", "flowrl", *argv], env=env, pass_fds=(write_fd,))
     os.close(write_fd)
-    forwarded: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and _terminal_sent_it():
-            return
-        forwarded.append(signum)
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        returncode = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    returncode, forwarded, _ = wait_forwarding(child, (signal.SIGINT, signal.SIGTERM))
     os.set_blocking(read_fd, False)  # the byte, if any, was written before the child ended
     try:
         reported = bool(os.read(read_fd, 1))

@@ -1,0 +1,175 @@
+"""``flowrl train --processes N``: train on N processes of this machine through ``accelerate launch``.
+
+On a CPU the denoiser's small matmuls do not use a second core well from one process (one thread
+is steadier, :func:`flowrl.runtime.default_threads`), but two processes that each train half the
+global batch do: the embedded default job runs 1.77x faster end to end on 2 processes of a 2-core
+CPU at the same results (docs/performance.md). ``--processes N`` checks what it can before any
+process starts (the batch split, the memory of one rank, the output folder), then runs::
+
+    [ACCELERATE_USE_CPU=true] python -m accelerate.commands.launch --multi_gpu --num_processes N \
+        --num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port PORT \
+        -m flowrl train ARGS
+
+(gloo on the CPU, one GPU per process on CUDA, the same command ``docs/scale-out.md`` gives) and
+waits for it. ``--processes auto`` takes the most processes, up to one per usable CPU core (or
+per visible GPU for a CUDA model), that the global batch splits over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+from .distributed import check_rollout_split, derive_geometry, launch_world_size
+
+if TYPE_CHECKING:
+    import argparse
+
+    from .config import Config
+
+MAX_AUTO_PROCESSES = 8
+"""``--processes auto`` starts at most this many processes (one machine's GPUs, or a CPU's cores)."""
+
+
+def parse_processes(value: str) -> int | str:
+    """``--processes``: a count >= 1 or ``auto``.
+
+    Raises:
+        ValueError: anything else, in one line.
+    """
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--processes must be a count >= 1 or auto; got {value!r}")
+    return int(value)
+
+
+def usable_slots(cfg: Config) -> int:
+    """Processes this machine can run side by side: visible GPUs for a CUDA model, else usable CPU cores."""
+    import torch
+
+    if torch.device(cfg.model.device).type == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_split(cfg: Config, processes: int) -> None:
+    """Check that the global batch splits over ``processes`` (as every rank checks after the launch).
+
+    Raises:
+        ValueError: an impossible combination, naming the numbers to change.
+    """
+    from .rollouts.collect import rollout_kind
+    from .trainer import build_objective
+
+    p = cfg.prompts
+    geometry = derive_geometry(p.per_iteration, p.group_size, cfg.sampler.chunk_size, processes, 0, cfg.train.placement)
+    check_rollout_split(geometry, rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver))
+
+
+def resolve_processes(cfg: Config, requested: int | str) -> int:
+    """The process count of ``--processes``: ``requested``, or for ``auto`` the most that fit.
+
+    ``auto`` takes the largest count up to :func:`usable_slots` (at most :data:`MAX_AUTO_PROCESSES`)
+    over which the global batch splits (:func:`check_split`); 1 when none does, saying why on stderr.
+
+    Raises:
+        ValueError: a CUDA model with ``auto`` on a machine without a GPU.
+    """
+    if requested != "auto":
+        return int(requested)
+    slots = min(usable_slots(cfg), MAX_AUTO_PROCESSES)
+    if slots < 1:
+        raise ValueError(f"--processes auto: model.device={cfg.model.device!r} but no CUDA device is visible")
+    why = ""
+    for n in range(slots, 1, -1):
+        try:
+            check_split(cfg, n)
+        except ValueError as err:
+            why = why or str(err)
+            continue
+        return n
+    if why:
+        print(f"flowrl: --processes auto: one process, since {why}", file=sys.stderr, flush=True)
+    return 1
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now (the launch's rendezvous, so two runs do not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def train_argv(ns: argparse.Namespace) -> list[str]:
+    """The ``flowrl train`` arguments every launched process runs: ``ns`` without ``--processes``."""
+    argv = ["train", *ns.args]
+    if ns.output:
+        argv += ["--output", ns.output]
+    if ns.overwrite:
+        argv.append("--overwrite")
+    if ns.resume:
+        argv += ["--resume", ns.resume]
+    return argv
+
+
+def launch_command(cfg: Config, processes: int, argv: list[str], port: int) -> tuple[list[str], dict[str, str]]:
+    """The ``accelerate launch`` command line and environment that start ``processes`` ranks of ``flowrl ARGV``."""
+    import torch
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--main_process_port", str(port), "-m", "flowrl", *argv]
+    env = dict(os.environ)
+    if torch.device(cfg.model.device).type != "cuda":
+        env["ACCELERATE_USE_CPU"] = "true"  # gloo; without it accelerate would look for GPUs
+    return cmd, env
+
+
+def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
+    """Check the run for ``processes`` ranks, start them with ``accelerate launch`` and wait.
+
+    Ctrl-C reaches the launcher and the ranks from the terminal (they stop as under a manual
+    ``accelerate launch``); a SIGTERM or a SIGINT sent to this process alone is forwarded to the launcher.
+
+    Returns:
+        The launcher's exit code (128 + N when signal N ended it).
+
+    Raises:
+        ValueError: this process is already one of a launch, or the run cannot start (batch split,
+            devices, memory), in one line naming the fix.
+        FileExistsError: an occupied output folder.
+    """
+    from .outputs import check_run_dir_free
+    from .resources import check_machine
+    from .supervisor import wait_forwarding
+
+    if launch_world_size() > 1:
+        raise ValueError(
+            "--processes starts its own launch; under accelerate launch leave it out (the launch sets the processes)"
+        )
+    check_split(cfg, processes)
+    check_machine(cfg, processes=processes)
+    check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
+    cmd, env = launch_command(cfg, processes, train_argv(ns), free_port())
+    where = "CPU processes (gloo)" if env.get("ACCELERATE_USE_CPU") else "processes, one GPU each"
+    print(f"flowrl: training on {processes} {where} (accelerate launch --num_processes {processes})", flush=True)
+    launcher = subprocess.Popen(cmd, env=env)
+    returncode, forwarded, interrupted = wait_forwarding(launcher, (signal.SIGINT, signal.SIGTERM))
+    if interrupted or forwarded:
+        print(f"flowrl: the launch of {processes} processes was stopped by a signal", file=sys.stderr, flush=True)
+    elif returncode:
+        print(
+            f"flowrl: error: the launch of {processes} processes ended with code {returncode}; the failing "
+            "process's error is above (rerun with --processes 1 to see it alone)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 128 - returncode if returncode < 0 else returncode

@@ -57,13 +57,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
     With ``--resume`` and no run folder given (``--output`` or ``output.dir`` in a config file or
-    override), the run continues in the folder the checkpoint belongs to.
+    override), the run continues in the folder the checkpoint belongs to. With ``--processes`` N > 1
+    (or ``auto`` resolving to more than one) it starts N processes of this command through
+    ``accelerate launch`` (:mod:`flowrl.local_launch`) and returns the launch's exit code.
 
     Args:
-        ns: parsed arguments (``args``, ``output``, ``overwrite``, ``resume``).
+        ns: parsed arguments (``args``, ``output``, ``overwrite``, ``resume``, ``check``, ``processes``).
 
     Returns:
-        The exit code, 0.
+        The exit code: 0, or a launch's.
     """
     from .checkpoint import resume_run_dir
     from .config import load_config, read_yaml
@@ -82,10 +84,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         print(check_report(cfg, processes))
         return 0
-    if processes is not None and processes > 1:
-        from .local_launch import launch_training
-
-        return launch_training(cfg, ns, processes)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in config or []
@@ -94,6 +92,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.output.dir = ns.output
     elif run_dir is not None and not dir_given:
         cfg.output.dir = str(run_dir)
+    if processes is not None and processes > 1:  # every rank runs this command again without --processes
+        from .local_launch import launch_training
+
+        return launch_training(cfg, ns, processes)
     run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
     summary = run.execute()
     if not run.is_main:  # rank 0 reports for the whole launch

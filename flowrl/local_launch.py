@@ -74,11 +74,28 @@ def check_split(cfg: Config, processes: int) -> None:
     check_rollout_split(geometry, rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver))
 
 
+def auto_processes(cfg: Config, slots: int) -> tuple[int, str]:
+    """The most processes, up to ``slots``, that the global batch splits over (:func:`check_split`).
+
+    Returns:
+        (the count, 1 when none above 1 splits; why the largest count above 1 does not split, or "").
+    """
+    why = ""
+    for n in range(slots, 1, -1):
+        try:
+            check_split(cfg, n)
+        except ValueError as err:
+            why = why or str(err)
+            continue
+        return n, ""
+    return 1, why
+
+
 def resolve_processes(cfg: Config, requested: int | str) -> int:
     """The process count of ``--processes``: ``requested``, or for ``auto`` the most that fit.
 
-    ``auto`` takes the largest count up to :func:`usable_slots` (at most :data:`MAX_AUTO_PROCESSES`)
-    over which the global batch splits (:func:`check_split`); 1 when none does, saying why on stderr.
+    ``auto``: :func:`auto_processes` over :func:`usable_slots` (at most :data:`MAX_AUTO_PROCESSES`);
+    when it falls back to one process it says why on stderr.
 
     Raises:
         ValueError: a CUDA model with ``auto`` on a machine without a GPU.
@@ -88,17 +105,10 @@ def resolve_processes(cfg: Config, requested: int | str) -> int:
     slots = min(usable_slots(cfg), MAX_AUTO_PROCESSES)
     if slots < 1:
         raise ValueError(f"--processes auto: model.device={cfg.model.device!r} but no CUDA device is visible")
-    why = ""
-    for n in range(slots, 1, -1):
-        try:
-            check_split(cfg, n)
-        except ValueError as err:
-            why = why or str(err)
-            continue
-        return n
+    processes, why = auto_processes(cfg, slots)
     if why:
         print(f"flowrl: --processes auto: one process, since {why}", file=sys.stderr, flush=True)
-    return 1
+    return processes
 
 
 def free_port() -> int:

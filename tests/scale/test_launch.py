@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,60 @@ def test_rank_zero_writes_one_run_folder_and_resume_continues_exactly(tmp_path):
     wa, wb = lora(run), lora(cut)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bitwise, as a one-process resume
     assert [r["step"] for r in metrics(cut)] == [0, 1, 2]
+
+
+def user_command(out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    """``flowrl train --processes 2 ARGS`` as a user runs it: supervised, flowrl starting the launch itself."""
+    cmd = [sys.executable, "-m", "flowrl", "train", "--processes", "2", *args, f"output.dir={out}"]
+    return cmd, {k: v for k, v in env().items() if k != "FLOWRL_NO_SUPERVISOR"}
+
+
+@pytest.mark.slow
+def test_processes_flag_trains_as_the_manual_accelerate_launch(tmp_path):
+    args = [*OBJECTIVES["diffusion_nft"], *TINY]
+    cmd, user_env = user_command(tmp_path / "own", *args)
+    own = subprocess.run(cmd, cwd=ROOT, env=user_env, capture_output=True, text=True, timeout=600)
+    manual = train_two(args, tmp_path / "manual")
+    assert own.returncode == 0 and manual.returncode == 0, (own.stderr + manual.stderr)[-3000:]
+    assert own.stdout.count("flowrl: training on 2 CPU processes (gloo)") == 1
+    assert own.stdout.count("done: 2 iterations") == 1  # rank 0 reports once
+    wa, wb = lora(tmp_path / "own"), lora(tmp_path / "manual")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # the same launch: bitwise
+    assert [r["step"] for r in metrics(tmp_path / "own")] == [0, 1, 2]
+
+
+def processes_running(marker: str) -> list[str]:
+    """Command lines of this machine's processes that mention ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and marker in line:
+            found.append(line)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_whole_launch_and_leaves_no_process(tmp_path):
+    out = tmp_path / "long"
+    args = [*OBJECTIVES["flow_grpo"], *TINY, "train.iterations=10000", "train.eval_every=10000"]
+    cmd, user_env = user_command(out, *args)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=user_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics_file = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    assert len(processes_running(str(out))) >= 4  # supervisor, flowrl's launching process, accelerate, 2 ranks
+    proc.send_signal(signal.SIGTERM)  # to the supervisor only: forwarded down the chain
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "flowrl: the launch of 2 processes was stopped by a signal" in err, err[-3000:]
+    deadline = time.monotonic() + 30  # the ranks' exit is asynchronous to the launcher's
+    while processes_running(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_running(str(out)) == []
 
 
 def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):

@@ -1,0 +1,111 @@
+"""``flowrl train --processes N|auto`` (flowrl/local_launch.py): what is checked before any process starts.
+
+The launch itself (real processes, gloo) is in tests/scale/test_launch.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.cli import build_parser, main, parse_command_line
+from flowrl.config import load_config
+from flowrl.local_launch import auto_processes, launch_command, parse_processes, resolve_processes, train_argv
+from flowrl.runtime import default_threads
+
+
+def one_line_error(capsys, *args: str) -> str:
+    code = main(list(args))
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("flowrl: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("1", 1), ("12", 12)])
+def test_processes_is_a_count_or_auto(value, parsed):
+    assert parse_processes(value) == parsed
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+def test_a_bad_process_count_is_one_line(capsys, value):
+    assert f"--processes must be a count >= 1 or auto; got {value!r}" in one_line_error(
+        capsys, "train", "--processes", value
+    )
+
+
+def test_every_launched_process_runs_the_same_train_command_without_processes():
+    argv = ["train", "configs/grpo/digits.yaml", "--processes", "2", "--output", "runs/x", "--overwrite", "a.b=1"]
+    ns = parse_command_line(build_parser(), argv)
+    assert train_argv(ns) == ["train", "configs/grpo/digits.yaml", "a.b=1", "--output", "runs/x", "--overwrite"]
+    ns = parse_command_line(build_parser(), ["train", "--resume", "runs/x", "--processes", "auto"])
+    assert train_argv(ns) == ["train", "--resume", "runs/x"]
+
+
+def test_the_launch_command_is_accelerates_with_gloo_on_a_cpu():
+    cmd, env = launch_command(load_config(None, []), 2, ["train", "x=1"], 29601)
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
+    assert cmd[cmd.index("--main_process_port") + 1] == "29601"
+    assert cmd[-4:] == ["-m", "flowrl", "train", "x=1"]
+    assert env["ACCELERATE_USE_CPU"] == "true"
+
+
+@pytest.mark.parametrize(
+    "overrides, slots, expected",
+    [
+        (["prompts.per_iteration=20", "prompts.group_size=8", "sampler.chunk_size=40"], 2, 2),  # the default job
+        (["prompts.per_iteration=6", "prompts.group_size=4", "sampler.chunk_size=4"], 4, 3),  # 4 does not split 6
+        (["prompts.per_iteration=6", "prompts.group_size=4", "sampler.chunk_size=4"], 8, 6),
+        (["prompts.per_iteration=4", "prompts.group_size=3", "sampler.chunk_size=6"], 4, 2),  # chunk fits 2 ranks only
+        (["prompts.per_iteration=3", "prompts.group_size=2", "sampler.chunk_size=2"], 2, 1),
+        (["prompts.per_iteration=4"], 1, 1),  # one core
+    ],
+)
+def test_auto_takes_the_most_processes_the_batch_splits_over(overrides, slots, expected):
+    processes, why = auto_processes(load_config(None, overrides), slots)
+    assert processes == expected
+    assert bool(why) == (expected == 1 and slots > 1)
+
+
+def test_auto_says_why_it_falls_back_to_one_process(capsys):
+    cfg = load_config(None, ["prompts.per_iteration=3", "prompts.group_size=2", "sampler.chunk_size=2"])
+    processes = resolve_processes(cfg, "auto")
+    err = capsys.readouterr().err
+    assert processes == 1
+    if err:  # a machine with more than one usable core
+        assert err.startswith("flowrl: --processes auto: one process, since prompts.per_iteration=3 does not split")
+
+
+def test_a_launch_inside_a_launch_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    line = one_line_error(capsys, "train", "--processes", "2", f"output.dir={tmp_path / 'run'}")
+    assert "--processes starts its own launch; under accelerate launch leave it out" in line
+
+
+def test_what_every_rank_would_refuse_is_refused_before_any_process_starts(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    line = one_line_error(capsys, "train", "--processes", "2", f"output.dir={tmp_path / 'run'}")
+    assert f"output folder {tmp_path / 'run'} already holds files; pass --overwrite" in line
+    line = one_line_error(capsys, "train", "--processes", "2", "--output", str(tmp_path / "run"))
+    assert f"output folder {tmp_path / 'run'} already holds files" in line
+    line = one_line_error(capsys, "train", "--processes", "2", "prompts.per_iteration=3", f"output.dir={tmp_path}/b")
+    assert "prompts.per_iteration=3 does not split into whole groups over 2 processes" in line
+    assert not (tmp_path / "b").exists()
+
+
+def test_check_with_auto_estimates_the_resolved_count(capsys):
+    cfg = load_config(None, [])
+    processes = resolve_processes(cfg, "auto")
+    assert main(["train", "--check", "--processes", "auto"]) == 0
+    auto = capsys.readouterr().out
+    assert main(["train", "--check", "--processes", str(processes)]) == 0
+    assert capsys.readouterr().out == auto
+
+
+@pytest.mark.parametrize("local", ["1", "2", "3"])
+def test_default_threads_are_shared_by_the_local_processes_of_a_launch(monkeypatch, local):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = default_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert default_threads() == max(1, alone // int(local))

@@ -4,7 +4,7 @@ On a CPU the denoiser's small matmuls do not use a second core well from one pro
 is steadier, :func:`flowrl.runtime.default_threads`), but two processes that each train half the
 global batch do: the embedded default job runs 1.77x faster end to end on 2 processes of a 2-core
 CPU at the same results (docs/performance.md). ``--processes N`` checks what it can before any
-process starts (the batch split, the memory of one rank, the output folder), then runs::
+process starts (the batch split, local weights, the memory of one rank, the output folder), then runs::
 
     [ACCELERATE_USE_CPU=true] python -m accelerate.commands.launch --multi_gpu --num_processes N \
         --num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port PORT \
@@ -146,40 +146,43 @@ def launch_command(cfg: Config, processes: int, argv: list[str], port: int) -> t
 def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
     """Check the run for ``processes`` ranks, start them with ``accelerate launch`` and wait.
 
-    Ctrl-C reaches the launcher and the ranks from the terminal (they stop as under a manual
-    ``accelerate launch``); a SIGTERM or a SIGINT sent to this process alone is forwarded to the launcher.
+    Under the supervisor (``flowrl train`` from the console) this process becomes the launcher
+    (:func:`flowrl.supervisor.hand_over`: only the torch-free supervisor waits); otherwise it runs
+    the launcher as a child and waits. Ctrl-C reaches the launcher and the ranks from the terminal
+    (they stop as under a manual ``accelerate launch``); a SIGTERM, or a SIGINT sent to the waiting
+    process alone, is forwarded to the launcher.
 
     Returns:
-        The launcher's exit code (128 + N when signal N ended it).
+        The launcher's exit code (128 + N when signal N ended it); under the supervisor it does not
+        return (this process has become the launcher).
 
     Raises:
         ValueError: this process is already one of a launch, or the run cannot start (batch split,
             devices, memory), in one line naming the fix.
         FileExistsError: an occupied output folder.
     """
+    from .models import EMBEDDED, pipeline_folder
+    from .models.hub import is_hub_id
     from .outputs import check_run_dir_free
     from .resources import check_machine
-    from .supervisor import wait_forwarding
+    from .supervisor import hand_over, launch_message, wait_forwarding
 
     if launch_world_size() > 1:
         raise ValueError(
             "--processes starts its own launch; under accelerate launch leave it out (the launch sets the processes)"
         )
     check_split(cfg, processes)
+    if cfg.model.path == EMBEDDED or not is_hub_id(cfg.model.path):  # a hub id may be fetched: the ranks do that
+        pipeline_folder(cfg.model.path)  # missing weights: one line before any process starts
     check_machine(cfg, processes=processes)
     check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
     cmd, env = launch_command(cfg, processes, train_argv(ns), free_port())
     where = "CPU processes (gloo)" if env.get("ACCELERATE_USE_CPU") else "processes, one GPU each"
     print(f"flowrl: training on {processes} {where} (accelerate launch --num_processes {processes})", flush=True)
+    hand_over(cmd, env)  # supervised: this process becomes the launcher; the supervisor reports the outcome
     launcher = subprocess.Popen(cmd, env=env)
     returncode, forwarded, interrupted = wait_forwarding(launcher, (signal.SIGINT, signal.SIGTERM))
-    if interrupted or forwarded:
-        print(f"flowrl: the launch of {processes} processes was stopped by a signal", file=sys.stderr, flush=True)
-    elif returncode:
-        print(
-            f"flowrl: error: the launch of {processes} processes ended with code {returncode}; the failing "
-            "process's error is above (rerun with --processes 1 to see it alone)",
-            file=sys.stderr,
-            flush=True,
-        )
+    line = launch_message(returncode, bool(forwarded) or interrupted)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     return 128 - returncode if returncode < 0 else returncode

@@ -77,14 +77,55 @@ def setup_child() -> None:
             pass
 
 
-def report_outcome() -> None:
-    """In a supervised child: tell the supervisor that this process reported its own outcome."""
+REPORTED, LAUNCHED = b"1", b"L"
+"""What a supervised child writes on the report pipe: it reported its own outcome; it is about to
+become accelerate's launcher (``flowrl train --processes N``), whose exit code is the outcome."""
+
+
+def _tell(byte: bytes) -> None:
     fd = _report_fd()
     if fd is not None:
         try:
-            os.write(fd, b"1")
+            os.write(fd, byte)
         except OSError:
             pass
+
+
+def report_outcome() -> None:
+    """In a supervised child: tell the supervisor that this process reported its own outcome."""
+    _tell(REPORTED)
+
+
+def hand_over(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
+    """In a supervised child: become ``cmd`` (``os.execve``), the supervisor waiting for it instead of this process.
+
+    Used by ``flowrl train --processes N`` so that only the torch-free supervisor waits while accelerate's
+    launcher runs (the launching process's memory is returned). The supervisor is told first, so it
+    reports the launch's outcome in one line (:func:`launch_message`).
+
+    Returns:
+        False when this process is not a supervised child (the caller then runs ``cmd`` itself); it
+        does not return otherwise.
+    """
+    if not os.environ.get(SUPERVISED_ENV) or _report_fd() is None:
+        return False
+    _tell(LAUNCHED)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(cmd[0], list(cmd), dict(env))
+    return True  # not reached
+
+
+def launch_message(returncode: int, stopped: bool) -> str | None:
+    """The line after a launch of several processes ended: stopped by a signal, failed, or None when it succeeded."""
+    if stopped:
+        return "flowrl: the launch was stopped by a signal"
+    if returncode:
+        return (
+            f"flowrl: error: the launch ended with code {returncode}; the failing process's error is above "
+            "(rerun with --processes 1 to see it alone)"
+        )
+    return None
 
 
 def _terminal_sent_it() -> bool:
@@ -179,14 +220,18 @@ def supervise(argv: Sequence[str]) -> int:
     env = {**os.environ, SUPERVISED_ENV: "1", REPORT_FD_ENV: str(write_fd)}
     child = subprocess.Popen([sys.executable, "-m", "flowrl", *argv], env=env, pass_fds=(write_fd,))
     os.close(write_fd)
-    returncode, forwarded, _ = wait_forwarding(child, (signal.SIGINT, signal.SIGTERM))
-    os.set_blocking(read_fd, False)  # the byte, if any, was written before the child ended
+    returncode, forwarded, interrupted = wait_forwarding(child, (signal.SIGINT, signal.SIGTERM))
+    os.set_blocking(read_fd, False)  # the bytes, if any, were written before the child ended
     try:
-        reported = bool(os.read(read_fd, 1))
+        told = os.read(read_fd, 16)[-1:]  # the last word counts (a failed hand-over then reports itself)
     except BlockingIOError:
-        reported = False
+        told = b""
     finally:
         os.close(read_fd)
-    if not reported and not (returncode < 0 and -returncode in forwarded):
+    if told == LAUNCHED:
+        line = launch_message(returncode, bool(forwarded) or interrupted)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    elif not told and not (returncode < 0 and -returncode in forwarded):
         print(death_message(returncode), file=sys.stderr, flush=True)
     return 128 - returncode if returncode < 0 else returncode

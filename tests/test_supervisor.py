@@ -109,3 +109,11 @@ def test_signals_to_the_supervisor_reach_the_training_process(tmp_path, tiny_mod
     assert not error_lines(stderr) and "Traceback" not in stderr  # an asked-for stop is no crash
     if sig == signal.SIGINT:
         assert "flowrl: interrupted; checkpoints written so far are kept" in stderr
+
+
+def test_a_launch_ends_with_one_line_only_when_it_did_not_succeed():
+    from flowrl.supervisor import launch_message
+
+    assert launch_message(0, stopped=False) is None
+    assert launch_message(1, stopped=False).startswith("flowrl: error: the launch ended with code 1; the failing")
+    assert launch_message(-15, stopped=True) == "flowrl: the launch was stopped by a signal"

@@ -28,7 +28,7 @@ def _quiet_hub_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def _pipeline_folder(path: str | None) -> Path:
+def pipeline_folder(path: str | None) -> Path:
     """The local pipeline folder for ``model.path`` (the embedded model, a folder or a hub id), weights checked.
 
     Raises:
@@ -74,7 +74,7 @@ def load_adapter(
             needs remote code.
     """
     _quiet_hub_libraries()
-    folder = _pipeline_folder(path)
+    folder = pipeline_folder(path)
     cls_name = read_model_index(folder).get("_class_name", "")
     model_id = EMBEDDED if path in (None, EMBEDDED) else str(path)
     return load_pipeline_adapter(

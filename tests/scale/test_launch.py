@@ -183,10 +183,14 @@ def test_rank_zero_writes_one_run_folder_and_resume_continues_exactly(tmp_path):
     assert [r["step"] for r in metrics(cut)] == [0, 1, 2]
 
 
-def user_command(out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
-    """``flowrl train --processes 2 ARGS`` as a user runs it: supervised, flowrl starting the launch itself."""
+def user_command(out: Path, *args: str, supervised: bool = True) -> tuple[list[str], dict[str, str]]:
+    """``flowrl train --processes 2 ARGS`` as a user runs it, flowrl starting the launch itself.
+
+    Supervised (the console script's default) the launching process becomes accelerate's launcher;
+    with ``FLOWRL_NO_SUPERVISOR=1`` it runs the launcher as a child and waits.
+    """
     cmd = [sys.executable, "-m", "flowrl", "train", "--processes", "2", *args, f"output.dir={out}"]
-    return cmd, {k: v for k, v in env().items() if k != "FLOWRL_NO_SUPERVISOR"}
+    return cmd, env() if not supervised else {k: v for k, v in env().items() if k != "FLOWRL_NO_SUPERVISOR"}
 
 
 @pytest.mark.slow
@@ -217,24 +221,44 @@ def processes_running(marker: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_whole_launch_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("supervised", [True, False])
+def test_sigterm_stops_the_whole_launch_and_leaves_no_process(supervised, tmp_path):
     out = tmp_path / "long"
     args = [*OBJECTIVES["flow_grpo"], *TINY, "train.iterations=10000", "train.eval_every=10000"]
-    cmd, user_env = user_command(out, *args)
+    cmd, user_env = user_command(out, *args, supervised=supervised)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=user_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics_file = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.5)
-    assert len(processes_running(str(out))) >= 4  # supervisor, flowrl's launching process, accelerate, 2 ranks
-    proc.send_signal(signal.SIGTERM)  # to the supervisor only: forwarded down the chain
+    assert len(processes_running(str(out))) == 4  # supervisor or launching process, accelerate's launcher, 2 ranks
+    proc.send_signal(signal.SIGTERM)  # to the top process only: forwarded down the chain
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "flowrl: the launch of 2 processes was stopped by a signal" in err, err[-3000:]
+    assert proc.returncode != 0 and "flowrl: the launch was stopped by a signal" in err, err[-3000:]
     deadline = time.monotonic() + 30  # the ranks' exit is asynchronous to the launcher's
     while processes_running(str(out)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_running(str(out)) == []
+
+
+@pytest.mark.slow
+def test_a_launch_that_fails_after_it_started_ends_with_one_line(tmp_path):
+    """A reward that cannot be built fails in the ranks (nothing before the launch builds rewards)."""
+    (tmp_path / "faulty_reward.py").write_text(
+        "def make(**kwargs):\n    raise ValueError('faulty_reward is broken on purpose')\n"
+    )
+    cmd, user_env = user_command(tmp_path / "run", *TINY, 'rewards={"faulty_reward:make": {"weight": 1.0}}')
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**user_env, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
+    assert set(lines[:-1]) == {
+        "flowrl: error: reward 'faulty_reward:make' could not be built with options {}: "
+        "ValueError: faulty_reward is broken on purpose"
+    }  # each rank's own line, then the launch's, last
+    assert lines[-1].startswith("flowrl: error: the launch ended with code 1; the failing process's error is above")
 
 
 def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):

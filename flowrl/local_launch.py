@@ -137,7 +137,10 @@ def launch_command(cfg: Config, processes: int, argv: list[str], port: int) -> t
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += ["--main_process_port", str(port), "-m", "flowrl", *argv]
-    env = dict(os.environ)
+    from .supervisor import REPORT_FD_ENV, SUPERVISED_ENV
+
+    # the ranks are not the supervised child: they must not write on (or close) the supervisor's report pipe
+    env = {k: v for k, v in os.environ.items() if k not in (SUPERVISED_ENV, REPORT_FD_ENV)}
     if torch.device(cfg.model.device).type != "cuda":
         env["ACCELERATE_USE_CPU"] = "true"  # gloo; without it accelerate would look for GPUs
     return cmd, env

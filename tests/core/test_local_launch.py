@@ -40,8 +40,11 @@ def test_every_launched_process_runs_the_same_train_command_without_processes():
     assert train_argv(ns) == ["train", "--resume", "runs/x"]
 
 
-def test_the_launch_command_is_accelerates_with_gloo_on_a_cpu():
+def test_the_launch_command_is_accelerates_with_gloo_on_a_cpu(monkeypatch):
+    monkeypatch.setenv("FLOWRL_SUPERVISED", "1")  # as in the supervised child that hands itself over
+    monkeypatch.setenv("FLOWRL_SUPERVISOR_FD", "7")
     cmd, env = launch_command(load_config(None, []), 2, ["train", "x=1"], 29601)
+    assert "FLOWRL_SUPERVISED" not in env and "FLOWRL_SUPERVISOR_FD" not in env  # the ranks are not supervised
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
     assert cmd[cmd.index("--main_process_port") + 1] == "29601"

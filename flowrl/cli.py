@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from .console import stderr_line
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
@@ -490,10 +491,10 @@ def _run(argv: list[str]) -> int:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"flowrl: error: {message}", file=sys.stderr)
+        stderr_line(f"flowrl: error: {message}")
         return 2
     except KeyboardInterrupt:
-        print("flowrl: interrupted; checkpoints written so far are kept", file=sys.stderr)
+        stderr_line("flowrl: interrupted; checkpoints written so far are kept")
         return 130
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from .console import stderr_line
 from .distributed import check_rollout_split, derive_geometry, launch_world_size
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def resolve_processes(cfg: Config, requested: int | str) -> int:
         raise ValueError(f"--processes auto: model.device={cfg.model.device!r} but no CUDA device is visible")
     processes, why = auto_processes(cfg, slots)
     if why:
-        print(f"flowrl: --processes auto: one process, since {why}", file=sys.stderr, flush=True)
+        stderr_line(f"flowrl: --processes auto: one process, since {why}")
     return processes
 
 
@@ -187,5 +188,5 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
     returncode, forwarded, interrupted = wait_forwarding(launcher, (signal.SIGINT, signal.SIGTERM))
     line = launch_message(returncode, bool(forwarded) or interrupted)
     if line:
-        print(line, file=sys.stderr, flush=True)
+        stderr_line(line)
     return 128 - returncode if returncode < 0 else returncode

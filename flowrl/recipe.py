@@ -17,7 +17,6 @@ Run folder contents::
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import yaml
 
 from .checkpoint import save_checkpoint
 from .config import Config, to_dict
+from .console import stderr_line
 from .distributed import Collective, batch_geometry, join_launch
 from .evaluation.heldout import HeldOutResult
 from .models.digits import EVAL_REPORTS
@@ -140,7 +140,7 @@ class Run:
     def _find_resume(self, path: str) -> Resume:
         found = find_resume(path)
         for warning in found.warnings:
-            print(f"flowrl: warning: {warning}", file=sys.stderr)
+            stderr_line(f"flowrl: warning: {warning}")
         check_resume_config(found.state.get("config"), to_dict(self.cfg))
         return found
 
@@ -161,7 +161,7 @@ class Run:
         if result is None:
             return
         for trip in result.trips:
-            print(f"flowrl: warning: {trip.message()}", file=sys.stderr)
+            stderr_line(f"flowrl: warning: {trip.message()}")
             if trip.on_trip == "stop" and self.stop_reason is None:
                 self.stop_reason = trip.message()
         if self.trainer.heldout.has_guards and result.healthy:

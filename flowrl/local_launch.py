@@ -2,7 +2,7 @@
 
 On a CPU the denoiser's small matmuls do not use a second core well from one process (one thread
 is steadier, :func:`flowrl.runtime.default_threads`), but two processes that each train half the
-global batch do: the embedded default job runs 1.77x faster end to end on 2 processes of a 2-core
+global batch do: the embedded default job runs 1.78x faster end to end on 2 processes of a 2-core
 CPU at the same results (docs/performance.md). ``--processes N`` checks what it can before any
 process starts (the batch split, local weights, the memory of one rank, the output folder), then runs::
 

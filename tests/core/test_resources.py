@@ -12,9 +12,10 @@ from conftest import tiny_sd3_pipeline
 
 from flowrl.cli import main
 from flowrl.config import load_config
+from flowrl.memory_estimate import _activations, sample_sizes
 from flowrl.models.digits.model import DIGITS_DIR
 from flowrl.models.geometry import read_geometry, tensor_shapes
-from flowrl.resources import MAX_SAMPLE_STEPS, _activations, sample_sizes
+from flowrl.resources import MAX_SAMPLE_STEPS
 from flowrl.runtime import THREADS_PER_CORE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,7 +204,7 @@ def test_unreadable_weight_headers_are_skipped(tmp_path):
 
 def test_the_rollout_estimate_reads_the_built_objective():
     """SAGE-GRPO's rollout kind is a property of its options: the estimate must see its trajectory."""
-    from flowrl.resources import _rollout_kind
+    from flowrl.memory_estimate import _rollout_kind
 
     flat = load_config(overrides=["objective.name=sage_grpo"])
     tree = load_config(overrides=["objective.name=sage_grpo", "objective.tree=true"])
@@ -215,7 +216,7 @@ def test_the_rollout_estimate_reads_the_built_objective():
 
 
 def _denoiser_part(cfg_overrides: list[str], processes: int):
-    from flowrl.resources import estimate_memory
+    from flowrl.memory_estimate import estimate_memory
 
     cfg = load_config(None, cfg_overrides)
     est = estimate_memory(cfg, read_geometry(DIGITS_DIR, None), processes=processes)
@@ -259,7 +260,7 @@ def test_check_takes_the_processes_of_the_launch(capsys, monkeypatch):
 )
 def test_the_estimate_counts_the_plans_training_noise_per_rank(name, extra, sigmas):
     """DiffusionNFT / AWM plans hold fresh noise for each row and training sigma; a rank holds its rows' share."""
-    from flowrl.resources import estimate_memory
+    from flowrl.memory_estimate import estimate_memory
 
     overrides = [
         f"objective.name={name}",

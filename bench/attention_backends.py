@@ -1,0 +1,240 @@
+"""Attention kernels side by side: the denoiser's rollout and training passes under each SDPA backend.
+
+diffusers' attention (SD3's processors and the dispatcher of FLUX, Wan and Qwen-Image alike) calls
+``torch.nn.functional.scaled_dot_product_attention``, which picks one of several kernels per call:
+flash, memory-efficient, cuDNN (CUDA) or the plain math one. This script pins each in turn with
+``torch.nn.attention.sdpa_kernel`` around the same passes and times them against torch's own pick
+("auto"), so that a choice of backend rests on a measurement:
+
+- ``rollout``: one no-grad forward of a batch (a sampling step), in bf16 autocast on CUDA;
+- ``train``: forward + backward of a batch into the LoRA (a training micro-batch).
+
+Each row also gives the largest difference of the rollout output from the math kernel's (the
+reference: same inputs, same weights). A backend that cannot run a pass says why in its row
+(``No available kernel`` where the device has no such kernel, cuDNN's backward failure on FLUX.1
+of docs/gpu-plan.md). flowrl's training passes run under
+:func:`flowrl.policy.memory.trainable_attention` (flash, efficient, math: no cuDNN); this table is
+what that choice and ``memory.attention_backend`` are checked against. xformers is a row only where
+it is installed (``memory.attention_backend=xformers``, CUDA only).
+
+Usage:
+    python -m bench.attention_backends [--models SD3.5-M FLUX.1-dev] [--batch 4 16] [--repeats 3]
+        # CUDA: bench.gpu_measure's full-size transformers, random bf16 weights, 512^2
+    python -m bench.attention_backends --cpu [--batch 40]
+        # the embedded model's denoiser on the CPU, one thread (only flash and math exist there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS: dict[str, list[SDPBackend] | None] = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+"""Row label -> the SDPA kernels allowed (None: torch chooses, as in a plain run)."""
+
+
+@dataclass
+class Case:
+    """One model at one batch size: a pass returning the denoiser's output, and the module to clear grads of."""
+
+    model: str
+    batch: int
+    forward: Callable[[], torch.Tensor]
+    module: torch.nn.Module
+    device: torch.device
+
+
+def run_pass(case: Case, backend: list[SDPBackend] | None, train: bool) -> torch.Tensor:
+    """The case's forward (and, for ``train``, a backward of the mean square into the LoRA) under ``backend``."""
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        if not train:
+            with torch.no_grad():
+                return case.forward()
+        out = case.forward()
+        out.float().square().mean().backward()
+    case.module.zero_grad(set_to_none=True)
+    return out.detach()
+
+
+def timed_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn``, synchronised on CUDA."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _failure(err: RuntimeError) -> str:
+    """The first line of a kernel's refusal, short enough for a table cell."""
+    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "No viable backend" in line or "No available kernel" in line:
+        return "no such kernel here"
+    return line[:90]
+
+
+def measure(case: Case, repeats: int) -> list[str]:
+    """Table rows for every backend on one case: rollout ms, train ms, each over "auto", difference from math.
+
+    Every (backend, pass) that runs is warmed up once, then the repeats alternate between them, so a
+    change of the host's load falls on every backend alike.
+    """
+    reference = run_pass(case, BACKENDS["math"], train=False).float()
+    calls: dict[tuple[str, bool], Callable[[], torch.Tensor]] = {}
+    failed: dict[tuple[str, bool], str] = {}
+    diffs: dict[str, str] = {}
+    for label, backend in BACKENDS.items():
+        for train in (False, True):
+            call = functools.partial(run_pass, case, backend, train)
+            try:
+                out = call()
+            except RuntimeError as err:  # torch.cuda.OutOfMemoryError included: the math kernel at FLUX's size
+                case.module.zero_grad(set_to_none=True)
+                if case.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                failed[(label, train)] = _failure(err)
+                continue
+            calls[(label, train)] = call
+            if not train:
+                diffs[label] = f"{(out.float() - reference).abs().max().item():.1e}"
+    times: dict[tuple[str, bool], list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            times[key].append(timed_once(call, case.device))
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    rows = []
+    for label in BACKENDS:
+        cells = []
+        for train in (False, True):
+            if (label, train) in failed:
+                cells += [failed[(label, train)], ""]
+                continue
+            auto = medians.get(("auto", train))
+            seconds = medians[(label, train)]
+            cells += [f"{seconds * 1e3:,.2f}", f"{seconds / auto:.2f}" if auto else ""]
+        rows.append(f"| {case.model} | {case.batch} | {label} | {' | '.join(cells)} | {diffs.get(label, '')} |")
+    return rows
+
+
+def xformers_rows(cases: list[Case], repeats: int) -> list[str]:
+    """The same passes with ``memory.attention_backend=xformers`` (after every SDPA row: it stays switched on)."""
+    if not cases or importlib.util.find_spec("xformers") is None or cases[0].device.type != "cuda":
+        return []
+    from flowrl.policy.memory import set_attention_backend
+
+    set_attention_backend(cases[0].module, "xformers", cases[0].device)
+    return [_xformers_row(case, repeats) for case in cases]
+
+
+def _xformers_row(case: Case, repeats: int) -> str:
+    cells = []
+    for train in (False, True):
+        try:
+            run_pass(case, None, train)
+            seconds = statistics.median(
+                [timed_once(functools.partial(run_pass, case, None, train), case.device) for _ in range(repeats)]
+            )
+            cells += [f"{seconds * 1e3:,.2f}", ""]
+        except RuntimeError as err:
+            cells += [_failure(err), ""]
+    return f"| {case.model} | {case.batch} | xformers | {' | '.join(cells)} | |"
+
+
+def cpu_cases(batches: list[int]) -> list[Case]:
+    """The embedded model's denoiser with a LoRA r8, built as training builds it (``build_policy``)."""
+    from flowrl.config import load_config
+    from flowrl.policy import build_policy
+
+    policy = build_policy(load_config(None, ["train.threads=1"]), trainable=True)
+    model = policy.model
+    cases = []
+    for b in batches:
+        x = torch.randn(b, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+        sigma = torch.full((b,), 0.5)
+        cond = model.encode_prompt(["a bold handwritten 7"] * b)
+
+        def forward(x: torch.Tensor = x, sigma: torch.Tensor = sigma, cond: dict = cond) -> torch.Tensor:
+            return model.velocity(x, sigma, cond)
+
+        cases.append(Case("flowrl-digits", b, forward, model.transformer, torch.device("cpu")))
+    return cases
+
+
+def cuda_cases(names: list[str] | None, batches: list[int]) -> list[tuple[str, Callable[[], list[Case]]]]:
+    """``bench.gpu_measure``'s full-size transformers (random bf16 weights, the shipped LoRA), built one at a time."""
+    from bench.gpu_measure import _build, _models
+
+    def build(name: str, builder: Callable, inputs: Callable[[int], dict], targets: tuple, rank: int) -> list[Case]:
+        model = _build(builder, targets, rank)
+        cases = []
+        for b in batches:
+            x = inputs(b)
+
+            def forward(x: dict = x) -> torch.Tensor:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    return model(**x, return_dict=False)[0]
+
+            cases.append(Case(name, b, forward, model, torch.device("cuda")))
+        return cases
+
+    return [
+        (name, lambda n=name, spec=spec: build(n, *spec))
+        for name, spec in _models().items()
+        if names is None or name in names
+    ]
+
+
+HEADER = (
+    "| model | batch | backend | rollout ms | / auto | train ms | / auto | rollout max diff vs math |\n"
+    "|---|---:|---|---:|---:|---:|---:|---:|"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="the embedded model on the CPU instead of CUDA")
+    parser.add_argument("--models", nargs="+", default=None, help="subset of SD3.5-M FLUX.1-dev Wan2.1-1.3B")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="default: 4 16 on CUDA, 40 on the CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("bench.attention_backends needs CUDA for the full-size models; --cpu runs the embedded one")
+    where = "cpu, 1 thread, fp32" if args.cpu else f"{torch.cuda.get_device_name()}, bf16 autocast, random weights"
+    print(f"# attention backends: {where}, torch {torch.__version__}, median of {args.repeats}", flush=True)
+    print(HEADER, flush=True)
+    if args.cpu:
+        torch.set_num_threads(1)
+        groups = [("flowrl-digits", lambda: cpu_cases(args.batch or [40]))]
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        groups = cuda_cases(args.models, args.batch or [4, 16])
+    for _, build in groups:
+        cases = build()
+        for case in cases:
+            for row in measure(case, args.repeats):
+                print(row, flush=True)
+        for row in xformers_rows(cases, args.repeats):
+            print(row, flush=True)
+        cases = None  # free one full-size model before building the next
+        if not args.cpu:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..models.adapter import Cond, ModelAdapter, text_encoders
+from ..models.adapter import Cond, ModelAdapter, module_device, text_encoders
 from .wrapper import AdapterWrapper
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,7 +192,7 @@ class MemoryAdapter(AdapterWrapper):
     @property
     def compute_device(self) -> torch.device:
         """Where the denoiser runs; encoders and VAE are brought here for their phase."""
-        return torch.device(self._model.transformer.device)
+        return module_device(self._model.transformer)
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         """The wrapped velocity; under autocast the denoiser runs in bf16/fp16 and v comes back fp32."""
@@ -268,7 +268,7 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
     if isinstance(model, MemoryAdapter):
         return model
     transformer = model.transformer
-    set_attention_backend(transformer, memory.attention_backend, torch.device(transformer.device))
+    set_attention_backend(transformer, memory.attention_backend, module_device(transformer))
     if memory.gradient_checkpointing:
         enable_gradient_checkpointing(transformer)
     compile_denoiser(transformer, memory.compile)

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import Backend, nvfp4_fake_quantize
+from ..models.adapter import module_device
 from .fp8 import ScaledMMLinear, check_scaled_mm, fp8_fake_quantize
 from .lora import adapter_names
 
@@ -205,7 +206,7 @@ def _check_request(
         raise ValueError(f"activations=True applies to 'nvfp4' and 'fp8_e4m3'; got precision={precision!r}")
     if scaling not in ("tensor", "row"):
         raise ValueError(f"scaling must be 'tensor' or 'row'; got {scaling!r}")
-    device = _device(transformer)
+    device = module_device(transformer)
     if precision == "native_nvfp4":
         _check_native_nvfp4(device)
     if precision == "int8_dynamic" and device.type != "cpu":
@@ -261,10 +262,6 @@ def _lora_layers(module: nn.Module, adapter: str) -> list[tuple[str, Any]]:
 def _set_submodule(root: nn.Module, name: str, child: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, child)
-
-
-def _device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
 
 
 def _float_dtype(module: nn.Module) -> torch.dtype:

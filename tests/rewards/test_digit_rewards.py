@@ -13,11 +13,13 @@ from safetensors import safe_open
 from flowrl.rewards import RewardError, build_reward, digit_correctness, ink, ink_amount, score_reward
 from flowrl.rewards.digit_classifier import (
     DigitClassifier,
+    MaxPool2x2,
     augment,
     default_weights_path,
     digits_split,
     dilate,
     erode,
+    load_digit_classifier,
     train_digit_classifier,
 )
 from flowrl.rewards.digits import digit_from_prompt, prompt_style, to_gray8
@@ -182,3 +184,29 @@ def test_training_is_deterministic_and_augmentation_stays_in_range() -> None:
     assert aug.shape == x.shape and float(aug.min()) >= 0 and float(aug.max()) <= 1
     assert not torch.equal(aug, x)
     assert F.mse_loss(augment(x, torch.Generator().manual_seed(1)), aug) > 0
+
+
+@pytest.mark.parametrize("shape", [(40, 32, 8, 8), (3, 64, 4, 4), (1, 1, 2, 2), (5, 7, 9, 11), (2, 3, 2, 6)])
+def test_channels_last_pooling_is_max_pool2d_bit_for_bit(shape) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g)
+    x = torch.cat([x, (2 * x).round(), torch.zeros_like(x)])  # with ties: equal maxima in a window
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ref, ours = F.max_pool2d(a, 2), MaxPool2x2()(b)
+    assert ours.is_contiguous() and torch.equal(ours, ref)
+    grad = torch.randn(ref.shape, generator=g)
+    ref.backward(grad)
+    ours.backward(grad)
+    assert torch.equal(a.grad, b.grad)  # the gradient reaches the same elements
+
+
+def test_the_shipped_classifier_scores_as_with_torchs_pooling() -> None:
+    model = load_digit_classifier()
+    reference = DigitClassifier()
+    reference.load_state_dict(model.state_dict())
+    reference.features[4] = torch.nn.MaxPool2d(2)
+    reference.features[7] = torch.nn.MaxPool2d(2)
+    reference.eval()
+    x = torch.cat([digits_split(0)[2][:100], torch.rand(37, 1, 8, 8, generator=torch.Generator().manual_seed(0))])
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -23,8 +23,11 @@ iteration. On CUDA every timer boundary synchronises the device.
 | adapter | ``policy.model.velocity`` outside the forward: wrappers, guidance, casts, timestep |
 | sampler | SDE steps (``GaussianSDE``), rollout / solver / tree loops, outside the model |
 | objective | ``objective.loss`` outside model and sampler, ``after_update``, ``after_iteration`` |
-| decode | ``policy.model.decode`` (VAE) |
-| rewards | ``MultiReward`` (``__call__``, ``score_parts``, ``combine``) |
+| decode | ``policy.model.decode`` outside the VAE: scaling, casts, clamping, the adapter stack |
+| vae | the VAE's own ``decode`` (``pipe.vae.decode``: the decoder network) |
+| rewards | ``MultiReward`` (``__call__``, ``score_parts``, ``combine``) outside the reward networks: image
+  pre-processing, targets, checks, the deadline thread, the weighted sum |
+| reward_nets | ``forward`` of every ``nn.Module`` a reward component holds (the digit classifier, CLIP, ...) |
 | advantages | group / tree-edge advantages and ``objective.plan`` (micro-batch bookkeeping) |
 | data | ``Tensor.to/.cpu/.cuda/.float/.double`` outside the model (data movement and casts) |
 | optimizer | gradient clipping, ``optimizer.step`` with its guard snapshot and weight check |
@@ -33,7 +36,10 @@ iteration. On CUDA every timer boundary synchronises the device.
 
 Framework overhead = wall time outside the denoiser's forward and backward, as a share of the
 rollout (``Trainer.collect``) and of the training step (``Trainer.update``). Model-side work that
-is not the denoiser (decode, rewards) is overhead by that definition; the table gives both.
+is not the denoiser (the VAE, the reward networks) is overhead by that definition; the second table
+gives it three ways: outside the denoiser, outside every network (denoiser, VAE, reward networks:
+what is left is loops, casts, copies, pre-processing, checks and glue), and without decode and
+rewards at all.
 FLOPs of each phase are counted with ``FlopCounterMode`` (one extra, untimed iteration) and
 divided by the achieved matmul rate on the denoiser's shapes (``bench/flop_floor.py``): the floor.
 
@@ -79,7 +85,9 @@ CATEGORIES = (
     "sampler",
     "objective",
     "decode",
+    "vae",
     "rewards",
+    "reward_nets",
     "advantages",
     "data",
     "optimizer",
@@ -87,7 +95,8 @@ CATEGORIES = (
     "rest",
 )
 PHASES = ("collect", "update", "other")
-MODEL_CATEGORIES = ("forward", "backward")
+MODEL_CATEGORIES = ("forward", "backward")  # the denoiser's
+NETWORK_CATEGORIES = (*MODEL_CATEGORIES, "vae", "reward_nets")  # every network's
 SECTION = "## Where the time goes"
 DATA_METHODS = ("to", "cpu", "cuda", "float", "double")
 
@@ -190,6 +199,10 @@ def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> Non
     wrap(torch.Tensor, "backward", "backward")
     wrap(model, "velocity", "adapter")
     wrap(model, "decode", "decode")
+    if model.pipe.vae is not None:
+        wrap(model.pipe.vae, "decode", "vae")
+    for network in reward_networks(trainer.reward):
+        wrap(network, "forward", "reward_nets")
     wrap(GaussianSDE, "__call__", "sampler")
     wrap(chunked, "rollout", "sampler")
     wrap(ode_solve, "ode_solve", "sampler")
@@ -209,12 +222,22 @@ def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> Non
         method = getattr(torch.Tensor, name)
 
         def moved(*args: Any, _method: Callable = method, **kwargs: Any) -> Any:
-            if timers.inside("forward", "backward", "decode", "rewards", "data"):
+            if timers.inside(*NETWORK_CATEGORIES, "decode", "rewards", "data"):
                 return _method(*args, **kwargs)
             with timers.timed("data"):
                 return _method(*args, **kwargs)
 
         stack.enter_context(patched(torch.Tensor, name, moved))
+
+
+def reward_networks(reward: Any) -> list[torch.nn.Module]:
+    """The ``nn.Module`` s each reward component of a ``MultiReward`` holds (itself, or as an attribute)."""
+    found: dict[int, torch.nn.Module] = {}
+    for fn, _ in reward.rewards.values():
+        for value in (fn, *getattr(fn, "__dict__", {}).values()):
+            if isinstance(value, torch.nn.Module):
+                found[id(value)] = value
+    return list(found.values())
 
 
 def config_at(config: str, rev: str | None, folder: Path) -> str:
@@ -351,13 +374,19 @@ TINY64_PER_OBJECTIVE = {"branch_grpo": ["prompts.per_iteration=1", "prompts.grou
 
 
 def overheads(m: dict[str, Any]) -> dict[str, float]:
-    """Framework overhead shares: outside forward+backward, and also outside decode and rewards."""
+    """Framework overhead shares of each phase, three ways.
+
+    ``collect`` / ``update``: outside the denoiser's forward + backward; ``*_networks``: outside every
+    network's (denoiser, VAE, reward networks); ``*_framework``: outside decode and rewards as well.
+    """
     out = {}
     for phase in ("collect", "update"):
         wall = m[f"{phase}/wall"]
         model = sum(m[f"{phase}/{c}"] for c in MODEL_CATEGORIES)
-        side = m[f"{phase}/decode"] + m[f"{phase}/rewards"]
+        networks = sum(m.get(f"{phase}/{c}", 0.0) for c in NETWORK_CATEGORIES)
+        side = sum(m.get(f"{phase}/{c}", 0.0) for c in ("decode", "vae", "rewards", "reward_nets"))
         out[phase] = (wall - model) / wall if wall else 0.0
+        out[f"{phase}_networks"] = (wall - networks) / wall if wall else 0.0
         out[f"{phase}_framework"] = (wall - model - side) / wall if wall else 0.0
     return out
 
@@ -373,13 +402,14 @@ def table(results: dict[str, dict[str, dict[str, Any]]], rates: dict[str, dict[i
                 continue
             cells = []
             for c in CATEGORIES:
-                s = sum(m[f"{p}/{c}"] for p in PHASES)
+                s = sum(m.get(f"{p}/{c}", 0.0) for p in PHASES)
                 cells.append(f"{s:.3f} ({100 * s / m['wall']:.0f} %)")
             lines.append(f"| {model} | {name} | {m['wall']:.3f} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| model | objective | rollout s | overhead of rollout (without decode+rewards) | train step s "
-        "| overhead of train step (without decode+rewards) | rollout / FLOP floor | train step / FLOP floor "
+        "| model | objective | rollout s | overhead of rollout: outside the denoiser / outside every network "
+        "(without decode+rewards) | train step s | overhead of train step: outside the denoiser / outside every "
+        "network (without decode+rewards) | rollout / FLOP floor | train step / FLOP floor "
         "| GFLOP rollout (denoiser) | GFLOP train (denoiser) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -391,8 +421,9 @@ def table(results: dict[str, dict[str, dict[str, Any]]], rates: dict[str, dict[i
             o = overheads(m)
             floor_c, floor_u = m["collect/flops"] / rate, m["update/flops"] / rate
             lines.append(
-                f"| {model} | {name} | {m['collect/wall']:.3f} | {100 * o['collect']:.1f} % "
-                f"({100 * o['collect_framework']:.1f} %) | {m['update/wall']:.3f} | {100 * o['update']:.1f} % "
+                f"| {model} | {name} | {m['collect/wall']:.3f} | {100 * o['collect']:.1f} % / "
+                f"{100 * o['collect_networks']:.1f} % ({100 * o['collect_framework']:.1f} %) | "
+                f"{m['update/wall']:.3f} | {100 * o['update']:.1f} % / {100 * o['update_networks']:.1f} % "
                 f"({100 * o['update_framework']:.1f} %) | {m['collect/wall'] / floor_c:.1f}× | "
                 f"{m['update/wall'] / floor_u:.1f}× | {m['collect/flops'] / 1e9:.2f} "
                 f"({m['collect/model_flops'] / 1e9:.2f}) "
@@ -482,7 +513,8 @@ def _header(args: argparse.Namespace, load: list[str], load_end: list[str], rate
         for model, per in rates.items()
     )
     return (
-        f"Command: `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m bench.profile "
+        f"Command: `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python -m bench.profile "
+        f"--models {' '.join(args.models)} --objectives {' '.join(args.objectives)} "
         f"--iterations {args.iterations} --warmup {args.warmup} --device {args.device}"
         + (f" --config-rev {args.config_rev}" if args.config_rev else "")
         + "`. "

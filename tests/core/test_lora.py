@@ -1,5 +1,6 @@
 """LoRA: zero-init output identity, frozen base, and diffusers load_lora_weights interop."""
 
+import pytest
 import torch
 from conftest import tiny_sd3_pipeline
 
@@ -77,4 +78,30 @@ def test_frozen_copy_soft_update_and_switch(tiny_sd3):
     with use_adapter(tiny_sd3.transformer, "old"):
         v_old = tiny_sd3.velocity(x, s, c)
     assert not torch.allclose(v_old, tiny_sd3.velocity(x, s, c))
+    assert tiny_sd3.transformer.active_adapters() == ["default"]
+
+
+def test_use_adapter_switches_like_diffusers_and_restores_every_flag(tiny_sd3):
+    from flowrl.policy.lora import adapter_parameters, add_frozen_copy, use_adapter
+
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    for p in params:
+        p.data.normal_(0, 0.1)
+    add_frozen_copy(tiny_sd3.transformer, "old")
+    for p in adapter_parameters(tiny_sd3.transformer, "old").values():
+        p.data.add_(0.05)
+    x, s, c = _inputs(tiny_sd3)
+    tiny_sd3.transformer.set_adapter("old")  # diffusers' own switch, as the reference
+    v_reference = tiny_sd3.velocity(x, s, c)
+    tiny_sd3.transformer.set_adapter("default")
+    for p in params:
+        p.requires_grad_(False)  # a frozen policy (evaluation): flags other than peft's defaults survive
+    with use_adapter(tiny_sd3.transformer, "old"):
+        assert tiny_sd3.transformer.active_adapters() == ["old"]
+        torch.testing.assert_close(tiny_sd3.velocity(x, s, c), v_reference, rtol=0, atol=0)
+    assert tiny_sd3.transformer.active_adapters() == ["default"]
+    assert not any(p.requires_grad for n, p in tiny_sd3.transformer.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match="no LoRA adapter 'ema'; it has \\['default', 'old'\\]"):
+        with use_adapter(tiny_sd3.transformer, "ema"):
+            pass
     assert tiny_sd3.transformer.active_adapters() == ["default"]

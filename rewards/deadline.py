@@ -104,10 +104,14 @@ def call_with_deadline(
             done.set()
 
     worker = _worker()
-    worker.run(run, name)
-    if not done.wait(timeout_s):
-        _WORKERS.worker = None  # abandoned: it finishes the hung call on its own, then exits
-        worker.retire()
+    try:
+        worker.run(run, name)
+        finished = done.wait(timeout_s)
+    except BaseException:  # e.g. Ctrl-C while waiting: the next call must not queue behind this one
+        _abandon(worker)
+        raise
+    if not finished:
+        _abandon(worker)
         raise DeadlineExceeded(timeout_s)
     if "err" in box:
         raise box["err"]
@@ -159,6 +163,12 @@ class _Workers(threading.local):
 
 
 _WORKERS = _Workers()
+
+
+def _abandon(worker: _Worker) -> None:
+    """Leave ``worker`` to the call it is running (it exits when that returns); the next call gets a new one."""
+    _WORKERS.worker = None
+    worker.retire()
 
 
 def _worker() -> _Worker:

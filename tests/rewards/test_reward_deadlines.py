@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -225,3 +226,25 @@ def test_a_worker_abandoned_to_a_hung_call_is_replaced():
     quick(IMAGES, PROMPTS)
     assert started[2] is not started[1] and started[2].is_alive()
     assert started[1].is_alive()  # the abandoned worker still sleeps in the hung call
+
+
+def test_an_interrupted_wait_abandons_the_worker():
+    ran = []
+
+    def interrupting(images, prompts, **metadata):
+        ran.append(threading.current_thread())
+        time.sleep(0.2)  # the caller is waiting by now
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
+        time.sleep(10)
+        return torch.zeros(images.shape[0])
+
+    def record(images, prompts, **metadata):
+        ran.append(threading.current_thread())
+        return torch.zeros(images.shape[0])
+
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        MultiReward({"i": (interrupting, 1.0)})(IMAGES, PROMPTS)
+    assert time.perf_counter() - start < 8  # the wait ends with the signal, not with the call (10 s)
+    MultiReward({"q": (record, 1.0)})(IMAGES, PROMPTS)
+    assert ran[1] is not ran[0]  # the next call did not queue behind the interrupted one

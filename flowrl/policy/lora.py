@@ -105,12 +105,40 @@ def lora_mismatch(missing: int, unexpected: int) -> ValueError:
 
 @contextmanager
 def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
-    """Run the base model (the KL reference) by switching the LoRA adapter off temporarily."""
-    transformer.disable_adapters()
+    """Run the base model (the KL reference) by switching the LoRA adapters off temporarily.
+
+    Each LoRA layer is switched with peft's own ``BaseTunerLayer.enable_adapters``, as diffusers'
+    ``disable_adapters`` / ``enable_adapters`` do, on layers found once (see :func:`use_adapter`); the
+    ``requires_grad`` flags peft flips are restored on exit.
+    """
+    layers = _tuner_layers(transformer)
+    flags = _lora_flags(layers)
+    for layer in layers:
+        layer.enable_adapters(False)
     try:
         yield
     finally:
-        transformer.enable_adapters()
+        for layer in layers:
+            layer.enable_adapters(True)
+        _restore(flags)
+
+
+def _tuner_layers(transformer: nn.Module) -> list[nn.Module]:
+    """The transformer's peft LoRA layers (``BaseTunerLayer``), in module order."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _lora_flags(layers: Sequence[nn.Module]) -> list[tuple[nn.Parameter, bool]]:
+    """Every LoRA parameter of ``layers`` with its ``requires_grad`` flag."""
+    return [(p, p.requires_grad) for layer in layers for n, p in layer.named_parameters() if "lora_" in n]
+
+
+def _restore(flags: Sequence[tuple[nn.Parameter, bool]]) -> None:
+    """Set each parameter's ``requires_grad`` back to its recorded flag."""
+    for param, flag in flags:
+        param.requires_grad_(flag)
 
 
 def add_frozen_copy(transformer: nn.Module, name: str, source: str = "default") -> None:
@@ -157,8 +185,8 @@ def use_adapter(transformer: nn.Module, name: str) -> Iterator[None]:
 
     Switches each LoRA layer with peft's own ``BaseTunerLayer.set_adapter``, as diffusers'
     ``set_adapter`` does, but finds the layers once per switch and back (diffusers walks the whole
-    module tree with names on every call, and this runs once per micro-batch for DiffusionNFT's old
-    policy and the reference: 2.7 ms saved per use on the embedded model). peft flips
+    module tree with names and checks peft's version on every call, and this runs once per
+    micro-batch for DiffusionNFT's old policy: 2.7 ms saved per use on the embedded model). peft flips
     ``requires_grad`` when the active adapter changes; the flags are restored on exit.
 
     Raises:
@@ -169,10 +197,8 @@ def use_adapter(transformer: nn.Module, name: str) -> Iterator[None]:
         return
     if name not in adapter_names(transformer):
         raise ValueError(f"the denoiser has no LoRA adapter {name!r}; it has {adapter_names(transformer)}")
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
-    flags = [(p, p.requires_grad) for layer in layers for n, p in layer.named_parameters() if "lora_" in n]
+    layers = _tuner_layers(transformer)
+    flags = _lora_flags(layers)
     for layer in layers:
         layer.set_adapter(name)
     try:
@@ -180,8 +206,7 @@ def use_adapter(transformer: nn.Module, name: str) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.set_adapter("default")
-        for param, flag in flags:
-            param.requires_grad_(flag)
+        _restore(flags)
 
 
 def count_parameters(params: Sequence[torch.nn.Parameter]) -> int:

@@ -105,3 +105,28 @@ def test_use_adapter_switches_like_diffusers_and_restores_every_flag(tiny_sd3):
         with use_adapter(tiny_sd3.transformer, "ema"):
             pass
     assert tiny_sd3.transformer.active_adapters() == ["default"]
+
+
+def test_adapters_disabled_runs_the_base_model_like_diffusers_and_restores_every_flag(tiny_sd3):
+    from flowrl.policy.lora import adapters_disabled, add_frozen_copy
+
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    for p in params:
+        p.data.normal_(0, 0.1)
+    add_frozen_copy(tiny_sd3.transformer, "old")
+    x, s, c = _inputs(tiny_sd3)
+    tiny_sd3.transformer.disable_adapters()  # diffusers' own switch, as the reference
+    v_base = tiny_sd3.velocity(x, s, c)
+    tiny_sd3.transformer.enable_adapters()
+    v_lora = tiny_sd3.velocity(x, s, c)
+    assert not torch.equal(v_base, v_lora)
+    flags = {n: p.requires_grad for n, p in tiny_sd3.transformer.named_parameters()}
+    with adapters_disabled(tiny_sd3.transformer):
+        torch.testing.assert_close(tiny_sd3.velocity(x, s, c), v_base, rtol=0, atol=0)
+    torch.testing.assert_close(tiny_sd3.velocity(x, s, c), v_lora, rtol=0, atol=0)
+    assert {n: p.requires_grad for n, p in tiny_sd3.transformer.named_parameters()} == flags
+    for p in params:
+        p.requires_grad_(False)  # a frozen policy stays frozen (diffusers' enable_adapters would thaw it)
+    with adapters_disabled(tiny_sd3.transformer):
+        pass
+    assert not any(p.requires_grad for n, p in tiny_sd3.transformer.named_parameters() if "lora_" in n)

@@ -4,7 +4,8 @@ Two measurements, both on the real code:
 
 - ``count_flops(fn)``: ``torch.utils.flop_counter.FlopCounterMode`` around a call (a whole
   rollout or training step through the trainer), split into the denoiser's FLOPs and the rest
-  (VAE decode, reward models);
+  (VAE decode, reward models); torch.ao's dynamic int8 Linear (Sol-RL's CPU explore copy) is
+  counted too, as the matmul it computes;
 - ``matmul_rate(shapes, threads)``: achieved FLOP/s of ``torch.mm`` on the denoiser's own linear
   shapes (``linear_shapes`` reads them from the transformer's config: tokens from the latent
   shape and patch size, widths from heads x head dim), FLOP-weighted, at a given thread count.
@@ -28,13 +29,22 @@ from torch.utils.flop_counter import FlopCounterMode
 DENOISER = "SD3Transformer2DModel"
 
 
+def _int8_linear_flops(x_shape: torch.Size, *_: Any, out_shape: torch.Size, **__: Any) -> int:
+    """``quantized::linear_dynamic``: x (..., K) times a packed (N, K) int8 weight, 2 K N per row."""
+    return 2 * x_shape.numel() * out_shape[-1]
+
+
+QUANTISED_MATMULS = {torch.ops.quantized.linear_dynamic: _int8_linear_flops}  # FlopCounterMode keys: op packets
+
+
 def count_flops(fn: Callable[[], Any], denoiser: str = DENOISER) -> tuple[Any, float, float]:
     """Run ``fn`` under ``FlopCounterMode``; returns (its result, all FLOPs, the denoiser's FLOPs).
 
-    FLOPs are counted for matmuls, convolutions and attention (forward and backward), the ops
-    that dominate a transformer; elementwise ops are not counted (they are memory-bound).
+    FLOPs are counted for matmuls (torch's own, and the dynamic int8 Linear's), convolutions and
+    attention (forward and backward), the ops that dominate a transformer; elementwise ops are not
+    counted (they are memory-bound).
     """
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=QUANTISED_MATMULS) as counter:
         out = fn()
     counts = counter.get_flop_counts()
     total = float(sum(counts.get("Global", {}).values()))

@@ -55,13 +55,21 @@ def test_state_round_trip_and_mismatch_error(tiny_sd3):
         raise AssertionError("expected ValueError")
 
 
-def test_frozen_copy_soft_update_and_switch(tiny_sd3):
-    from flowrl.policy.lora import adapter_parameters, add_frozen_copy, soft_update, use_adapter
+def _lora_with_old(model):
+    """A random LoRA "default" on ``model`` and its frozen copy "old"; returns the default's parameters."""
+    from flowrl.policy.lora import add_frozen_copy
 
-    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    params = add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
     for p in params:
         p.data.normal_(0, 0.1)
-    add_frozen_copy(tiny_sd3.transformer, "old")
+    add_frozen_copy(model.transformer, "old")
+    return params
+
+
+def test_frozen_copy_soft_update_and_switch(tiny_sd3):
+    from flowrl.policy.lora import adapter_parameters, soft_update, use_adapter
+
+    params = _lora_with_old(tiny_sd3)
     x, s, c = _inputs(tiny_sd3)
     v_default = tiny_sd3.velocity(x, s, c)
     with use_adapter(tiny_sd3.transformer, "old"):
@@ -82,12 +90,9 @@ def test_frozen_copy_soft_update_and_switch(tiny_sd3):
 
 
 def test_use_adapter_switches_like_diffusers_and_restores_every_flag(tiny_sd3):
-    from flowrl.policy.lora import adapter_parameters, add_frozen_copy, use_adapter
+    from flowrl.policy.lora import adapter_parameters, use_adapter
 
-    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
-    for p in params:
-        p.data.normal_(0, 0.1)
-    add_frozen_copy(tiny_sd3.transformer, "old")
+    params = _lora_with_old(tiny_sd3)
     for p in adapter_parameters(tiny_sd3.transformer, "old").values():
         p.data.add_(0.05)
     x, s, c = _inputs(tiny_sd3)
@@ -108,12 +113,9 @@ def test_use_adapter_switches_like_diffusers_and_restores_every_flag(tiny_sd3):
 
 
 def test_adapters_disabled_runs_the_base_model_like_diffusers_and_restores_every_flag(tiny_sd3):
-    from flowrl.policy.lora import adapters_disabled, add_frozen_copy
+    from flowrl.policy.lora import adapters_disabled
 
-    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
-    for p in params:
-        p.data.normal_(0, 0.1)
-    add_frozen_copy(tiny_sd3.transformer, "old")
+    params = _lora_with_old(tiny_sd3)
     x, s, c = _inputs(tiny_sd3)
     tiny_sd3.transformer.disable_adapters()  # diffusers' own switch, as the reference
     v_base = tiny_sd3.velocity(x, s, c)

@@ -8,8 +8,9 @@ Each objective's shipped config (``configs/<algo>/digits.yaml``) is built by ``f
 ``Trainer.train_step`` runs ``--warmup`` + ``--iterations`` times; the rest of a real iteration
 (``MetricsLogger.log`` and the checkpoint, amortised over ``train.save_every``) is timed beside it.
 Periodic evaluation is not part of an iteration and is left out; its side effect, a warm prompt
-cache, is kept (``warm_prompts``). Scoring runs inline (``train.rewards_async=false``) so decode and
-rewards are attributed, not overlapped.
+cache, is kept (``Trainer.warm_prompts``: otherwise BranchGRPO, 10 of its 20 prompts per
+iteration, would time first-time prompt encodings). Scoring runs inline
+(``train.rewards_async=false``) so decode and rewards are attributed, not overlapped.
 
 Attribution: the functions below are wrapped at runtime with timers (the wrappers call the real
 function; nothing is replaced); each category gets the time spent inside its functions minus the
@@ -316,7 +317,7 @@ def profile_objective(name: str, config: str, overrides: list[str], args: argpar
         run = run_for(config_at(config, args.config_rev, Path(tmp)), overrides, Path(tmp) / "run")
         run.out.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(run.out, resume_step=None)
-        warm_prompts(run.trainer)
+        run.trainer.warm_prompts()  # as the run's start evaluation does; a timed iteration encodes nothing new
         timers = Timers(sync)
         rows = []
         with contextlib.ExitStack() as stack:
@@ -336,17 +337,6 @@ def profile_objective(name: str, config: str, overrides: list[str], args: argpar
     med["latent_shape"] = list(trainer.latent_shape)
     med["samples"] = run.cfg.prompts.per_iteration * run.cfg.prompts.group_size
     return med
-
-
-def warm_prompts(trainer: Any) -> None:
-    """Encode every train and eval prompt once, as ``flowrl train``'s start evaluation does.
-
-    A run encodes each distinct prompt once (``PromptCache``); the run's first evaluation encodes the
-    eval prompts before iteration 1. The profile leaves evaluation out, so without this a config that
-    samples fewer prompts per iteration than it has (BranchGRPO: 10 of 20) would time first-time
-    encodings in its timed iterations: cost of the run's start, not of an iteration.
-    """
-    trainer.prompt_cache.warm([p.text for p in trainer.train_prompts + trainer.eval_prompts])
 
 
 def tiny_sd3_64(folder: Path, seed: int = 0) -> Path:

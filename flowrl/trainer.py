@@ -181,8 +181,16 @@ class Trainer:
         Under true CFG each cached entry already holds the negative prompt's tensors
         (``GuidedAdapter.encode_prompt``), so nothing else needs the encoders afterwards.
         """
-        self.prompt_cache.warm([p.text for p in self.train_prompts + self.eval_prompts])
+        self.warm_prompts()
         self.model.free_text_encoders()
+
+    def warm_prompts(self) -> int:
+        """Encode every train and eval prompt not cached yet (as a run's start evaluation does for its own).
+
+        Returns:
+            How many prompts had to be encoded.
+        """
+        return self.prompt_cache.warm([p.text for p in self.train_prompts + self.eval_prompts])
 
     # -- one iteration -------------------------------------------------------------------------
 

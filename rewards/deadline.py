@@ -174,6 +174,6 @@ def _abandon(worker: _Worker) -> None:
 def _worker() -> _Worker:
     """The calling thread's worker, started on first use (and anew in a forked child, where it does not run)."""
     worker = _WORKERS.worker
-    if worker is None or worker.pid != os.getpid() or not worker.thread.is_alive():
+    if worker is None or worker.pid != os.getpid():
         worker = _WORKERS.worker = _Worker(threading.current_thread())
     return worker

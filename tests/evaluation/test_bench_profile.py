@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from bench.profile import CATEGORIES, overheads, profile_objective, reward_networks, run_for, warm_prompts
+from bench.profile import CATEGORIES, overheads, profile_objective, reward_networks, run_for
 
 
 def test_overheads_are_shares_of_the_phase_outside_the_denoiser():
@@ -26,7 +26,7 @@ def test_warm_prompts_leaves_no_first_time_encoding_to_a_timed_iteration(tmp_pat
     # BranchGRPO samples 10 of its 20 prompts per iteration: cold, its early iterations encode prompts
     run = run_for("configs/branch/digits.yaml", ["train.threads=1"], tmp_path / "run")
     trainer = run.trainer
-    warm_prompts(trainer)
+    trainer.warm_prompts()
     misses = trainer.prompt_cache.misses
     assert misses == 20
     for _ in range(2):

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -56,8 +57,7 @@ def row(kernel: str, shape: tuple, dtype: torch.dtype, backend: str, seconds: fl
     )
 
 
-def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> list[str]:
-    rows = []
+def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
     for shape in NVFP4_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
@@ -73,12 +73,10 @@ def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> list[
                     seconds = timed(fn, device, repeats)
                     nbytes = nvfp4_bytes(numel, x.element_size(), op)
                     flops = NVFP4_OPS_PER_ELEMENT[op] * numel
-                    rows.append(row(f"nvfp4 {op}", shape, dtype, backend, seconds, nbytes, flops))
-    return rows
+                    yield row(f"nvfp4 {op}", shape, dtype, backend, seconds, nbytes, flops)
 
 
-def sde_rows(device: torch.device, backends: list[str], repeats: int) -> list[str]:
-    rows = []
+def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
     for shape in SDE_SHAPES:
         g = torch.Generator().manual_seed(0)
         x, v, z = (torch.randn(shape, generator=g).to(device) for _ in range(3))
@@ -93,8 +91,7 @@ def sde_rows(device: torch.device, backends: list[str], repeats: int) -> list[st
                 )
                 nbytes = flow_sde_bytes(x.numel(), 4, score=mode == "score")
                 flops = FLOPS_PER_ELEMENT[mode] * x.numel()
-                rows.append(row(f"flow_sde {mode}", shape, torch.float32, backend, seconds, nbytes, flops))
-    return rows
+                yield row(f"flow_sde {mode}", shape, torch.float32, backend, seconds, nbytes, flops)
 
 
 def machine() -> str:
@@ -118,8 +115,8 @@ def main() -> None:
     print(f"Machine: {machine()}\n")
     print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    for line in nvfp4_rows(device, backends, args.repeats) + sde_rows(device, backends, args.repeats):
-        print(line, flush=True)
+    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats), sde_rows(device, backends, args.repeats)):
+        print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
 
 
 if __name__ == "__main__":

@@ -361,6 +361,9 @@ TINY64 = [  # 4 prompts x group 4, 10 steps, chunks of 16, LoRA r8 (the peer com
     "sampler.chunk_size=16",
 ]
 TINY64_PER_OBJECTIVE = {"branch_grpo": ["prompts.per_iteration=1", "prompts.group_size=16"]}
+# the shipped Sol-RL config explores with torch.ao's int8 copy, a CPU-only path; a GPU explores in FP8 E4M3
+# on ``torch._scaled_mm`` (configs/solrl/flux1dev_pickscore.yaml on an H100; the config check suggests it too)
+CUDA_PER_OBJECTIVE = {"sol_rl": ["solrl.precision=fp8_e4m3"]}
 
 
 def overheads(m: dict[str, Any]) -> dict[str, float]:
@@ -483,6 +486,7 @@ def _profile_or_reason(name: str, model: str, overrides: list[str], args: argpar
     if args.config_rev is None and not Path(config).is_file():
         return {"missing": f"not wired ({config} missing)"}
     per = TINY64_PER_OBJECTIVE.get(name, []) if model == "tiny64" else []
+    per += CUDA_PER_OBJECTIVE.get(name, []) if args.device == "cuda" else []
     try:
         out = profile_objective(name, config, [*overrides, *per], args)
     except Exception as err:  # the other objectives' numbers are still worth having

@@ -132,10 +132,15 @@ def shard_transformer(transformer: nn.Module, collective: Collective) -> list[nn
     if plugin is not None:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        # the shipped launcher config lists every family's block class; accelerate refuses names the model lacks
+        # the shipped launcher config lists every family's block class; accelerate refuses names the model lacks.
+        # Narrowed for this call only: the plugin is the launch's, and a later model of another family sharded in
+        # the same process (bench.fsdp2_memory: SD3.5-M, then FLUX.1) needs the whole list again.
         names = plugin.transformer_cls_names_to_wrap
         plugin.transformer_cls_names_to_wrap = [c.__name__ for c in block_classes(transformer, names)]
-        fsdp2_prepare_model(collective.accelerator, transformer)
+        try:
+            fsdp2_prepare_model(collective.accelerator, transformer)
+        finally:
+            plugin.transformer_cls_names_to_wrap = names
     else:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -130,7 +130,8 @@ class SolRL:
         batch, info = collect_rollouts(ctx, t.rollout_kind, prompts, cond)
         seconds = time.perf_counter() - start
         explored = torch.gather(stage1.rewards, 1, chosen)
-        info.update(self.diagnostics(stage1, explored, batch.global_rewards.double().reshape(num_prompts, k), seconds))
+        regenerated = batch.global_rewards.detach().double().cpu().reshape(num_prompts, k)
+        info.update(self.diagnostics(stage1, explored, regenerated, seconds))
         return batch, info
 
     def explore_stage(self, prompts: PromptBatch, num_prompts: int, k: int) -> Stage1:
@@ -157,7 +158,8 @@ class SolRL:
                         on_chunk=scorer.submit,
                     )
                 _, scored = scorer.result(samples)  # the explore images are dropped: only (seed, reward) is kept
-            rewards[mine] = fill_missing(scored.total.double().reshape(len(mine), n))
+            # the stage-1 table lives on the CPU (seeds, selection, diagnostics): GPU-scored rewards come over
+            rewards[mine] = fill_missing(scored.total.detach().double().cpu().reshape(len(mine), n))
         rewards = t.collective.sum(rewards)
         return Stage1(seeds, rewards, time.perf_counter() - start)
 

@@ -208,6 +208,44 @@ def test_block_classes_keep_the_models_own(tiny_sd3):
         block_classes(transformer, ["FluxTransformerBlock"])
 
 
+def test_accelerate_wrap_list_is_narrowed_per_model_and_restored(tiny_sd3, monkeypatch):
+    """Found on an H100 (2026-11-27): after SD3.5-M, FLUX.1 in the same process saw only JointTransformerBlock."""
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    from accelerate import FullyShardedDataParallelPlugin
+    from diffusers import FluxTransformer2DModel
+
+    from flowrl.sharding import shard_transformer
+
+    launch = "JointTransformerBlock,FluxTransformerBlock,FluxSingleTransformerBlock,WanTransformerBlock".split(",")
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=list(launch)
+    )
+    seen = []
+    # accelerate's fsdp2_prepare_model needs an FSDP launch on GPUs; here it records what it would wrap
+    monkeypatch.setattr(
+        fsdp_utils, "fsdp2_prepare_model", lambda acc, model: seen.append(plugin.transformer_cls_names_to_wrap)
+    )
+
+    class FsdpLaunch:  # the two things shard_transformer reads of an accelerate FSDP launch
+        fsdp_plugin, accelerator, rank, world_size = plugin, None, 0, 1
+
+    flux = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=[2, 2, 4],
+    )
+    for transformer in (tiny_sd3.transformer, flux):
+        shard_transformer(transformer, FsdpLaunch())
+        assert plugin.transformer_cls_names_to_wrap == launch
+    assert seen == [["JointTransformerBlock"], ["FluxSingleTransformerBlock", "FluxTransformerBlock"]]
+
+
 def test_ranks_pair_their_micro_batches_and_pad_with_one_row_placeholders():
     from flowrl.distributed import derive_geometry
     from flowrl.objectives.base import Microbatch, RolloutBatch

@@ -89,34 +89,69 @@ def _failure(err: RuntimeError) -> str:
     return line[:90]
 
 
-def measure(case: Case, repeats: int) -> list[str]:
-    """Table rows for every backend on one case: rollout ms, train ms, each over "auto", difference from math.
+LAST = (("cudnn", True), ("auto", True))
+"""Run after every other pass, one at a time: cuDNN's SDPA backward (which "auto" picks on an H100) hit an
+illegal memory access on FLUX.1 at batch 4 (2026-11-27, torch 2.11.0+cu130), which ends the process's CUDA
+context; the passes measured before it keep their rows."""
 
-    Every (backend, pass) that runs is warmed up once, then the repeats alternate between them, so a
-    change of the host's load falls on every backend alike.
+
+class ContextLost(RuntimeError):
+    """A pass broke the CUDA context (e.g. an illegal memory access): nothing more can run in this process."""
+
+
+def _warm(case: Case, key: tuple[str, bool], failed: dict, reference: torch.Tensor, diffs: dict) -> Callable | None:
+    """The key's call after one warm-up run, or None (its refusal recorded in ``failed``).
+
+    Raises:
+        ContextLost: the pass broke the CUDA context (recorded in ``failed`` too).
+    """
+    label, train = key
+    call = functools.partial(run_pass, case, BACKENDS[label], train)
+    try:
+        out = call()
+    except torch.AcceleratorError as err:  # sticky: every later CUDA call of the process fails
+        failed[key] = f"{_failure(err)} (CUDA context lost)"
+        raise ContextLost(failed[key]) from err
+    except RuntimeError as err:  # torch.cuda.OutOfMemoryError included: the math kernel at FLUX's size
+        case.module.zero_grad(set_to_none=True)
+        if case.device.type == "cuda":
+            torch.cuda.empty_cache()
+        failed[key] = _failure(err)
+        return None
+    if not train:
+        diffs[label] = f"{(out.float() - reference).abs().max().item():.1e}"
+    return call
+
+
+def measure(case: Case, repeats: int) -> tuple[list[str], bool]:
+    """Table rows for every backend on one case, and whether the CUDA context was lost on the way.
+
+    A row holds rollout ms, train ms, each over "auto", and the rollout's difference from math. Every
+    (backend, pass) that runs is warmed up once, then the repeats alternate between them, so a change of
+    the host's load falls on every backend alike; the passes of :data:`LAST` follow, each warmed up and
+    timed on its own.
     """
     reference = run_pass(case, BACKENDS["math"], train=False).float()
-    calls: dict[tuple[str, bool], Callable[[], torch.Tensor]] = {}
     failed: dict[tuple[str, bool], str] = {}
     diffs: dict[str, str] = {}
-    for label, backend in BACKENDS.items():
-        for train in (False, True):
-            call = functools.partial(run_pass, case, backend, train)
-            try:
-                out = call()
-            except RuntimeError as err:  # torch.cuda.OutOfMemoryError included: the math kernel at FLUX's size
-                case.module.zero_grad(set_to_none=True)
-                if case.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                failed[(label, train)] = _failure(err)
-                continue
-            calls[(label, train)] = call
-            if not train:
-                diffs[label] = f"{(out.float() - reference).abs().max().item():.1e}"
+    keys = [(label, train) for train in (False, True) for label in BACKENDS if (label, train) not in LAST]
+    calls = {key: call for key in keys if (call := _warm(case, key, failed, reference, diffs)) is not None}
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in calls}
     for _ in range(repeats):
         for key, call in calls.items():
             times[key].append(timed_once(call, case.device))
+    lost = False
+    for key in LAST:
+        if lost:
+            failed[key] = "not run: the CUDA context was lost"
+            continue
+        try:
+            call = _warm(case, key, failed, reference, diffs)
+        except ContextLost:
+            lost = True
+            continue
+        if call is not None:
+            times[key] = [timed_once(call, case.device) for _ in range(repeats)]
     medians = {key: statistics.median(values) for key, values in times.items()}
     rows = []
     for label in BACKENDS:
@@ -129,7 +164,7 @@ def measure(case: Case, repeats: int) -> list[str]:
             seconds = medians[(label, train)]
             cells += [f"{seconds * 1e3:,.2f}", f"{seconds / auto:.2f}" if auto else ""]
         rows.append(f"| {case.model} | {case.batch} | {label} | {' | '.join(cells)} | {diffs.get(label, '')} |")
-    return rows
+    return rows, lost
 
 
 def xformers_rows(cases: list[Case], repeats: int) -> list[str]:
@@ -224,11 +259,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
         groups = cuda_cases(args.models, args.batch or [4, 16])
-    for _, build in groups:
+    for name, build in groups:
         cases = build()
         for case in cases:
-            for row in measure(case, args.repeats):
-                print(row, flush=True)
+            rows, lost = measure(case, args.repeats)
+            print("\n".join(rows), flush=True)
+            if lost:
+                print(
+                    f"# {name} at batch {case.batch} broke the CUDA context: the cases after it are not run", flush=True
+                )
+                return
         for row in xformers_rows(cases, args.repeats):
             print(row, flush=True)
         cases = None  # free one full-size model before building the next

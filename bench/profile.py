@@ -56,6 +56,7 @@ import contextlib
 import functools
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -417,8 +418,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]], rates: dict[str, dict[i
                 f"| {model} | {name} | {m['collect/wall']:.3f} | {100 * o['collect']:.1f} % / "
                 f"{100 * o['collect_networks']:.1f} % ({100 * o['collect_framework']:.1f} %) | "
                 f"{m['update/wall']:.3f} | {100 * o['update']:.1f} % / {100 * o['update_networks']:.1f} % "
-                f"({100 * o['update_framework']:.1f} %) | {m['collect/wall'] / floor_c:.1f}× | "
-                f"{m['update/wall'] / floor_u:.1f}× | {m['collect/flops'] / 1e9:.2f} "
+                f"({100 * o['update_framework']:.1f} %) | {_times(m['collect/wall'], floor_c)} | "
+                f"{_times(m['update/wall'], floor_u)} | {m['collect/flops'] / 1e9:.2f} "
                 f"({m['collect/model_flops'] / 1e9:.2f}) "
                 f"| {m['update/flops'] / 1e9:.2f} ({m['update/model_flops'] / 1e9:.2f}) |"
             )
@@ -499,6 +500,11 @@ def _summary(out: dict[str, Any]) -> str:
     return out["missing"] if "missing" in out else f"{out['wall']:.3f} s/iteration"
 
 
+def _times(wall: float, floor: float) -> str:
+    """``wall`` over the FLOP floor, or "-" where no floor was measured (a CUDA run: the CPU matmul rate is not its)."""
+    return f"{wall / floor:.1f}×" if math.isfinite(floor) else "-"
+
+
 def _header(args: argparse.Namespace, load: list[str], load_end: list[str], rates: dict[str, dict[int, float]]) -> str:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -515,8 +521,13 @@ def _header(args: argparse.Namespace, load: list[str], load_end: list[str], rate
         f"Machine: {device}, {os.cpu_count()} cores, torch {torch.__version__}, 1 torch thread; load average "
         f"{' '.join(load)} at the start, {' '.join(load_end)} at the end. Date: {date}. "
         f"Medians of {args.iterations} iterations after {args.warmup} warm-up; the categories are medians too, "
-        "so they need not add up to the iteration exactly. Achieved fp32 matmul rate on each model's denoiser "
-        f"linear shapes ({rate_text or 'not measured'}); the floor uses the best rate of the model."
+        "so they need not add up to the iteration exactly. "
+        + (
+            "Every timer boundary synchronises the GPU; no FLOP floor (the floor is the CPU's matmul rate)."
+            if args.device == "cuda"
+            else "Achieved fp32 matmul rate on each model's denoiser "
+            f"linear shapes ({rate_text or 'not measured'}); the floor uses the best rate of the model."
+        )
     )
 
 

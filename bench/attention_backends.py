@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib.util
 import statistics
 import time
@@ -113,10 +114,12 @@ def _warm(case: Case, key: tuple[str, bool], failed: dict, reference: torch.Tens
         failed[key] = f"{_failure(err)} (CUDA context lost)"
         raise ContextLost(failed[key]) from err
     except RuntimeError as err:  # torch.cuda.OutOfMemoryError included: the math kernel at FLUX's size
+        failed[key] = _failure(err)
+    if key in failed:  # freed after the except block, whose traceback held the failed pass's activations
         case.module.zero_grad(set_to_none=True)
+        gc.collect()
         if case.device.type == "cuda":
             torch.cuda.empty_cache()
-        failed[key] = _failure(err)
         return None
     if not train:
         diffs[label] = f"{(out.float() - reference).abs().max().item():.1e}"

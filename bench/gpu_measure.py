@@ -24,6 +24,7 @@ Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5]
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Callable
@@ -119,6 +120,19 @@ def _flops(fn: Callable[[], None], model: torch.nn.Module) -> float:
     return counter.get_total_flops()
 
 
+def _release(model: torch.nn.Module) -> None:
+    """Free what a failed pass left on the GPU; called after its ``except`` block has ended.
+
+    Inside that block the exception's traceback still holds the failed pass's frames and their
+    activations, so ``empty_cache`` there frees nothing. Likely why FLUX.1's checkpointed training pass at
+    batch 16 ran out of memory right after the plain one did (2026-11-27, H100; at batch 4 it peaked at
+    26.9 GiB, about 0.9 GiB a sample): not yet rerun.
+    """
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _peak(fn: Callable[[], None]) -> float:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -164,6 +178,7 @@ def measure(
             cases = [("rollout", rollout)] if not ckpt else []
             cases.append(("train, checkpointing" if ckpt else "train", train))
             for case, fn in cases:
+                why = None
                 try:
                     seconds, warmup = _time(fn, repeats)
                     flops = _flops(fn, model)
@@ -172,13 +187,13 @@ def measure(
                     torch.cuda.OutOfMemoryError,
                     RuntimeError,
                 ) as err:  # cuBLAS reports some OOMs as internal errors
-                    model.zero_grad(set_to_none=True)
-                    torch.cuda.empty_cache()
                     why = (
                         "out of memory"
                         if isinstance(err, torch.cuda.OutOfMemoryError)
                         else str(err).splitlines()[0][:60]
                     )
+                if why is not None:
+                    _release(model)
                     print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | | |", flush=True)
                     continue
                 print(

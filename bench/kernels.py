@@ -4,16 +4,22 @@ Usage::
 
     python -m bench.kernels [--repeats 5] [--threads N]
 
-Prints one Markdown table: kernel, shape, dtype, backend, median time, the bytes the kernel
+Prints a Markdown table: kernel, shape, dtype, backend, median time, the bytes the kernel
 moves (its minimum traffic, the numbers in the kernels' docstrings), the effective bandwidth
 (bytes / time) and the H100 SXM roofline time for the same bytes and FLOPs. On a CPU only the
 torch reference runs; with CUDA both the reference and the Triton kernel run on the GPU.
+
+The fused Flow-SDE step has its own table, for one sigma for the batch (Python floats) and for
+per-sample (B,) tensors: the synchronised wall time per call (what a sampling loop pays, host work
+included) and, on CUDA, the kernel-only GPU time per call (:func:`gpu_seconds`), from which its
+"effective" bandwidth is computed (from the wall time on a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import os
 import platform
@@ -76,22 +82,64 @@ def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> Itera
                     yield row(f"nvfp4 {op}", shape, dtype, backend, seconds, nbytes, flops)
 
 
+SDE_HEADER = (
+    "| kernel | shape | dtype | sigma | backend | wall / call | GPU / call | bytes moved | effective | H100 roofline |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+)
+
+
+def gpu_seconds(fn: Callable[[], object], wall: float, calls: int = 20) -> float:
+    """Kernel-only GPU seconds per call on CUDA: CUDA events around ``calls`` calls queued behind a spin.
+
+    ``torch.cuda._sleep`` keeps the GPU busy (about 4 x the calls' wall time at <= 2 GHz) while the
+    host queues the calls, so the events time their kernels back to back, without the host's launch
+    gaps (an upper bound should the spin end first). Inputs that fit in L2 stay there between calls.
+    """
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(min(int(4 * calls * wall * 2e9), 2**31 - 1))
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def sde_row(case: tuple, backend: str, wall: float, gpu: float | None, nbytes: int, flops: int) -> str:
+    """One flow_sde row; ``effective`` is bytes / GPU time on CUDA, bytes / wall time on a CPU."""
+    mode, shape, form = case
+    gpu_text = "-" if gpu is None else f"{gpu * 1e3:.3f} ms"
+    return (
+        f"| flow_sde {mode} | {'x'.join(map(str, shape))} | float32 | {form} | {backend} | {wall * 1e3:.3f} ms "
+        f"| {gpu_text} | {nbytes / 1e6:.1f} MB | {nbytes / (gpu or wall) / 1e9:.2f} GB/s "
+        f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+    )
+
+
+def sde_coefficients(form: str, batch: int, device: torch.device) -> tuple:
+    """sigma, sigma_next, level: Python floats ("scalar", one sigma for the batch) or (B,) tensors."""
+    if form == "scalar":
+        return 0.7, 0.6, 0.7
+    return tuple(torch.full((batch,), value, device=device) for value in (0.7, 0.6, 0.7))
+
+
 def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
+    """flow_sde rows (:data:`SDE_HEADER`): per shape, scalar and (B,) sigmas, each backend, sampling and scoring."""
     for shape in SDE_SHAPES:
         g = torch.Generator().manual_seed(0)
         x, v, z = (torch.randn(shape, generator=g).to(device) for _ in range(3))
-        sigma = torch.full((shape[0],), 0.7, device=device)
-        for backend in backends:
-            step = fused_flow_sde_step(x, v, sigma, sigma - 0.1, 0.7, noise=z, backend=backend)
-            for mode, kwargs in (("sample", {"noise": z}), ("score", {"prev_sample": step.sample})):
-                seconds = timed(
-                    lambda kw=kwargs: fused_flow_sde_step(x, v, sigma, sigma - 0.1, 0.7, backend=backend, **kw),
-                    device,
-                    repeats,
-                )
+        for form, backend in itertools.product(("scalar", "(B,)"), backends):
+            step = sde_coefficients(form, shape[0], device)
+            stored = fused_flow_sde_step(x, v, *step, noise=z, backend=backend).sample
+            for mode, kwargs in (("sample", {"noise": z}), ("score", {"prev_sample": stored})):
+                fn = functools.partial(fused_flow_sde_step, x, v, *step, backend=backend, **kwargs)
+                wall = timed(fn, device, repeats)
+                gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
                 nbytes = flow_sde_bytes(x.numel(), 4, score=mode == "score")
                 flops = FLOPS_PER_ELEMENT[mode] * x.numel()
-                yield row(f"flow_sde {mode}", shape, torch.float32, backend, seconds, nbytes, flops)
+                yield sde_row((mode, shape, form), backend, wall, gpu, nbytes, flops)
 
 
 def machine() -> str:
@@ -115,8 +163,11 @@ def main() -> None:
     print(f"Machine: {machine()}\n")
     print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats), sde_rows(device, backends, args.repeats)):
+    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats)):
         print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
+    print("\n" + "\n".join(SDE_HEADER), flush=True)
+    for line in sde_rows(device, backends, args.repeats):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

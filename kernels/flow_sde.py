@@ -8,8 +8,17 @@ computes, per element and in fp32,
     x'   = mean + std * z                      (or the stored x' when scoring)
     lp   = -(x' - mean)^2 / (2 std^2) - log std - log(2 pi) / 2   (0 where std = 0)
 
-with the per-sample ``s`` and ``std`` taken from the reference (:func:`flowrl.samplers.flow_sde.flow_sde_moments`
-on (B, 1) tensors), and sums ``lp`` per sample ("mean" divides by the element count).
+with ``dt = sigma_next - sigma``, ``s = a sqrt(sigma / (1 - sigma~))`` (``sigma~`` = sigma_next where
+sigma >= 1) and ``std = s sqrt(sigma - sigma_next)`` computed per sample inside the kernel, the equations
+of :func:`flowrl.samplers.flow_sde.flow_sde_diffusion` and :func:`~flowrl.samplers.flow_sde.flow_sde_moments`
+(IEEE-rounded divisions and square roots, like torch's), and sums ``lp`` per sample ("mean" scales
+by 1 / the element count in the kernel).
+
+Host path: scalar sigma / sigma_next / level go to the kernel as Python floats, per-sample ones as
+(B,) fp32 tensors (a 0-d tensor on the device is read in place, no ``.item()`` sync); inputs whose
+samples are contiguous runs are read in place. A call with given noise is therefore one kernel launch
+plus the output allocations, and one more launch (the sum of the (B, chunks) partials) for samples
+longer than :data:`~flowrl.kernels.flow_sde_triton.ROW_BLOCKS` blocks of 1024 elements.
 
 Cost per latent element, fp32 inputs: the reference's ~23 elementwise passes move about 200 B;
 the kernel reads x, v, z (12 B) and writes x' and the mean (8 B): **20 B** (scoring: 16 B), for
@@ -23,21 +32,14 @@ References:
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
 # absolute, not ``..samplers``: with the repo root on sys.path (``python -m`` from a checkout),
 # transformers' probe for Hugging Face's ``kernels`` imports this folder as a top-level ``kernels``
-from flowrl.samplers import (
-    SDEStep,
-    batch_view,
-    compute_dtype,
-    expand_like,
-    flow_sde_diffusion,
-    flow_sde_step,
-    standard_normal,
-)
-from flowrl.samplers.flow_sde import flow_sde_moments
+from flowrl.samplers import SDEStep, batch_view, compute_dtype, flow_sde_step, standard_normal
 from flowrl.samplers.gaussian import Reduction
 
 from .dispatch import Backend, resolve_backend
@@ -63,9 +65,11 @@ def fused_flow_sde_step(
     Args:
         x: (B, ...) latent at sigma.
         v: (B, ...) velocity at (x, sigma).
-        sigma: scalar or (B,), in (0, 1].
+        sigma: scalar or (B,), in (0, 1]. A Python number (or a 0-d CPU tensor for a CUDA latent) goes to
+            the kernel as a float; a (B,) or 0-d tensor on x's device is read by the kernel (cast to fp32
+            first if it is not).
         sigma_next: scalar or (B,), in [0, sigma).
-        level: the ``a`` noise knob, scalar or (B,); 0 gives the Euler ODE step.
+        level: the ``a`` noise knob, scalar or (B,); 0 gives the Euler ODE step (std 0, log-prob 0).
         noise: optional (B, ...) standard normal; drawn with ``generator`` when None (as the reference).
         generator: RNG for the noise.
         prev_sample: a stored x' to score instead of sampling.
@@ -78,28 +82,57 @@ def fused_flow_sde_step(
 
     Raises:
         ValueError: a bad ``reduce``, mismatched shapes, or "triton" asked for fp64 inputs.
+        TypeError: sigma, sigma_next or level neither a real number nor a tensor (Triton path).
     """
     which = resolve_backend(backend, x, v)
     wide = compute_dtype(x, v) == torch.float64
-    if which == "torch" or (wide and backend == "auto"):
+    if which == "torch" or (wide and backend == "auto") or (x.numel() == 0 and not wide):
         return flow_sde_step(
             x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
         )
     _check(x, v, noise, prev_sample, reduce, wide)
     from .flow_sde_triton import flow_sde_triton
 
-    B = x.shape[0]
-    zeros = x.new_zeros((B, 1), dtype=torch.float32)
-    sig, sig_next, lvl = (expand_like(t, zeros).reshape(-1).expand(B).contiguous() for t in (sigma, sigma_next, level))
-    s = flow_sde_diffusion(sig, sig_next, lvl)
-    _, std = flow_sde_moments(zeros, zeros, sig[:, None], sig_next[:, None], lvl[:, None])
+    coefficients = [_coefficient(name, value, x) for name, value in zip(_NAMES, (sigma, sigma_next, level))]
     score = prev_sample is not None
     eps = prev_sample if score else (noise if noise is not None else standard_normal(x, generator))
-    flat = [t.reshape(B, -1).contiguous() for t in (x, v, eps)]
-    sample, mean, total = flow_sde_triton(*flat, sig, sig_next, s, std[:, 0].contiguous(), score=score)
-    log_prob = total / flat[0].shape[1] if reduce == "mean" else total
-    sample = prev_sample.to(torch.float32) if score else sample.view(x.shape)
-    return SDEStep(sample, mean.view(x.shape), batch_view(std[:, 0], x.ndim), log_prob)
+    write_sample = not score or prev_sample.dtype != torch.float32
+    sample, mean, std, log_prob = flow_sde_triton(
+        x, v, eps, *coefficients, score=score, write_sample=write_sample, mean_reduce=reduce == "mean"
+    )
+    return SDEStep(sample if write_sample else prev_sample, mean, batch_view(std, x.ndim), log_prob)
+
+
+_NAMES = ("sigma", "sigma_next", "level")
+
+
+def _coefficient(name: str, value: Tensor | float, x: Tensor) -> Tensor | float:
+    """``value`` as the kernel takes it: a Python float, or an fp32 tensor of shape () or (B,) on x's device.
+
+    Args:
+        name: the argument's name, for errors.
+        value: a Python number, a 0-d tensor or a (B,) tensor.
+        x: (B, ...) latent (its batch size and device).
+
+    Returns:
+        A float for numbers and for 0-d CPU tensors when x is not on the CPU (no device sync), else the
+        tensor in fp32 on x's device (no copy when it already is; the kernel reads a 0-d one with stride 0).
+
+    Raises:
+        ValueError: a tensor that is neither 0-d nor (B,).
+        TypeError: anything else than a real number or a tensor.
+    """
+    if isinstance(value, Tensor):
+        if value.ndim == 0 and value.device.type == "cpu" and x.device.type != "cpu":
+            return float(value)  # a CPU scalar for a GPU latent: no copy, no sync
+        if value.ndim > 1 or (value.ndim == 1 and value.shape[0] != x.shape[0]):
+            raise ValueError(
+                f"per-sample {name} must have shape ({x.shape[0]},) to match the latent batch; got {tuple(value.shape)}"
+            )
+        return value.to(device=x.device, dtype=torch.float32)
+    if isinstance(value, (float, int, numbers.Real)):
+        return float(value)
+    raise TypeError(f"{name} must be a float or a tensor; got {type(value).__name__}")
 
 
 def _check(x: Tensor, v: Tensor, noise: Tensor | None, prev: Tensor | None, reduce: str, wide: bool) -> None:

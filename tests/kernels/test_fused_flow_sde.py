@@ -1,6 +1,8 @@
 """The fused Flow-SDE step + log-prob kernel against the project's flow_sde_step (Flow-GRPO eq. 8-9).
 
 Within fp32 tolerance: the kernel sums each sample's log-prob in another order than torch does.
+The per-sample coefficients (dt, s, std) are computed inside the kernel from sigma, sigma_next and
+the level, given as Python floats, 0-d tensors or (B,) tensors.
 """
 
 from __future__ import annotations
@@ -8,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_devices import DEVICES
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl.kernels import fused_flow_sde_step
 from flowrl.samplers import flow_sde_step
 
-# odd sizes; (2, 4, 33, 17) has 2244 elements per sample, so three 1024-element chunks per row
-SHAPES = [(1, 7), (3, 5, 9), (2, 4, 33, 17), (2, 3, 2, 5, 3)]
+# odd sizes; (2, 4, 33, 17) has 2244 elements per sample, so three 1024-element chunks per row (one
+# program per row); (2, 6, 29, 31) has 5394, six chunks: more than ROW_BLOCKS, so (B, chunks) partials
+SHAPES = [(1, 7), (3, 5, 9), (2, 4, 33, 17), (2, 3, 2, 5, 3), (2, 6, 29, 31)]
 STEPS = {
     "per_sample": (torch.tensor([0.8, 0.35, 0.6]), torch.tensor([0.7, 0.2, 0.45]), torch.tensor([0.7, 1.0, 0.4])),
     "pure_noise": (1.0, 0.9, 0.7),
@@ -101,3 +105,151 @@ def test_bad_calls_are_errors(device):
         fused_flow_sde_step(x, v, 0.6, 0.5, 0.7, noise=z, reduce="max", backend="triton")
     with pytest.raises(ValueError, match=r"shape \(2,\)"):
         fused_flow_sde_step(x, v, torch.tensor([0.6, 0.5, 0.4]), 0.3, 0.7, noise=z, backend="triton")
+
+
+# how a step's sigma / sigma_next / level reach the kernel: Python floats, 0-d tensors, (B,) tensors, mixed
+FORMS = {
+    "floats": lambda b: (0.8, 0.65, 0.7),
+    "0-d tensors": lambda b: (torch.tensor(0.8), torch.tensor(0.65), torch.tensor(0.7)),
+    "per-sample": lambda b: (torch.full((b,), 0.8), torch.full((b,), 0.65), torch.full((b,), 0.7)),
+    "mixed": lambda b: (torch.full((b,), 0.8), 0.65, torch.tensor(0.7, dtype=torch.float64)),
+}
+
+
+def on(device, value):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 5, 9), (2, 6, 29, 31)], ids=str)
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("mode", ["sample", "score"])
+def test_scalar_and_per_sample_coefficients_match_and_agree(device, shape, form, mode):
+    x, v, z = inputs(shape, torch.float32, device)
+    stored = z * 0.3 + x if mode == "score" else None
+    kw = {"prev_sample": stored} if mode == "score" else {"noise": z}
+    step = [on(device, t) for t in FORMS[form](shape[0])]
+    ref = flow_sde_step(x, v, *step, reduce="sum", **kw)
+    got = fused_flow_sde_step(x, v, *step, reduce="sum", backend="triton", **kw)
+    assert_steps_close(got, ref)
+    # every form carries the same fp32 values, so the kernel computes the same bits
+    floats = fused_flow_sde_step(x, v, 0.8, 0.65, 0.7, reduce="sum", backend="triton", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, floats))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sample", "score"])
+def test_level_zero_per_sample_is_the_euler_step_with_zero_log_prob(device, mode):
+    x, v, z = inputs((3, 4, 33, 17), torch.float32, device)
+    sigma, sigma_next = torch.tensor([0.9, 0.5, 1.0], device=device), torch.tensor([0.8, 0.3, 0.9], device=device)
+    level = torch.tensor([0.0, 0.6, 0.0], device=device)
+    kw = {"prev_sample": z * 0.5 + x} if mode == "score" else {"noise": z}
+    ref = flow_sde_step(x, v, sigma, sigma_next, level, **kw)
+    got = fused_flow_sde_step(x, v, sigma, sigma_next, level, backend="triton", **kw)
+    assert_steps_close(got, ref)
+    assert torch.equal(got.std[[0, 2]].flatten(), torch.zeros(2, device=device))
+    assert torch.equal(got.log_prob[[0, 2]], torch.zeros(2, device=device))
+    if mode == "sample":
+        assert torch.equal(got.sample[0], got.mean[0])
+        euler = x[0] + v[0] * (sigma_next[0] - sigma[0])  # the ODE step's mean is Euler's
+        torch.testing.assert_close(got.mean[0], euler, rtol=1e-6, atol=1e-6)
+
+
+def strided(kind, t):
+    """The same values as ``t`` in another layout."""
+    if kind == "batch_slice":  # every second sample of a twice-as-large batch: read in place
+        return torch.stack([t, torch.full_like(t, float("nan"))], dim=1).flatten(0, 1)[::2]
+    if kind == "channels_last":  # samples not one contiguous run: copied once
+        return t.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)  # "transposed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["batch_slice", "channels_last", "transposed"])
+@pytest.mark.parametrize("shape", [(3, 4, 9, 7), (2, 6, 29, 31)], ids=str)
+def test_non_contiguous_inputs(device, kind, shape):
+    x, v, z = inputs(shape, torch.float32, device)
+    sx, sv, sz = (strided(kind, t) for t in (x, v, z))
+    assert not (sx.is_contiguous() or sv.is_contiguous() or sz.is_contiguous())
+    sigma = strided("batch_slice", torch.linspace(0.5, 1.0, shape[0], device=device)[:, None])[:, 0]
+    assert not sigma.is_contiguous()
+    ref = flow_sde_step(x, v, sigma, sigma - 0.1, 0.7, noise=z)
+    got = fused_flow_sde_step(sx, sv, sigma, sigma - 0.1, 0.7, noise=sz, backend="triton")
+    assert_steps_close(got, ref)
+    stored = strided(kind, ref.sample)
+    scored = fused_flow_sde_step(sx, sv, sigma, sigma - 0.1, 0.7, prev_sample=stored, backend="triton")
+    assert_steps_close(scored, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcast_noise_with_batch_stride_zero(device):
+    x, v, z = inputs((3, 5, 9), torch.float32, device)
+    shared = z[:1].expand_as(x)  # one noise for the batch: stride 0, read in place
+    ref = flow_sde_step(x, v, 0.6, 0.45, 0.8, noise=shared.contiguous())
+    assert_steps_close(fused_flow_sde_step(x, v, 0.6, 0.45, 0.8, noise=shared, backend="triton"), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["sample", "score"])
+def test_bf16_inputs_with_per_sample_coefficients(device, mode):
+    x, v, z = inputs((3, 4, 33, 17), torch.bfloat16, device)
+    sigma = torch.tensor([1.0, 0.6, 0.3], dtype=torch.bfloat16, device=device)
+    sigma_next = torch.tensor([0.875, 0.5, 0.0], dtype=torch.bfloat16, device=device)
+    level = torch.tensor([0.7, 0.0, 0.9], device=device)
+    kw = {"prev_sample": (z.float() * 0.2 + x.float()).to(torch.bfloat16)} if mode == "score" else {"noise": z}
+    ref = flow_sde_step(x, v, sigma, sigma_next, level, **kw)
+    got = fused_flow_sde_step(x, v, sigma, sigma_next, level, backend="triton", **kw)
+    assert_steps_close(got, ref)
+    if mode == "score":  # a bf16 stored x' comes back as fp32, written by the kernel
+        assert torch.equal(got.sample, kw["prev_sample"].float())
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops (and so the device work) a call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class FakeKernel:
+    """Stands in for the Triton kernel: records each launch's grid and constexprs."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launches.append((grid, constexprs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["floats", "per-sample"])
+@pytest.mark.parametrize("layout", ["contiguous", "batch_slice"])
+@pytest.mark.parametrize("shape", [(64, 4, 8, 8), (2, 6, 29, 31)], ids=str)
+def test_host_path_is_one_launch_plus_allocations(device, form, layout, shape, monkeypatch):
+    from flowrl.kernels import flow_sde_triton
+
+    x, v, z = (strided(layout, t) if layout != "contiguous" else t for t in inputs(shape, torch.float32, device))
+    step = [on(device, t) for t in FORMS[form](shape[0])]
+    kernel = FakeKernel()
+    monkeypatch.setattr(flow_sde_triton, "_flow_sde_kernel", kernel)
+    with AtenOps() as seen:
+        fused_flow_sde_step(x, v, *step, noise=z, backend="triton")
+    long_row = x[0].numel() > flow_sde_triton.ROW_BLOCKS * flow_sde_triton.BLOCK
+    assert len(kernel.launches) == 1
+    assert kernel.launches[0][1]["SIGMA_VEC"] == (form == "per-sample")
+    # the output allocations and views; the only device work besides the kernel is the partial sum of a long row
+    assert set(seen.ops) <= {"empty", "empty_like", "view", "sum"} and seen.ops.count("sum") == long_row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_coefficients_are_errors(device):
+    x, v, z = inputs((2, 8), torch.float32, device)
+    with pytest.raises(ValueError, match=r"sigma_next must have shape \(2,\)"):
+        fused_flow_sde_step(x, v, 0.6, torch.full((2, 1), 0.5), 0.7, noise=z, backend="triton")
+    with pytest.raises(TypeError, match="level must be a float or a tensor"):
+        fused_flow_sde_step(x, v, 0.6, 0.5, "0.7", noise=z, backend="triton")

@@ -60,7 +60,7 @@ def _flow_sde_kernel(
     v_stride,
     eps_stride,
     N,
-    blocks,
+    blocks: tl.constexpr,  # 1 to ROW_BLOCKS: a static loop (Triton 3.6's interpreter cannot range over a runtime int)
     scale,
     half_log_2pi,
     BLOCK: tl.constexpr,

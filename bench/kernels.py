@@ -1,4 +1,4 @@
-"""Kernel timings: NVFP4 quantise / dequantise / fake-quantise and the fused Flow-SDE step.
+"""Kernel timings: NVFP4 quantise / dequantise / fake-quantise, the FP8 row quantiser and the fused Flow-SDE step.
 
 Usage::
 
@@ -31,6 +31,7 @@ import torch
 
 from flowrl.kernels import fused_flow_sde_step, nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
 from flowrl.kernels.flow_sde import FLOPS_PER_ELEMENT, flow_sde_bytes
+from flowrl.kernels.fp8 import fp8_bytes, fp8_quantize_rows
 from flowrl.kernels.nvfp4 import nvfp4_bytes
 from flowrl.kernels.roofline import roofline_seconds
 from flowrl.runtime import configure_threads
@@ -38,6 +39,8 @@ from flowrl.runtime import configure_threads
 NVFP4_SHAPES = [(128, 512), (3072, 3072), (4096, 3072)]  # digits MLP weight, FLUX hidden weight, 4096 tokens
 SDE_SHAPES = [(64, 4, 8, 8), (16, 16, 128, 128)]  # digits group, SD3 at 1024 px
 NVFP4_OPS_PER_ELEMENT = {"quantize": 20, "dequantize": 6, "fake_quantize": 27}
+FP8_SHAPES = [(21712, 1536), (21712, 6144)]  # SD3.5-M activations into ScaledMMLinear: hidden 1536, MLP 6144
+FP8_OPS_PER_ELEMENT = 25  # abs-bits max, one division, integer E4M3 rounding (flowrl.kernels.fp8)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -125,6 +128,15 @@ def sde_coefficients(form: str, batch: int, device: torch.device) -> tuple:
     return tuple(torch.full((batch,), value, device=device) for value in (0.7, 0.6, 0.7))
 
 
+def fp8_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
+    for shape in FP8_SHAPES:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
+        nbytes = fp8_bytes(*shape, x.element_size())
+        for backend in backends:
+            seconds = timed(lambda: fp8_quantize_rows(x, backend=backend), device, repeats)
+            yield row("fp8 quantize_rows", shape, x.dtype, backend, seconds, nbytes, FP8_OPS_PER_ELEMENT * x.numel())
+
+
 def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
     """flow_sde rows (:data:`SDE_HEADER`): per shape, scalar and (B,) sigmas, each backend, sampling and scoring."""
     for shape in SDE_SHAPES:
@@ -163,7 +175,7 @@ def main() -> None:
     print(f"Machine: {machine()}\n")
     print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats)):
+    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats), fp8_rows(device, backends, args.repeats)):
         print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
     print("\n" + "\n".join(SDE_HEADER), flush=True)
     for line in sde_rows(device, backends, args.repeats):

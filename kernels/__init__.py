@@ -4,6 +4,9 @@
   with E4M3 block scales and an fp32 tensor scale), bit-exact between Triton and torch, plus
   packing of two 4-bit codes per byte. Used by the Sol-RL explore model
   (:mod:`flowrl.policy.precision`).
+- :mod:`~flowrl.kernels.fp8`: FP8 E4M3 quantisation of activations per row or per tensor in one
+  read, bit-exact against :func:`flowrl.policy.fp8.fp8_quantize`; the input side of
+  ``ScaledMMLinear`` (Sol-RL's FP8 explore copy on ``torch._scaled_mm``).
 - :mod:`~flowrl.kernels.flow_sde`: the Flow-SDE step and its log-prob in one pass, against
   :data:`flowrl.samplers.flow_sde_step`.
 
@@ -16,6 +19,7 @@ triton. Costs and H100 rooflines are in each function's docstring; measurements 
 
 from .dispatch import Backend, interpreting, resolve_backend, triton_installed
 from .flow_sde import fused_flow_sde_step
+from .fp8 import fp8_quantize_rows, fp8_quantize_tensor
 from .nvfp4 import (
     NVFP4Tensor,
     nvfp4_dequantize,
@@ -29,6 +33,8 @@ from .nvfp4 import (
 __all__ = [
     "Backend",
     "NVFP4Tensor",
+    "fp8_quantize_rows",
+    "fp8_quantize_tensor",
     "fused_flow_sde_step",
     "interpreting",
     "nvfp4_dequantize",

@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ..kernels.fp8 import fp8_quantize_rows, fp8_quantize_tensor
+
 FP8_MAX = 448.0
 
 
@@ -47,9 +49,13 @@ def fp8_fake_quantize(x: Tensor, scaling: Literal["tensor", "row"] = "tensor") -
 class ScaledMMLinear(nn.Module):
     """An FP8 E4M3 Linear on ``torch._scaled_mm`` (CUDA, compute capability >= 8.9).
 
-    Weights are quantised once per tensor or per output row; inputs are quantised dynamically per
-    tensor or per row; rows are padded to a multiple of 16; the product comes back in bf16 and is
-    cast to the input's dtype, then the bias is added.
+    Weights are quantised once per tensor or per output row (:func:`fp8_quantize`); inputs are
+    quantised dynamically per tensor or per row by the fused kernel
+    (:func:`flowrl.kernels.fp8.fp8_quantize_rows` / ``fp8_quantize_tensor``, bit-identical to
+    :func:`fp8_quantize`: one read of the input instead of ~7 eager passes). Rows are not padded:
+    ``torch._scaled_mm`` needs K and N (not M) divisible by 16. The product comes back in bf16;
+    for bf16 inputs the bias is added in ``_scaled_mm``'s epilogue (fp32, one rounding), for other
+    inputs it is cast to the input's dtype and the bias added after, as before.
     """
 
     def __init__(self, linear: nn.Linear, scaling: str):
@@ -64,11 +70,15 @@ class ScaledMMLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_features) -> (..., out_features) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        pad = (-rows.shape[0]) % 16
-        q, scale = fp8_quantize(torch.nn.functional.pad(rows, (0, 0, 0, pad)), self.scaling)
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
-        out = out[: rows.shape[0]].to(x.dtype)
-        out = out if self.bias is None else out + self.bias.to(x.dtype)
+        quantize = fp8_quantize_rows if self.scaling == "row" else fp8_quantize_tensor
+        q, scale = quantize(rows)
+        fused = self.bias is not None and x.dtype == torch.bfloat16  # out_dtype bf16 takes only a bf16 bias
+        bias = self.bias.to(torch.bfloat16) if fused else None
+        out = torch._scaled_mm(
+            q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=bias, out_dtype=torch.bfloat16
+        )
+        out = out.to(x.dtype)
+        out = out if self.bias is None or fused else out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

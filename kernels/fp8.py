@@ -1,7 +1,7 @@
 """FP8 E4M3 activation quantisation per row or per tensor: the dispatcher around one Triton kernel.
 
-What is computed, exactly as :func:`flowrl.policy.fp8.fp8_quantize` (the torch reference, reused as
-it is) computes it on the tensor's device, bit for bit:
+What is computed, exactly as :func:`fp8_quantize` (the torch reference, also the quantiser of the
+weights in :mod:`flowrl.policy.fp8`) computes it on the tensor's device, bit for bit:
 
 - **Compute dtype.** ``x`` (M, K) (fp16, bf16, fp32; fp64 is rounded to fp32 first) is upcast to
   fp32 (exact for fp16 / bf16).
@@ -39,11 +39,20 @@ FP8_MAX = 448.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _reference(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
-    """The torch reference, :func:`flowrl.policy.fp8.fp8_quantize` (imported late: flowrl.policy.fp8 imports us)."""
-    from flowrl.policy.fp8 import fp8_quantize
+def fp8_quantize(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
+    """Quantise to FP8 E4M3: ``(q, scale)`` with ``x ~= q * scale``.
 
-    return fp8_quantize(x, scaling)
+    Args:
+        x: (..., K) floating tensor.
+        scaling: "tensor" (one scale) or "row" (one per row of the last dim).
+
+    Returns:
+        q in ``float8_e4m3fn`` of x's shape, and the fp32 scale: () or (..., 1).
+    """
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True) if scaling == "row" else x32.abs().amax()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _check_input(x: Tensor, scaling: str) -> None:
@@ -63,7 +72,7 @@ def scale_by_reciprocal(x: Tensor) -> bool:
 def fp8_quantize_rows(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor, Tensor]:
     """Quantise each row of ``x`` to FP8 E4M3 with its own amax scale (module docstring), in one pass.
 
-    Equals ``flowrl.policy.fp8.fp8_quantize(x, "row")`` bit for bit (codes and scales). The kernel
+    Equals ``fp8_quantize(x, "row")`` bit for bit (codes and scales). The kernel
     reads each row once and writes its codes and scale: 3 B per bf16 element + 4 B per row
     (5 B fp32), against ~30 B for the eager reference.
 
@@ -80,7 +89,7 @@ def fp8_quantize_rows(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor, 
     """
     _check_input(x, "row")
     if resolve_backend(backend, x) == "torch" or x.shape[0] == 0:
-        return _reference(x, "row")
+        return fp8_quantize(x, "row")
     from .fp8_triton import quantize_triton
 
     return quantize_triton(_as_kernel_input(x), None, reciprocal=scale_by_reciprocal(x))
@@ -89,7 +98,7 @@ def fp8_quantize_rows(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor, 
 def fp8_quantize_tensor(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor, Tensor]:
     """Quantise ``x`` to FP8 E4M3 with one amax scale for the whole tensor (module docstring).
 
-    Equals ``flowrl.policy.fp8.fp8_quantize(x, "tensor")`` bit for bit. Two passes: ``torch.aminmax``
+    Equals ``fp8_quantize(x, "tensor")`` bit for bit. Two passes: ``torch.aminmax``
     reads ``x`` once for the amax (exact, NaN-propagating, no copy), then the row kernel runs with
     that one amax: 5 B per bf16 element moved (read, read, write), against ~30 B for the reference.
 
@@ -106,7 +115,7 @@ def fp8_quantize_tensor(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor
     """
     _check_input(x, "tensor")
     if resolve_backend(backend, x) == "torch":
-        return _reference(x, "tensor")
+        return fp8_quantize(x, "tensor")
     from .fp8_triton import quantize_triton
 
     xk = _as_kernel_input(x)

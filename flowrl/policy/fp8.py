@@ -15,9 +15,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ..kernels.fp8 import fp8_quantize_rows, fp8_quantize_tensor
+# the torch reference (fp8_quantize) lives beside its kernel; imported here for the weights and the emulation
+from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_rows, fp8_quantize_tensor
 
-FP8_MAX = 448.0
+__all__ = ["FP8_MAX", "ScaledMMLinear", "check_scaled_mm", "fp8_fake_quantize", "fp8_quantize"]
 
 
 def check_scaled_mm(device: torch.device, activations: bool) -> None:
@@ -80,19 +81,3 @@ class ScaledMMLinear(nn.Module):
         out = out.to(x.dtype)
         out = out if self.bias is None or fused else out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def fp8_quantize(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
-    """Quantise to FP8 E4M3: ``(q, scale)`` with ``x ~= q * scale``.
-
-    Args:
-        x: (..., K) floating tensor.
-        scaling: "tensor" (one scale) or "row" (one per row of the last dim).
-
-    Returns:
-        q in ``float8_e4m3fn`` of x's shape, and the fp32 scale: () or (..., 1).
-    """
-    x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True) if scaling == "row" else x32.abs().amax()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

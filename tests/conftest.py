@@ -118,6 +118,24 @@ def tiny_sd3_pipeline(
     )
 
 
+def tiny_flux_transformer(*, guidance_embeds: bool = True):
+    """A real ``FluxTransformer2DModel``, random init from the current RNG: 1 double + 2 single blocks, width 16."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=[2, 2, 4],
+    )
+
+
 @pytest.fixture
 def tiny_sd3():
     """A fresh SD3Adapter over a tiny random pipeline."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import tiny_flux_transformer
 
 
 def tiny_flux_pipeline(*, guidance_embeds: bool = True, seed: int = 0):
@@ -12,7 +13,7 @@ def tiny_flux_pipeline(*, guidance_embeds: bool = True, seed: int = 0):
     FLUX.1-schnell (no guidance embedding, static shift 1). The VAE has non-trivial scaling and
     shift factors so decoding must apply both.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from flowrl.models.digits.model import build_digits_t5_tokenizer, build_digits_tokenizer
@@ -34,18 +35,7 @@ def tiny_flux_pipeline(*, guidance_embeds: bool = True, seed: int = 0):
         )
     )
     t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        guidance_embeds=guidance_embeds,
-        axes_dims_rope=[2, 2, 4],
-    )
+    transformer = tiny_flux_transformer(guidance_embeds=guidance_embeds)
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,

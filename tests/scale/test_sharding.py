@@ -212,7 +212,7 @@ def test_accelerate_wrap_list_is_narrowed_per_model_and_restored(tiny_sd3, monke
     """Found on an H100 (2026-11-27): after SD3.5-M, FLUX.1 in the same process saw only JointTransformerBlock."""
     import accelerate.utils.fsdp_utils as fsdp_utils
     from accelerate import FullyShardedDataParallelPlugin
-    from diffusers import FluxTransformer2DModel
+    from conftest import tiny_flux_transformer
 
     from flowrl.sharding import shard_transformer
 
@@ -229,17 +229,7 @@ def test_accelerate_wrap_list_is_narrowed_per_model_and_restored(tiny_sd3, monke
     class FsdpLaunch:  # the two things shard_transformer reads of an accelerate FSDP launch
         fsdp_plugin, accelerator, rank, world_size = plugin, None, 0, 1
 
-    flux = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        axes_dims_rope=[2, 2, 4],
-    )
+    flux = tiny_flux_transformer()
     for transformer in (tiny_sd3.transformer, flux):
         shard_transformer(transformer, FsdpLaunch())
         assert plugin.transformer_cls_names_to_wrap == launch

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import importlib.util
 import statistics
 import time
@@ -38,6 +37,8 @@ from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.gpu_measure import release
 
 BACKENDS: dict[str, list[SDPBackend] | None] = {
     "auto": None,
@@ -116,10 +117,7 @@ def _warm(case: Case, key: tuple[str, bool], failed: dict, reference: torch.Tens
     except RuntimeError as err:  # torch.cuda.OutOfMemoryError included: the math kernel at FLUX's size
         failed[key] = _failure(err)
     if key in failed:  # freed after the except block, whose traceback held the failed pass's activations
-        case.module.zero_grad(set_to_none=True)
-        gc.collect()
-        if case.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(case.module)
         return None
     if not train:
         diffs[label] = f"{(out.float() - reference).abs().max().item():.1e}"

@@ -120,8 +120,8 @@ def _flops(fn: Callable[[], None], model: torch.nn.Module) -> float:
     return counter.get_total_flops()
 
 
-def _release(model: torch.nn.Module) -> None:
-    """Free what a failed pass left on the GPU; called after its ``except`` block has ended.
+def release(model: torch.nn.Module) -> None:
+    """Free what a failed pass left on the GPU; called after its ``except`` block has ended (also on a CPU run).
 
     Inside that block the exception's traceback still holds the failed pass's frames and their
     activations, so ``empty_cache`` there frees nothing. Likely why FLUX.1's checkpointed training pass at
@@ -193,7 +193,7 @@ def measure(
                         else str(err).splitlines()[0][:60]
                     )
                 if why is not None:
-                    _release(model)
+                    release(model)
                     print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | | |", flush=True)
                     continue
                 print(

@@ -5,7 +5,7 @@
   packing of two 4-bit codes per byte. Used by the Sol-RL explore model
   (:mod:`flowrl.policy.precision`).
 - :mod:`~flowrl.kernels.fp8`: FP8 E4M3 quantisation of activations per row or per tensor in one
-  read, bit-exact against :func:`flowrl.policy.fp8.fp8_quantize`; the input side of
+  read, bit-exact against :func:`flowrl.kernels.fp8.fp8_quantize`; the input side of
   ``ScaledMMLinear`` (Sol-RL's FP8 explore copy on ``torch._scaled_mm``).
 - :mod:`~flowrl.kernels.flow_sde`: the Flow-SDE step and its log-prob in one pass, against
   :data:`flowrl.samplers.flow_sde_step`.

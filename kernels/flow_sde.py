@@ -130,7 +130,7 @@ def _coefficient(name: str, value: Tensor | float, x: Tensor) -> Tensor | float:
                 f"per-sample {name} must have shape ({x.shape[0]},) to match the latent batch; got {tuple(value.shape)}"
             )
         return value.to(device=x.device, dtype=torch.float32)
-    if isinstance(value, (float, int, numbers.Real)):
+    if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(f"{name} must be a float or a tensor; got {type(value).__name__}")
 

@@ -4,7 +4,7 @@ One program quantises ``ROWS`` rows: it loads a (ROWS, BLOCK_K) tile, takes each
 it into the scale, divides, rounds to E4M3 and stores the codes and the scale. Rows longer than
 8192 elements are read in chunks, twice (amax, then values; the second read mostly hits L2).
 
-How it stays bit-exact with the torch reference (:func:`flowrl.policy.fp8.fp8_quantize`):
+How it stays bit-exact with the torch reference (:func:`flowrl.kernels.fp8.fp8_quantize`):
 
 - **The E4M3 rounding is done on the fp32 bits, not by Triton's fp8 cast.** Triton's interpreter
   (``TRITON_INTERPRET=1``, which the CPU tests run) casts fp32 to ``tl.float8e4nv`` by adding the

@@ -18,7 +18,7 @@ from torch import Tensor
 def _check(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     if a.shape != b.shape or a.ndim != 1 or a.numel() < 2:
         raise ValueError(f"need two (N,) reward tensors with N >= 2; got {tuple(a.shape)} and {tuple(b.shape)}")
-    return a.detach().double().cpu(), b.detach().double().cpu()  # stage-2 rewards may come from a GPU
+    return a.double(), b.double()
 
 
 def kendall_tau(a: Tensor, b: Tensor) -> float:

@@ -202,6 +202,45 @@ def reach_time(rows: list[dict[str, float]], target: float) -> float | None:
     return None
 
 
+def speedups_by_budget(single: list[dict[str, float]], two: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """The speed-up at every shorter budget: each single-stage evaluation's reward taken as the target.
+
+    For the single-stage evaluation at training time ``B`` (every row after the base row), the target
+    is its reward at ``B``; both arms' reader-confirmed reaching times (:func:`reach_time`, over all
+    of each arm's evaluations) give the speed-up ``t_single / t_two``. The last row is the budget race
+    itself; the earlier rows are what a race with budget ``B`` would have measured, from one run.
+
+    Args:
+        single: the single-stage arm's evaluation rows (row 0: the base model).
+        two: the two-stage arm's rows.
+
+    Returns:
+        One dict per single-stage evaluation: ``budget_s``, ``target``, ``single_s``, ``two_s`` (None
+        where never reached, reader-confirmed) and ``speedup`` (None unless both reached it).
+    """
+    out = []
+    for row in single[1:]:
+        target = row["eval/reward_mean"]
+        t1, t2 = reach_time(single, target), reach_time(two, target)
+        ratio = t1 / t2 if t1 is not None and t2 else None
+        out.append({"budget_s": row["train_s"], "target": target, "single_s": t1, "two_s": t2, "speedup": ratio})
+    return out
+
+
+def _seconds(t: float | None) -> str:
+    return "never" if t is None else f"{t:.0f}"
+
+
+def budget_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`speedups_by_budget`."""
+    lines = ["| budget s | target (single-stage reward there) | single s | two s | speed-up |", "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        times = f"{_seconds(r['single_s'])} | {_seconds(r['two_s'])}"
+        lines.append(f"| {r['budget_s']:.0f} | {r['target']:.3f} | {times} | {ratio} |")
+    return "\n".join(lines)
+
+
 def race(arms: list[Arm], budget_s: float, eval_every_s: float) -> None:
     """Train every arm for ``budget_s`` seconds of its own clock, evaluating every ``eval_every_s``.
 
@@ -265,6 +304,8 @@ def budget(args: argparse.Namespace) -> None:
     print(f"Machine: {machine()}; rewards {two.rewards}; overrides {args.set_single} / {args.set}", flush=True)
     race(arms, args.budget_s, args.eval_every_s)
     report(arms, args.budget_s, arms[0].rows[-1]["eval/reward_mean"], "the single-stage run's final reward")
+    print("\nAt every shorter budget (target: the single-stage reward at each of its evaluations, reader-confirmed):\n")
+    print(budget_table(speedups_by_budget(arms[0].rows, arms[1].rows)))
 
 
 def modes(args: argparse.Namespace) -> None:

@@ -37,3 +37,22 @@ def test_a_tiny_race_prints_the_reader_confirmed_table(capsys, monkeypatch, part
     assert "with the reader's accuracy >= the base model's" in out
     table = [line for line in out.splitlines() if line.startswith("| ") and "train s" not in line]
     assert len(table) >= 4 and all(len(line.split("|")) == 11 for line in table)  # 2 arms x (base + >= 1 point)
+
+
+def test_every_single_stage_evaluation_is_a_shorter_budget_with_its_own_target():
+    single = [_row(0, 1.0, 0.9), _row(10, 1.1, 0.9), _row(20, 1.2, 0.9), _row(30, 1.15, 0.95)]
+    two = [_row(0, 1.0, 0.9), _row(10, 1.2, 0.9), _row(20, 1.25, 0.85), _row(30, 1.3, 0.9)]
+    rows = solrl.speedups_by_budget(single, two)
+    assert [r["budget_s"] for r in rows] == [10, 20, 30]
+    assert (
+        rows[0]["single_s"] == 10
+        and rows[0]["two_s"] == pytest.approx(5.0)
+        and rows[0]["speedup"] == pytest.approx(2.0)
+    )
+    assert rows[1]["single_s"] == 20 and rows[1]["two_s"] == 10 and rows[1]["speedup"] == 2.0
+    # 1.15 is first reached by single stage between 10 and 20 s; two stage at 1.15 between 0 and 10 s
+    assert rows[2]["single_s"] == pytest.approx(15.0) and rows[2]["two_s"] == pytest.approx(7.5)
+    never = solrl.speedups_by_budget(single, [_row(0, 1.0, 0.9), _row(30, 1.12, 0.9)])
+    assert never[1]["two_s"] is None and never[1]["speedup"] is None
+    table = solrl.budget_table(never)
+    assert table.count("\n") == 4 and "| 20 | 1.200 | 20 | never | - |" in table

@@ -19,7 +19,7 @@ triton. Costs and H100 rooflines are in each function's docstring; measurements 
 
 from .dispatch import Backend, interpreting, resolve_backend, triton_installed
 from .flow_sde import fused_flow_sde_step
-from .fp8 import fp8_quantize_rows, fp8_quantize_tensor
+from .fp8 import fp8_quantize_op, fp8_quantize_rows, fp8_quantize_tensor
 from .nvfp4 import (
     NVFP4Tensor,
     nvfp4_dequantize,
@@ -33,6 +33,7 @@ from .nvfp4 import (
 __all__ = [
     "Backend",
     "NVFP4Tensor",
+    "fp8_quantize_op",
     "fp8_quantize_rows",
     "fp8_quantize_tensor",
     "fused_flow_sde_step",

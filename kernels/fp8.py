@@ -124,6 +124,38 @@ def fp8_quantize_tensor(x: Tensor, *, backend: Backend = "auto") -> tuple[Tensor
     return quantize_triton(xk, amax, reciprocal=scale_by_reciprocal(x))
 
 
+@torch.library.custom_op("flowrl::fp8_quantize", mutates_args=())
+def fp8_quantize_op(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
+    """:func:`fp8_quantize_rows` / :func:`fp8_quantize_tensor` as one opaque torch operator.
+
+    ``torch.ops.flowrl.fp8_quantize(x, "row" | "tensor")``. ``torch.compile`` traces a call to it as a
+    single node (its fake implementation gives the output shapes) instead of stepping into the
+    dispatcher and the Triton launch, so an FP8 Linear compiles into one graph with no break, and its
+    body runs the fused kernel on CUDA (the reference elsewhere) inside compiled code and CUDA graphs.
+
+    Args:
+        x: (M, K) fp16 / bf16 / fp32 / fp64 tensor (M > 0 for "tensor").
+        scaling: "row" or "tensor".
+
+    Returns:
+        ``(q, scale)`` as the function it calls: q (M, K) ``float8_e4m3fn``; scale (M, 1) or () fp32.
+
+    Raises:
+        ValueError: an unknown ``scaling``, or what the function it calls raises.
+    """
+    if scaling not in ("row", "tensor"):
+        raise ValueError(f"scaling must be 'row' or 'tensor'; got {scaling!r}")
+    return fp8_quantize_rows(x) if scaling == "row" else fp8_quantize_tensor(x)
+
+
+@fp8_quantize_op.register_fake
+def _fp8_quantize_fake(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
+    """Output shapes and dtypes of :func:`fp8_quantize_op`, for tracing."""
+    scale_shape = (x.shape[0], 1) if scaling == "row" else ()
+    q = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return q, x.new_empty(scale_shape, dtype=torch.float32)
+
+
 def _as_kernel_input(x: Tensor) -> Tensor:
     """fp64 rounds to fp32 (as the reference's ``x.float()``); other dtypes go to the kernel as they are."""
     return x.float() if x.dtype == torch.float64 else x

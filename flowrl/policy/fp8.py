@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 # the torch reference (fp8_quantize) lives beside its kernel; imported here for the weights and the emulation
-from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_rows, fp8_quantize_tensor
+from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_op
 
 __all__ = ["FP8_MAX", "ScaledMMLinear", "check_scaled_mm", "fp8_fake_quantize", "fp8_quantize"]
 
@@ -51,9 +51,10 @@ class ScaledMMLinear(nn.Module):
     """An FP8 E4M3 Linear on ``torch._scaled_mm`` (CUDA, compute capability >= 8.9).
 
     Weights are quantised once per tensor or per output row (:func:`fp8_quantize`); inputs are
-    quantised dynamically per tensor or per row by the fused kernel
-    (:func:`flowrl.kernels.fp8.fp8_quantize_rows` / ``fp8_quantize_tensor``, bit-identical to
-    :func:`fp8_quantize`: one read of the input instead of ~7 eager passes). Rows are not padded:
+    quantised dynamically per tensor or per row by the fused kernel through the operator
+    ``torch.ops.flowrl.fp8_quantize`` (:func:`flowrl.kernels.fp8.fp8_quantize_op`, bit-identical to
+    :func:`fp8_quantize`: one read of the input instead of ~7 eager passes; ``torch.compile`` sees
+    it as one node, so the Linear compiles into one graph). Rows are not padded:
     ``torch._scaled_mm`` needs K and N (not M) divisible by 16. The product comes back in bf16;
     for bf16 inputs the bias is added in ``_scaled_mm``'s epilogue (fp32, one rounding), for other
     inputs it is cast to the input's dtype and the bias added after, as before.
@@ -71,8 +72,7 @@ class ScaledMMLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_features) -> (..., out_features) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        quantize = fp8_quantize_rows if self.scaling == "row" else fp8_quantize_tensor
-        q, scale = quantize(rows)
+        q, scale = fp8_quantize_op(rows, self.scaling)  # one opaque op: compiles without a graph break
         fused = self.bias is not None and x.dtype == torch.bfloat16  # out_dtype bf16 takes only a bf16 bias
         bias = self.bias.to(torch.bfloat16) if fused else None
         out = torch._scaled_mm(

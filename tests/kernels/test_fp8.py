@@ -252,3 +252,35 @@ def test_scaled_mm_linear_matches_the_old_forward(device, scaling, dtype, bias, 
     product = old.float() - (layer.bias.float() if bias else 0.0)
     bound = 2.0**-7 * (product.abs() + (layer.bias.float().abs() if bias else 0.0))
     assert ((new.float() - old.float()).abs() <= bound).all()
+
+
+# --------------------------------------------------------------------------- the operator under torch.compile
+
+
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_the_quantiser_operator_passes_torchs_operator_checks(scaling):
+    x = torch.randn(7, 48, generator=torch.Generator().manual_seed(3)).bfloat16()
+    torch.library.opcheck(torch.ops.flowrl.fp8_quantize.default, (x, scaling))
+    q, scale = torch.ops.flowrl.fp8_quantize(x, scaling)
+    ref_q, ref_scale = fp8_quantize(x, scaling)
+    assert torch.equal(codes(q), codes(ref_q)) and torch.equal(scale, ref_scale)
+    with pytest.raises(ValueError, match="'row' or 'tensor'"):
+        torch.ops.flowrl.fp8_quantize(x, "block")
+
+
+@pytest.mark.parametrize("device", SCALED_MM_DEVICES)
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_the_fp8_linear_compiles_into_one_graph_with_the_quantiser_as_one_node(device, scaling):
+    """The dispatcher and the Triton launch (the interpreter on CPU) stay inside one traced node."""
+    if device == "cpu" and not cpu_scaled_mm_supports(scaling):
+        pytest.skip(f"this torch's CPU _scaled_mm does not take {scaling} scales")
+    torch._dynamo.reset()
+    layer = ScaledMMLinear(nn.Linear(64, 48).to(device), scaling)
+    x = torch.randn(2, 37, 64, device=device).bfloat16()
+    explain = torch._dynamo.explain(layer)(x)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0
+    nodes = [n.target for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert nodes.count(torch.ops.flowrl.fp8_quantize.default) == 1
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))
+    torch._dynamo.reset()

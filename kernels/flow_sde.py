@@ -40,6 +40,7 @@ from torch import Tensor
 # absolute, not ``..samplers``: with the repo root on sys.path (``python -m`` from a checkout),
 # transformers' probe for Hugging Face's ``kernels`` imports this folder as a top-level ``kernels``
 from flowrl.samplers import SDEStep, batch_view, compute_dtype, flow_sde_step, standard_normal
+from flowrl.samplers.flow_sde import flow_sde_diffusion
 from flowrl.samplers.gaussian import Reduction
 
 from .dispatch import Backend, resolve_backend
@@ -91,10 +92,18 @@ def fused_flow_sde_step(
             x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
         )
     _check(x, v, noise, prev_sample, reduce, wide)
+    score = prev_sample is not None
+    needs_grad = torch.is_grad_enabled() and (v.requires_grad or x.requires_grad)
+    if needs_grad and (x.requires_grad or not score):  # the closed-form backward covers scoring, in v only
+        return flow_sde_step(
+            x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
+        )
     from .flow_sde_triton import flow_sde_triton
 
     coefficients = [_coefficient(name, value, x) for name, value in zip(_NAMES, (sigma, sigma_next, level))]
-    score = prev_sample is not None
+    if needs_grad:
+        mean, std, log_prob = _FusedScore.apply(x, v, prev_sample, coefficients, reduce == "mean")
+        return SDEStep(prev_sample.to(torch.float32), mean, batch_view(std, x.ndim), log_prob)
     eps = prev_sample if score else (noise if noise is not None else standard_normal(x, generator))
     write_sample = not score or prev_sample.dtype != torch.float32
     sample, mean, std, log_prob = flow_sde_triton(
@@ -104,6 +113,46 @@ def fused_flow_sde_step(
 
 
 _NAMES = ("sigma", "sigma_next", "level")
+
+
+class _FusedScore(torch.autograd.Function):
+    """The fused kernel scoring a stored step, differentiable in ``v`` through the closed-form backward.
+
+    With ``k = (1 + s^2 / (2 sigma) (1 - sigma)) (sigma_next - sigma)`` (per sample, ``d mean / d v``)
+    and ``R`` = 1 / the element count for "mean" (1 for "sum"):
+
+        d mean / d v = k,    d lp / d mean = R (x' - mean) / std^2   (0 where std = 0),
+
+    so ``grad_v = k (grad_mean + grad_lp R (x' - mean) / std^2)``: four elementwise passes instead of
+    the reference's autograd graph. Gradients flow to ``v`` only (the callers' x and x' are data).
+    """
+
+    @staticmethod
+    def forward(ctx, x, v, prev, coefficients, mean_reduce):  # noqa: D102 - see the class docstring
+        from .flow_sde_triton import flow_sde_triton
+
+        write = prev.dtype != torch.float32
+        target, mean, std, log_prob = flow_sde_triton(
+            x, v, prev, *coefficients, score=True, write_sample=write, mean_reduce=mean_reduce
+        )
+        ctx.save_for_backward(target if write else prev, mean, std)
+        ctx.coefficients, ctx.mean_reduce, ctx.v_dtype = coefficients, mean_reduce, v.dtype
+        ctx.mark_non_differentiable(std)
+        return mean, std, log_prob
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_std, grad_lp):  # noqa: D102 - see the class docstring
+        target, mean, std = ctx.saved_tensors
+        rows, ndim = mean.shape[0], mean.ndim
+        sigma, sigma_next, level = (
+            torch.as_tensor(c, dtype=torch.float32, device=mean.device).expand(rows) for c in ctx.coefficients
+        )
+        s = flow_sde_diffusion(sigma, sigma_next, level)
+        slope = (1 + s * s / (2 * sigma) * (1 - sigma)) * (sigma_next - sigma)
+        per_element = 1.0 / (mean.numel() // rows) if ctx.mean_reduce else 1.0
+        inv_var = torch.where(std > 0, 1 / torch.where(std > 0, std, 1.0) ** 2, 0.0) * per_element
+        total = grad_mean + batch_view(grad_lp * inv_var, ndim) * (target - mean)
+        return None, (total * batch_view(slope, ndim)).to(ctx.v_dtype), None, None, None
 
 
 def _coefficient(name: str, value: Tensor | float, x: Tensor) -> Tensor | float:

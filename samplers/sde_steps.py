@@ -9,14 +9,52 @@ always the density the sample was drawn from. ``level`` is each step's own noise
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from .cps import cps_step
 from .dance_sde import dance_sde_step
 from .flow_sde import flow_sde_step
+from .gaussian import Reduction
 from .sage_sde import sage_sde_step
-from .types import SDEStepFn
+from .types import SDEStep, SDEStepFn
+
+
+def flow_step(
+    x: Tensor,
+    v: Tensor,
+    sigma: Tensor | float,
+    sigma_next: Tensor | float,
+    level: Tensor | float,
+    *,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: Tensor | None = None,
+    reduce: Reduction = "mean",
+) -> SDEStep:
+    """The registry's Flow-SDE step: the fused Triton kernel for CUDA latents, :func:`flow_sde_step` elsewhere.
+
+    On a GPU the step's ~23 elementwise launches (and as many more in its backward) cost as much as
+    a small model's matmuls; :func:`flowrl.kernels.flow_sde.fused_flow_sde_step` computes the same
+    equations in one launch (its backward in four passes) and equals the reference within fp32
+    rounding. Rollouts and the objectives' recomputation both come here, so on a GPU both use the
+    kernel and a stored log-prob is still recomputed bit for bit (the first-update ratio stays 1).
+    Off CUDA (or without triton, or for fp64) this *is* :func:`flow_sde_step`, bit for bit.
+    Arguments and result: :data:`~flowrl.samplers.types.SDEStepFn`.
+    """
+    if x.is_cuda:
+        from flowrl.kernels.flow_sde import fused_flow_sde_step  # lazy: flowrl.kernels imports this package
+
+        return fused_flow_sde_step(
+            x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
+        )
+    return flow_sde_step(
+        x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
+    )
+
 
 SDE_STEPS: dict[str, SDEStepFn] = {
-    "flow": flow_sde_step,  # Flow-GRPO (Liu et al., 2025)
+    "flow": flow_step,  # Flow-GRPO (Liu et al., 2025); fused on CUDA
     "dance": dance_sde_step,  # DanceGRPO's constant-eta SDE (Xue et al., 2025)
     "cps": cps_step,  # coefficients-preserving sampling (Wang & Yu, 2025)
     "sage": sage_sde_step,  # SAGE-GRPO's manifold-aware SDE (Zheng et al., 2026)

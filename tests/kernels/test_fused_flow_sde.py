@@ -253,3 +253,75 @@ def test_bad_coefficients_are_errors(device):
         fused_flow_sde_step(x, v, 0.6, torch.full((2, 1), 0.5), 0.7, noise=z, backend="triton")
     with pytest.raises(TypeError, match="level must be a float or a tensor"):
         fused_flow_sde_step(x, v, 0.6, 0.5, "0.7", noise=z, backend="triton")
+
+
+# --------------------------------------------------------------------------- gradients and the registry
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 5, 9), (2, 6, 29, 31)], ids=str)
+@pytest.mark.parametrize("step", list(STEPS), ids=list(STEPS))
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scoring_is_differentiable_in_v_as_the_reference(device, shape, step, reduce, v_dtype):
+    """grad_v of (log-prob and mean terms) through the closed-form backward equals autograd of the reference."""
+    x, v0, z = inputs(shape, torch.float32, device, seed=4)
+    sigma, sigma_next, level = (per_sample(t, shape[0]) for t in STEPS[step])
+    prev = flow_sde_step(x, v0, sigma, sigma_next, level, noise=z).sample
+    w_lp = torch.randn(shape[0], generator=torch.Generator().manual_seed(1)).to(device)
+    w_mean = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device)
+    grads = []
+    for fn in (flow_sde_step, lambda *a, **k: fused_flow_sde_step(*a, **k, backend="triton")):
+        v = (v0 + 0.01).to(v_dtype).requires_grad_(True)
+        out = fn(x, v, sigma, sigma_next, level, prev_sample=prev, reduce=reduce)
+        assert out.mean.requires_grad and out.log_prob.requires_grad
+        ((out.log_prob * w_lp).sum() + (out.mean * w_mean).sum() * 1e-3).backward()
+        grads.append(v.grad)
+    assert grads[1].dtype == v_dtype
+    tol = {"rtol": 2e-5, "atol": 1e-6} if v_dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-5}  # bf16: 1 ulp
+    torch.testing.assert_close(grads[1], grads[0], **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sampled_log_prob_is_recomputed_bit_for_bit_when_scored(device):
+    """Rollout (sampling) and training (scoring the stored x') run the same kernel: the ratio starts at exactly 1."""
+    x, v, z = inputs((4, 3, 11, 7), torch.float32, device, seed=6)
+    drawn = fused_flow_sde_step(x, v, 0.8, 0.7, 0.7, noise=z, backend="triton")
+    scored = fused_flow_sde_step(
+        x, v.clone().requires_grad_(True), 0.8, 0.7, 0.7, prev_sample=drawn.sample, backend="triton"
+    )
+    assert torch.equal(scored.log_prob.detach(), drawn.log_prob) and torch.equal(scored.mean.detach(), drawn.mean)
+
+
+def test_sampling_or_an_x_gradient_takes_the_reference():
+    x, v, z = inputs((2, 3, 4), torch.float32, "cpu", seed=8)
+    v = v.requires_grad_(True)
+    step = fused_flow_sde_step(x, v, 0.6, 0.5, 0.7, noise=z, backend="triton")  # sampling with a gradient
+    ref = flow_sde_step(x, v, 0.6, 0.5, 0.7, noise=z)
+    assert step.log_prob.grad_fn is not None and torch.equal(step.log_prob, ref.log_prob)
+
+
+def test_the_registry_flow_step_is_the_reference_off_cuda(monkeypatch):
+    """Off CUDA the "flow" step is flow_sde_step bit for bit, even with the Triton interpreter on."""
+    from flowrl.samplers import get_sde_step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, v, z = inputs((3, 4, 5), torch.float32, "cpu", seed=9)
+    got = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, noise=z)
+    ref = flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_registry_flow_step_runs_the_kernel_on_cuda():
+    from flowrl.samplers import get_sde_step
+
+    x, v, z = inputs((3, 4, 5), torch.float32, "cuda", seed=9)
+    got = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, noise=z)
+    assert got.mean.grad_fn is None
+    assert_steps_close(got, flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z))
+    v.requires_grad_(True)
+    scored = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, prev_sample=got.sample)
+    assert type(scored.log_prob.grad_fn).__name__ == "_FusedScoreBackward"
+    assert torch.equal(scored.log_prob.detach(), got.log_prob)

@@ -50,7 +50,9 @@ fi
 
 # The fixes, on the GPU: kernels bit for bit (fused FP8 row quantiser, the one-launch Flow-SDE step) and
 # Sol-RL's explore stage with GPU-scored rewards.
-step tests_fixes 60 python3 -m pytest -q -m cuda tests/kernels tests/solrl/test_cuda_solrl.py -p no:cacheprovider
+# Then Flow-GRPO's rollout and training through the fused Flow-SDE step: the first-update ratio exactly 1.
+step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels tests/solrl/test_cuda_solrl.py \
+  tests/test_cuda.py::test_cuda_rollout_matches_cpu_and_ratio_is_one -p no:cacheprovider
 
 # Issue 15: kernel bandwidth (GPU time beside wall time), then FP8 explore with the fused quantiser.
 step kernels 45 python3 -m bench.kernels

@@ -22,7 +22,7 @@ iteration. On CUDA every timer boundary synchronises the device.
 | forward | the denoiser's ``forward`` (``SD3Transformer2DModel``), grad or no grad |
 | backward | ``Tensor.backward`` (the autograd pass: the denoiser's backward and the loss's) |
 | adapter | ``policy.model.velocity`` outside the forward: wrappers, guidance, casts, timestep |
-| sampler | SDE steps (``GaussianSDE``), rollout / solver / tree loops, outside the model |
+| sampler | SDE steps (``GaussianSDE``, the fused Flow-SDE kernel on CUDA), rollout / solver / tree loops |
 | objective | ``objective.loss`` outside model and sampler, ``after_update``, ``after_iteration`` |
 | decode | ``policy.model.decode`` outside the VAE: scaling, casts, clamping, the adapter stack |
 | vae | the VAE's own ``decode`` (``pipe.vae.decode``: the decoder network) |
@@ -180,12 +180,24 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def patched_item(mapping: dict[str, Any], key: str, value: Any) -> Iterator[None]:
+    """Set ``mapping[key] = value`` for the block (restored after)."""
+    old = mapping[key]
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping[key] = old
+
+
 def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> None:
     """Wrap the real code paths of ``trainer`` with ``timers`` (undone when ``stack`` closes)."""
     import flowrl.rollouts.chunked as chunked
     import flowrl.rollouts.collect as collect
     from flowrl.rewards.combine import MultiReward
     from flowrl.samplers.sde_finish import GaussianSDE
+    from flowrl.samplers.sde_steps import SDE_STEPS
 
     ode_solve = importlib.import_module("flowrl.samplers.ode_solve")  # the package re-exports the function's name
     window_solve = importlib.import_module("flowrl.samplers.window_solve")
@@ -206,6 +218,9 @@ def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> Non
     for network in reward_networks(trainer.reward):
         wrap(network, "forward", "reward_nets")
     wrap(GaussianSDE, "__call__", "sampler")
+    for name, step in SDE_STEPS.items():  # "flow" dispatches to the fused kernel on CUDA (not a GaussianSDE)
+        if not isinstance(step, GaussianSDE):
+            stack.enter_context(patched_item(SDE_STEPS, name, timers.wrap("sampler", step)))
     wrap(chunked, "rollout", "sampler")
     wrap(ode_solve, "ode_solve", "sampler")
     wrap(window_solve, "sde_window_solve", "sampler")

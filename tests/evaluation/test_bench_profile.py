@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench.profile import CATEGORIES, overheads, profile_objective, reward_networks, run_for
+from flowrl.samplers.sde_steps import SDE_STEPS, flow_step
 
 
 def test_overheads_are_shares_of_the_phase_outside_the_denoiser():
@@ -46,6 +47,7 @@ def test_the_categories_add_up_to_the_iteration():
     assert m["collect/backward"] == 0 and m["update/backward"] > 0 and m["update/decode"] == 0
     assert m["collect/wall"] + m["update/wall"] <= m["wall"]
     assert m["samples"] == 160 and m["collect/flops"] > m["collect/model_flops"] > 0
+    assert m["update/sampler"] > 0 and SDE_STEPS["flow"] is flow_step  # timed while profiling, restored after
 
 
 def test_reward_networks_are_the_modules_the_components_hold():

@@ -259,6 +259,8 @@ class Trainer:
             mine = [(position + i, mb, real) for i, mb, real in parts]
             position += len(group)
             self.optimizer.zero_grad(set_to_none=True)
+            free = self.lockstep is None and self.zero is None  # sharded forwards must pair with other ranks'
+            self.objective.prepare(self.model, batch, [mb for _, mb, real in mine if real] if free else [])
             fault, group_totals, ratio = self._accumulate(batch, mine, len(group))
             fault = agree_fault(self.collective, fault)
             if fault is not None and self.zero is not None:

@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import ModelAdapter
-from ..policy.lora import add_frozen_copy, soft_update, use_adapter
+from ..policy.lora import add_frozen_copy, soft_update
 from ..samplers.broadcast import batch_view
 from .base import (
+    FrozenVelocities,
     Microbatch,
     Objective,
     RolloutBatch,
@@ -122,6 +123,7 @@ class DiffusionNFT(Objective):
             "ema_decay_max": 0 <= self.ema_decay_max <= 1,
         }
         check_ranges(checks, self, "flowrl/objectives/diffusion_nft.py")
+        self.frozen = FrozenVelocities()  # not a field: no config key
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "old" (sampling) and "ema" (evaluation) adapters."""
@@ -143,20 +145,31 @@ class DiffusionNFT(Objective):
         order = torch.randperm(len(mbs), generator=generator).tolist()
         return split_even([mbs[i] for i in order], self.updates_per_iteration) if mbs else []
 
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
+        """The "old" policy's velocities (and the base model's, with a KL term), one switch each."""
+        self.frozen.clear()
+        items = []
+        for mb in microbatches:
+            _, sigma, x_t, cond = noised_microbatch(batch, mb)
+            items.append((mb, x_t, sigma, cond))
+        self.frozen.fill(model, "old", items)
+        if self.kl_beta > 0:
+            self.frozen.fill(model, None, items)
+
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """NFT loss on one chunk at one sigma."""
         idx = mb.index
         x0, sigma, x_t, cond = noised_microbatch(batch, mb)
         v_theta = model.velocity(x_t, sigma, cond)
-        with torch.no_grad(), use_adapter(model.transformer, "old"):
-            v_old = model.velocity(x_t, sigma, cond)
+        v_old = self.frozen.velocity(model, "old", mb, x_t, sigma, cond)
         r = optimality_probability(batch.advantages[idx], self.adv_clip)
         per_sample = nft_policy_loss(v_theta, v_old, x_t, x0, sigma, r, self.beta, self.adv_clip)
         keep = batch.keep[idx].double()
         loss = (per_sample * keep).sum() / keep.sum().clamp(min=1.0)
         stats = {"policy_loss": float(loss.detach()), "r_mean": float(r.mean())}
         if self.kl_beta > 0:
-            kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None)
+            v_ref = self.frozen.velocity(model, None, mb, x_t, sigma, cond)
+            kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None, v_other=v_ref)
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return loss.float(), stats

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.adapter import ModelAdapter, select_cond
-from ..policy.lora import adapters_disabled
+from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.types import SDEStep
-from .base import Microbatch, Objective, RolloutBatch, check_ranges
+from .base import FrozenVelocities, Microbatch, Objective, RolloutBatch, check_ranges
 from .planning import plan_transitions
 
 
@@ -127,6 +126,12 @@ def policy_terms(
     return loss / dt.reshape(-1), ratio
 
 
+def _transition_inputs(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tensor, Cond]:
+    """The model inputs of a micro-batch's stored transition: x (b, ...) at its step, sigma (b,), cond."""
+    traj, idx = batch.trajectory, mb.index
+    return traj.latents[idx, mb.step], traj.sigmas[mb.step].float().expand(len(idx)), select_cond(batch.cond, idx)
+
+
 def check_ratio_norm(ratio_norm: bool, updates_per_iteration: int, where: str) -> None:
     """RatioNorm reads the rollout policy's means from theta, which holds only with one update per iteration.
 
@@ -167,20 +172,26 @@ class FlowGRPO(Objective):
             "updates_per_iteration": self.updates_per_iteration >= 1,
         }
         check_ranges(checks, self, "flowrl/objectives/flow_grpo.py")
+        self.frozen = FrozenVelocities()  # not a field: no config key
         check_ratio_norm(self.ratio_norm, self.updates_per_iteration, self.name)
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
         """Every (chunk, stochastic step) pair once; chunks and steps in random order."""
         return plan_transitions(batch, generator, self.updates_per_iteration)
 
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
+        """With a KL term: the base model's velocities at the step's transitions, under one adapter switch."""
+        self.frozen.clear()
+        if self.kl_beta > 0:
+            self.frozen.fill(model, None, [(mb, *_transition_inputs(batch, mb)) for mb in microbatches])
+
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Clipped ratio loss (+ beta KL) on one chunk at one step."""
         traj, idx, j = batch.trajectory, mb.index, mb.step
-        x, x_next = traj.latents[idx, j], traj.latents[idx, j + 1]
-        sigma = traj.sigmas[j].float().expand(len(idx))
+        x, sigma, cond = _transition_inputs(batch, mb)
+        x_next = traj.latents[idx, j + 1]
         sigma_next = traj.sigmas[j + 1].float().expand(len(idx))
         level = float(traj.noise_levels[j])
-        cond = select_cond(batch.cond, idx)
         step_fn = get_sde_step(traj.sde)  # the step that drew x_next, so the ratio starts at 1
         step = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
         keep = batch.keep[idx].float()
@@ -196,8 +207,9 @@ class FlowGRPO(Objective):
             "approx_kl": float(0.5 * ((step.log_prob.detach() - traj.log_probs[idx, j]) ** 2).mean()),
         }
         if self.kl_beta > 0:
-            with torch.no_grad(), adapters_disabled(model.transformer):
-                ref = step_fn(x, model.velocity(x, sigma, cond), sigma, sigma_next, level, prev_sample=x_next)
+            v_ref = self.frozen.velocity(model, None, mb, x, sigma, cond)
+            with torch.no_grad():
+                ref = step_fn(x, v_ref, sigma, sigma_next, level, prev_sample=x_next)
             kl = (transition_kl(step.mean, ref.mean, step.std) * keep).sum() / denom
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())

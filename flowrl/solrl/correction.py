@@ -126,6 +126,10 @@ class ImportanceWeighted(Objective):
         """The wrapped objective's plan."""
         return self.inner.plan(batch, generator)
 
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
+        """The wrapped objective's prepare (what it precomputes does not depend on the advantages)."""
+        self.inner.prepare(model, batch, microbatches)
+
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """The wrapped loss with the advantages of step ``mb.step`` scaled by the importance weights."""
         if self.weights is None:

@@ -23,7 +23,7 @@ iteration. On CUDA every timer boundary synchronises the device.
 | backward | ``Tensor.backward`` (the autograd pass: the denoiser's backward and the loss's) |
 | adapter | ``policy.model.velocity`` outside the forward: wrappers, guidance, casts, timestep |
 | sampler | SDE steps (``GaussianSDE``, the fused Flow-SDE kernel on CUDA), rollout / solver / tree loops |
-| objective | ``objective.loss`` outside model and sampler, ``after_update``, ``after_iteration`` |
+| objective | ``objective.prepare`` and ``loss`` outside model and sampler, ``after_update``, ``after_iteration`` |
 | decode | ``policy.model.decode`` outside the VAE: scaling, casts, clamping, the adapter stack |
 | vae | the VAE's own ``decode`` (``pipe.vae.decode``: the decoder network) |
 | rewards | ``MultiReward`` (``__call__``, ``score_parts``, ``combine``) outside the reward networks: image
@@ -231,7 +231,7 @@ def instrument(stack: contextlib.ExitStack, timers: Timers, trainer: Any) -> Non
     wrap(collect, "edge_advantages", "advantages")
     for name in ("plan",):
         wrap(objective, name, "advantages")
-    for name in ("loss", "after_update", "after_iteration"):
+    for name in ("prepare", "loss", "after_update", "after_iteration"):
         wrap(objective, name, "objective")
     wrap(trainer, "_step", "optimizer")
     wrap(torch.nn.utils, "clip_grad_norm_", "optimizer")

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..models.adapter import ModelAdapter
 from ..policy.lora import add_frozen_copy, soft_update
 from .base import (
+    FrozenVelocities,
     Microbatch,
     Objective,
     RolloutBatch,
@@ -119,6 +120,7 @@ class AWM(Objective):
             "ema_decay_max": 0 <= self.ema_decay_max <= 1,
         }
         check_ranges(checks, self, "flowrl/objectives/awm.py")
+        self.frozen = FrozenVelocities()  # not a field: no config key
 
     def setup(self, model: ModelAdapter) -> None:
         """Add the frozen "ema" adapter (the trust-region anchor)."""
@@ -146,6 +148,21 @@ class AWM(Objective):
         order = torch.randperm(len(mbs), generator=generator).tolist()
         return split_even([mbs[i] for i in order], self.updates_per_iteration)
 
+    def penalties(self) -> tuple[tuple[str, float, str | None], ...]:
+        """(stat name, weight, adapter) of the velocity penalties: the base model's and the EMA anchor's."""
+        return (("kl", self.kl_beta, None), ("ema_kl", self.ema_beta, "ema"))
+
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
+        """The penalised states' velocities (base model, EMA anchor) at the step's points, one switch each."""
+        self.frozen.clear()
+        items = []
+        for mb in microbatches:
+            _, sigma, x_t, cond = noised_microbatch(batch, mb)
+            items.append((mb, x_t, sigma, cond))
+        for _, weight, adapter in self.penalties():
+            if weight > 0:
+                self.frozen.fill(model, adapter, items)
+
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Advantage-weighted flow-matching loss on one chunk at one sigma."""
         idx = mb.index
@@ -158,9 +175,10 @@ class AWM(Objective):
         keep = batch.keep[idx].double()
         loss = (-adv * lp * keep).sum() / keep.sum().clamp(min=1.0)
         stats = {"policy_loss": float(loss.detach()), "fm_mse": float(mse.detach().mean())}
-        for name, weight, adapter in (("kl", self.kl_beta, None), ("ema_kl", self.ema_beta, "ema")):
+        for name, weight, adapter in self.penalties():
             if weight > 0:
-                penalty = velocity_penalty(model, x_t, sigma, cond, v_theta, adapter)
+                v_other = self.frozen.velocity(model, adapter, mb, x_t, sigma, cond)
+                penalty = velocity_penalty(model, x_t, sigma, cond, v_theta, adapter, v_other=v_other)
                 loss = loss + weight * penalty
                 stats[name] = float(penalty.detach())
         return loss.float(), stats

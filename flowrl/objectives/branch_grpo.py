@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.adapter import ModelAdapter, select_cond
-from ..policy.lora import adapters_disabled
+from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..samplers.sde_steps import get_sde_step
 from ..samplers.tree import branch_step
-from .base import Objective, RolloutBatch, check_ranges
+from .base import FrozenVelocities, Objective, RolloutBatch, check_ranges
 from .flow_grpo import check_ratio_norm, policy_terms, transition_kl
 from .planning import EdgeMicrobatch, chunk_children, plan_tree_edges
 
@@ -60,19 +59,25 @@ class BranchGRPO(Objective):
         }
         check_ranges(checks, self, "flowrl/objectives/branch_grpo.py")
         check_ratio_norm(self.ratio_norm, self.updates_per_iteration, self.name)
+        self.frozen = FrozenVelocities()  # not a field: no config key
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[EdgeMicrobatch]]:
         """Every (step, frontier chunk) with a trained edge once, in random order."""
         return plan_tree_edges(batch, generator, self.updates_per_iteration)
+
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[EdgeMicrobatch]) -> None:
+        """With a KL term: the base model's velocities at the step's parent chunks, under one adapter switch."""
+        self.frozen.clear()
+        if self.kl_beta > 0:
+            self.frozen.fill(model, None, [(mb, *_parent_inputs(batch, mb)) for mb in microbatches])
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: EdgeMicrobatch) -> tuple[Tensor, dict[str, float]]:
         """Summed clipped loss of the trained edges below one chunk of parents, times the weight."""
         tb, t, parents = batch.tree, mb.step, mb.index
         tr = tb.rollout
         children, local = chunk_children(parents, int(tr.factors[t]), tb.train[t])
-        x = tr.nodes[t][parents]
-        cond = select_cond(tb.cond, tr.trees(t)[parents])
-        v = model.velocity(x, tr.sigmas[t].float().expand(len(parents)), cond)
+        x, sigma_p, cond = _parent_inputs(batch, mb)
+        v = model.velocity(x, sigma_p, cond)
         step_fn, level, scale = get_sde_step(tr.sde), float(tr.noise_levels[t]), float(tr.noise_scales[t])
         sigma, sigma_next = tr.sigmas[t].float().expand(len(children)), tr.sigmas[t + 1].float().expand(len(children))
         x_next = tr.nodes[t + 1][children]
@@ -90,10 +95,17 @@ class BranchGRPO(Objective):
             "edges": float(len(children)),
         }
         if self.kl_beta > 0:
-            with torch.no_grad(), adapters_disabled(model.transformer):
-                v_ref = model.velocity(x, tr.sigmas[t].float().expand(len(parents)), cond)
-            ref = branch_step(step_fn, x[local], v_ref[local], sigma, sigma_next, level, scale, prev_sample=x_next)
+            v_ref = self.frozen.velocity(model, None, mb, x, sigma_p, cond)
+            with torch.no_grad():
+                ref = branch_step(step_fn, x[local], v_ref[local], sigma, sigma_next, level, scale, prev_sample=x_next)
             kl = transition_kl(step.mean, ref.mean, step.std).sum() * mb.weight
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return loss, stats
+
+
+def _parent_inputs(batch: RolloutBatch, mb: EdgeMicrobatch) -> tuple[Tensor, Tensor, Cond]:
+    """The model inputs of a micro-batch's parent nodes: x (p, ...) at its depth, sigma (p,), cond."""
+    tr, parents = batch.tree.rollout, mb.index
+    x = tr.nodes[mb.step][parents]
+    return x, tr.sigmas[mb.step].float().expand(len(parents)), select_cond(batch.tree.cond, tr.trees(mb.step)[parents])

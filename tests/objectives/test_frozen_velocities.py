@@ -20,7 +20,10 @@ SMALL = ["prompts.per_iteration=4", "prompts.group_size=4", "sampler.chunk_size=
 CASES = {
     "flow_grpo": ("configs/grpo/digits.yaml", ["sampler.num_steps=4", "objective.updates_per_iteration=2"]),
     "diffusion_nft": ("configs/nft/digits.yaml", ["sampler.num_steps=4", "objective.kl_beta=1e-2"]),
+    "awm": ("configs/awm/digits.yaml", ["sampler.num_steps=4", "objective.kl_beta=1e-2", "objective.ema_beta=1e-2"]),
+    "branch_grpo": ("configs/branch/digits.yaml", ["prompts.group_size=16", "objective.kl_beta=1e-2"]),
 }
+STATES = {"flow_grpo": 1, "diffusion_nft": 2, "awm": 2, "branch_grpo": 1}  # frozen states switched to per step
 
 
 def _trainer(config: str, extra: list[str]) -> Trainer:
@@ -30,7 +33,7 @@ def _trainer(config: str, extra: list[str]) -> Trainer:
     return Trainer(cfg, build_policy(cfg, trainable=True), build_reward(cfg), prompts, prompts[:2])
 
 
-def _train(config: str, extra: list[str], precompute: bool, monkeypatch) -> tuple[dict, list[dict], int]:
+def _train(config: str, extra: list[str], precompute: bool, monkeypatch) -> tuple[dict, list[dict], int, int]:
     trainer = _trainer(config, extra)
     switches = []
     real = base.adapter_switch
@@ -40,28 +43,29 @@ def _train(config: str, extra: list[str], precompute: bool, monkeypatch) -> tupl
         return real(model, adapter)
 
     monkeypatch.setattr(base, "adapter_switch", counted)
+    steps = []
+    step = trainer.optimizer.step
+    monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: (steps.append(1), step(*a, **k))[1])
     if not precompute:
         monkeypatch.setattr(trainer.objective, "prepare", lambda model, batch, mbs: trainer.objective.frozen.clear())
     metrics = [trainer.train_step() for _ in range(2)]
     lora = {n: p.detach().clone() for n, p in trainer.model.transformer.named_parameters() if "lora_" in n}
     trainer.close()
     monkeypatch.undo()
-    return lora, metrics, len(switches)
+    return lora, metrics, len(switches), len(steps)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_precomputed_frozen_velocities_train_bit_for_bit_with_one_switch_per_step(name, monkeypatch):
     config, extra = CASES[name]
-    fast, fast_metrics, fast_switches = _train(config, extra, True, monkeypatch)
-    slow, slow_metrics, slow_switches = _train(config, extra, False, monkeypatch)
+    fast, fast_metrics, fast_switches, steps = _train(config, extra, True, monkeypatch)
+    slow, slow_metrics, slow_switches, _ = _train(config, extra, False, monkeypatch)
     assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)  # every adapter
     for a, b in zip(fast_metrics, slow_metrics):
         assert {k: v for k, v in a.items() if "time" not in k and not k.endswith("_s")} == {
             k: v for k, v in b.items() if "time" not in k and not k.endswith("_s")
         }
-    states = 1 if name == "flow_grpo" else 2  # the base model; NFT also its "old" policy
-    steps = 2 * (2 if name == "flow_grpo" else 1)  # optimizer steps in the two iterations
-    assert fast_switches == states * steps < slow_switches
+    assert steps > 0 and fast_switches == STATES[name] * steps < slow_switches  # one switch per state and step
 
 
 def test_a_velocity_not_precomputed_is_computed_under_its_own_switch(monkeypatch):

@@ -32,6 +32,7 @@ from .base import (
     Objective,
     RolloutBatch,
     check_ranges,
+    noised_inputs,
     noised_microbatch,
     split_even,
     velocity_penalty,
@@ -155,10 +156,7 @@ class AWM(Objective):
     def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
         """The penalised states' velocities (base model, EMA anchor) at the step's points, one switch each."""
         self.frozen.clear()
-        items = []
-        for mb in microbatches:
-            _, sigma, x_t, cond = noised_microbatch(batch, mb)
-            items.append((mb, x_t, sigma, cond))
+        items = noised_inputs(batch, microbatches)
         for _, weight, adapter in self.penalties():
             if weight > 0:
                 self.frozen.fill(model, adapter, items)

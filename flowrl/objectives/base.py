@@ -263,6 +263,15 @@ def noised_microbatch(batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, Tens
     return x0, sigma, (1 - t) * x0 + t * mb.noise, select_cond(batch.cond, mb.index)
 
 
+def noised_inputs(batch: RolloutBatch, microbatches: list[Microbatch]) -> list[tuple[Microbatch, Tensor, Tensor, Cond]]:
+    """``(mb, x_t, sigma, cond)`` of each forward-process micro-batch, for :meth:`FrozenVelocities.fill`."""
+    items = []
+    for mb in microbatches:
+        _, sigma, x_t, cond = noised_microbatch(batch, mb)
+        items.append((mb, x_t, sigma, cond))
+    return items
+
+
 def adapter_switch(model: ModelAdapter, adapter: str | None) -> contextlib.AbstractContextManager:
     """The context that runs ``model`` as the base model (``adapter`` None) or with LoRA adapter ``adapter``."""
     return adapters_disabled(model.transformer) if adapter is None else use_adapter(model.transformer, adapter)

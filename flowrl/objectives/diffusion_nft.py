@@ -35,6 +35,7 @@ from .base import (
     Objective,
     RolloutBatch,
     check_ranges,
+    noised_inputs,
     noised_microbatch,
     split_even,
     velocity_penalty,
@@ -148,10 +149,7 @@ class DiffusionNFT(Objective):
     def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
         """The "old" policy's velocities (and the base model's, with a KL term), one switch each."""
         self.frozen.clear()
-        items = []
-        for mb in microbatches:
-            _, sigma, x_t, cond = noised_microbatch(batch, mb)
-            items.append((mb, x_t, sigma, cond))
+        items = noised_inputs(batch, microbatches)
         self.frozen.fill(model, "old", items)
         if self.kl_beta > 0:
             self.frozen.fill(model, None, items)

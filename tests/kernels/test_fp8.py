@@ -279,8 +279,10 @@ def test_the_fp8_linear_compiles_into_one_graph_with_the_quantiser_as_one_node(d
     x = torch.randn(2, 37, 64, device=device).bfloat16()
     explain = torch._dynamo.explain(layer)(x)
     assert explain.graph_count == 1 and explain.graph_break_count == 0
-    nodes = [n.target for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"]
-    assert nodes.count(torch.ops.flowrl.fp8_quantize.default) == 1
+    nodes = [str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"]
+    # by name: transformers' probe may import this folder a second time as a top-level ``kernels``, which
+    # registers the operator again (harmless: the same code) under a new OpOverload object
+    assert nodes.count("flowrl.fp8_quantize.default") == 1
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), layer(x))
     torch._dynamo.reset()

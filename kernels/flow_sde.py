@@ -42,6 +42,7 @@ from torch import Tensor
 from flowrl.samplers import SDEStep, batch_view, compute_dtype, flow_sde_step, standard_normal
 from flowrl.samplers.flow_sde import flow_sde_diffusion
 from flowrl.samplers.gaussian import Reduction
+from flowrl.samplers.sde_steps import register_accelerated_step
 
 from .dispatch import Backend, resolve_backend
 
@@ -201,3 +202,6 @@ def flow_sde_bytes(numel: int, itemsize: int, *, score: bool = False) -> int:
     and the fp32 sample unless scoring; the (B, chunks) partial sums are negligible.
     """
     return numel * (3 * itemsize + 4) if score else numel * (3 * itemsize + 8)
+
+
+register_accelerated_step("flow", "cuda", fused_flow_sde_step)  # the registry's "flow" step on CUDA latents

@@ -19,6 +19,21 @@ from .gaussian import Reduction
 from .sage_sde import sage_sde_step
 from .types import SDEStep, SDEStepFn
 
+ACCELERATED_STEPS: dict[tuple[str, str], SDEStepFn] = {}
+"""(step name, device type) -> an implementation of that step with the same contract and equations,
+faster on that device. ``flowrl.kernels`` registers its fused Flow-SDE kernel as ("flow", "cuda") when
+it is imported (the rollout and objective modules import it); samplers never import kernels."""
+
+
+def register_accelerated_step(name: str, device_type: str, step: SDEStepFn) -> None:
+    """Use ``step`` for the registry's step ``name`` on latents of ``device_type`` (e.g. "cuda").
+
+    Raises:
+        ValueError: ``name`` is not a registered step.
+    """
+    get_sde_step(name)
+    ACCELERATED_STEPS[(name, device_type)] = step
+
 
 def flow_step(
     x: Tensor,
@@ -32,23 +47,18 @@ def flow_step(
     prev_sample: Tensor | None = None,
     reduce: Reduction = "mean",
 ) -> SDEStep:
-    """The registry's Flow-SDE step: the fused Triton kernel for CUDA latents, :func:`flow_sde_step` elsewhere.
+    """The registry's Flow-SDE step: the accelerated step registered for x's device, else :func:`flow_sde_step`.
 
-    On a GPU the step's ~23 elementwise launches (and as many more in its backward) cost as much as
-    a small model's matmuls; :func:`flowrl.kernels.flow_sde.fused_flow_sde_step` computes the same
-    equations in one launch (its backward in four passes) and equals the reference within fp32
-    rounding. Rollouts and the objectives' recomputation both come here, so on a GPU both use the
-    kernel and a stored log-prob is still recomputed bit for bit (the first-update ratio stays 1).
-    Off CUDA (or without triton, or for fp64) this *is* :func:`flow_sde_step`, bit for bit.
+    On a GPU the step's ~23 elementwise launches (and as many more in its backward) cost as much as a
+    small model's matmuls; ``flowrl.kernels`` registers its fused Triton kernel for CUDA latents
+    (:func:`flowrl.kernels.flow_sde.fused_flow_sde_step`: one launch, a four-pass backward, equal to the
+    reference within fp32 rounding). Rollouts and the objectives' recomputation both come here, so on a
+    GPU both use the kernel and a stored log-prob is still recomputed bit for bit (the first-update ratio
+    stays 1). Elsewhere (the CPU, or nothing registered) this *is* :func:`flow_sde_step`, bit for bit.
     Arguments and result: :data:`~flowrl.samplers.types.SDEStepFn`.
     """
-    if x.is_cuda:
-        from flowrl.kernels.flow_sde import fused_flow_sde_step  # lazy: flowrl.kernels imports this package
-
-        return fused_flow_sde_step(
-            x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
-        )
-    return flow_sde_step(
+    step = ACCELERATED_STEPS.get(("flow", x.device.type), flow_sde_step)
+    return step(
         x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
     )
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from .. import kernels  # noqa: F401 - registers the fused Flow-SDE step for CUDA latents
 from ..models.adapter import Cond, ModelAdapter, select_cond
 from ..policy.lora import adapters_disabled, use_adapter
 from ..samplers.broadcast import batch_view

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .. import kernels  # noqa: F401 - registers the fused Flow-SDE step for CUDA latents
 from ..models.adapter import Cond, ModelAdapter, model_latent_shape, select_cond
 from ..runtime import seeded_noise
 from ..samplers.rollout import rollout

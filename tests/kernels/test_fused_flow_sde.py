@@ -312,6 +312,25 @@ def test_the_registry_flow_step_is_the_reference_off_cuda(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def test_a_step_registered_for_a_device_is_the_registry_step_there(monkeypatch):
+    from flowrl.samplers import get_sde_step
+    from flowrl.samplers.sde_steps import ACCELERATED_STEPS, register_accelerated_step
+
+    registered = ACCELERATED_STEPS[("flow", "cuda")]  # by importing flowrl.kernels (possibly twice, under two names)
+    assert registered.__name__ == "fused_flow_sde_step" and registered.__module__.endswith("kernels.flow_sde")
+    x, v, z = inputs((3, 4, 5), torch.float32, "cpu", seed=10)
+
+    def interpreted(*args, **kwargs):
+        return fused_flow_sde_step(*args, **kwargs, backend="triton")
+
+    monkeypatch.setitem(ACCELERATED_STEPS, ("flow", "cpu"), interpreted)
+    got = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, noise=z)
+    want = fused_flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="unknown SDE 'nope'"):
+        register_accelerated_step("nope", "cuda", interpreted)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_registry_flow_step_runs_the_kernel_on_cuda():

@@ -242,9 +242,15 @@ def test_an_interrupted_wait_abandons_the_worker():
         ran.append(threading.current_thread())
         return torch.zeros(images.shape[0])
 
+    # Python's own SIGINT handler, re-armed at the C level: a library that installed its own (sigaction) in an
+    # earlier test would otherwise swallow the signal while Python still reports the default handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        MultiReward({"i": (interrupting, 1.0)})(IMAGES, PROMPTS)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            MultiReward({"i": (interrupting, 1.0)})(IMAGES, PROMPTS)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - start < 8  # the wait ends with the signal, not with the call (10 s)
     MultiReward({"q": (record, 1.0)})(IMAGES, PROMPTS)
     assert ran[1] is not ran[0]  # the next call did not queue behind the interrupted one

@@ -20,12 +20,14 @@ import math
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
 
 DEFAULT_TIMEOUT_S = 600.0  # a reward call that takes longer than 10 minutes is treated as hung
 IDLE_CHECK_S = 1.0  # how often an idle worker checks that its calling thread is still alive
+WAIT_SLICE_S = 0.1  # the caller waits in slices this long, so a Ctrl-C another thread received is handled promptly
 
 
 class DeadlineExceeded(Exception):
@@ -106,7 +108,7 @@ def call_with_deadline(
     worker = _worker()
     try:
         worker.run(run, name)
-        finished = done.wait(timeout_s)
+        finished = _wait(done, timeout_s)
     except BaseException:  # e.g. Ctrl-C while waiting: the next call must not queue behind this one
         _abandon(worker)
         raise
@@ -116,6 +118,21 @@ def call_with_deadline(
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+def _wait(done: threading.Event, timeout_s: float) -> bool:
+    """``done.wait(timeout_s)`` in slices of :data:`WAIT_SLICE_S`; True once ``done`` is set.
+
+    A SIGINT / SIGTERM sent to the process may be received by any thread (here often the worker
+    running the reward); CPython runs the Python handler only in the main thread, between bytecodes,
+    so one long wait would hold a Ctrl-C until the reward returned or the deadline passed. Between
+    slices the handler runs and its KeyboardInterrupt ends the wait.
+    """
+    end = time.monotonic() + timeout_s
+    while not done.wait(min(WAIT_SLICE_S, max(end - time.monotonic(), 0.0))):
+        if time.monotonic() >= end:
+            return done.is_set()
+    return True
 
 
 class _Worker:

@@ -228,6 +228,28 @@ def test_a_worker_abandoned_to_a_hung_call_is_replaced():
     assert started[1].is_alive()  # the abandoned worker still sleeps in the hung call
 
 
+CTRL_C_ON_ANOTHER_THREAD = """
+import os, signal, sys, time, torch
+from flowrl.rewards.deadline import call_with_deadline
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # so the kernel hands the SIGINT to the worker thread
+def reward():
+    os.kill(os.getpid(), signal.SIGINT)  # to the process, as `kill -INT` or a supervisor sends it
+    time.sleep(10)
+start = time.monotonic()
+try:
+    call_with_deadline(reward, 60.0)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.2f} s")
+"""
+
+
+def test_a_ctrl_c_received_by_the_worker_thread_ends_the_wait_promptly():
+    """The process-directed SIGINT lands on the worker; the caller's sliced wait still raises at once."""
+    out = subprocess.run([sys.executable, "-c", CTRL_C_ON_ANOTHER_THREAD], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("interrupted after"), out.stdout + out.stderr
+    assert float(out.stdout.split()[2]) < 5  # not after the reward's 10 s sleep (a single long wait's behaviour)
+
+
 def test_an_interrupted_wait_abandons_the_worker():
     ran = []
 

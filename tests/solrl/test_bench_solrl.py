@@ -35,8 +35,13 @@ def test_a_tiny_race_prints_the_reader_confirmed_table(capsys, monkeypatch, part
     out = capsys.readouterr().out
     assert out.count("| reached |") == 1 and "Machine at the end:" in out and " load " in out
     assert "with the reader's accuracy >= the base model's" in out
-    table = [line for line in out.splitlines() if line.startswith("| ") and "train s" not in line]
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| arm |"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    table = lines[start + 2 : end]  # the evaluation table's rows (after its header and rule)
     assert len(table) >= 4 and all(len(line.split("|")) == 11 for line in table)  # 2 arms x (base + >= 1 point)
+    if part == "budget":  # then the speed-up at every shorter budget, one row per single-stage evaluation
+        assert "At every shorter budget" in out and "| budget s | target" in out
 
 
 def test_every_single_stage_evaluation_is_a_shorter_budget_with_its_own_target():

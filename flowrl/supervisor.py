@@ -65,10 +65,16 @@ def _report_fd() -> int | None:
 
 
 def setup_child() -> None:
-    """In a supervised child: dump the Python stack on a crash, and keep the report pipe from grandchildren."""
+    """In a supervised child: dump the Python stack on a crash, keep the report pipe, honour a forwarded SIGINT.
+
+    The report pipe is kept from grandchildren. A background launch (``nohup ... &``) starts with SIGINT
+    ignored, which Python keeps; the supervisor forwards SIGINT as a stop request, so it is re-armed here.
+    """
     import faulthandler
+    import signal
 
     faulthandler.enable()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fd = _report_fd()
     if fd is not None:
         try:

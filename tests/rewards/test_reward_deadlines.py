@@ -231,6 +231,7 @@ def test_a_worker_abandoned_to_a_hung_call_is_replaced():
 CTRL_C_ON_ANOTHER_THREAD = """
 import os, signal, sys, time, torch
 from flowrl.rewards.deadline import call_with_deadline
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a console Python; a background job inherits SIG_IGN
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # so the kernel hands the SIGINT to the worker thread
 def reward():
     os.kill(os.getpid(), signal.SIGINT)  # to the process, as `kill -INT` or a supervisor sends it

@@ -9,13 +9,13 @@ always the density the sample was drawn from. ``level`` is each step's own noise
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
 from torch import Tensor
 
 from .cps import cps_step
 from .dance_sde import dance_sde_step
 from .flow_sde import flow_sde_step
-from .gaussian import Reduction
 from .sage_sde import sage_sde_step
 from .types import SDEStep, SDEStepFn
 
@@ -35,18 +35,7 @@ def register_accelerated_step(name: str, device_type: str, step: SDEStepFn) -> N
     ACCELERATED_STEPS[(name, device_type)] = step
 
 
-def flow_step(
-    x: Tensor,
-    v: Tensor,
-    sigma: Tensor | float,
-    sigma_next: Tensor | float,
-    level: Tensor | float,
-    *,
-    noise: Tensor | None = None,
-    generator: torch.Generator | None = None,
-    prev_sample: Tensor | None = None,
-    reduce: Reduction = "mean",
-) -> SDEStep:
+def flow_step(x: Tensor, *args: Any, **kwargs: Any) -> SDEStep:
     """The registry's Flow-SDE step: the accelerated step registered for x's device, else :func:`flow_sde_step`.
 
     On a GPU the step's ~23 elementwise launches (and as many more in its backward) cost as much as a
@@ -57,10 +46,7 @@ def flow_step(
     stays 1). Elsewhere (the CPU, or nothing registered) this *is* :func:`flow_sde_step`, bit for bit.
     Arguments and result: :data:`~flowrl.samplers.types.SDEStepFn`.
     """
-    step = ACCELERATED_STEPS.get(("flow", x.device.type), flow_sde_step)
-    return step(
-        x, v, sigma, sigma_next, level, noise=noise, generator=generator, prev_sample=prev_sample, reduce=reduce
-    )
+    return ACCELERATED_STEPS.get(("flow", x.device.type), flow_sde_step)(x, *args, **kwargs)
 
 
 SDE_STEPS: dict[str, SDEStepFn] = {

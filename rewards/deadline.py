@@ -9,13 +9,17 @@ CUDA device (both per-thread in torch) are carried over, so a reward scores exac
 Each calling thread keeps one worker for its calls that end in time (a fresh thread per call cost
 0.3-0.6 ms of each reward call on the embedded model's CPU rollouts: thread start-up and torch's
 per-thread state); the worker exits within :data:`IDLE_CHECK_S` of its caller's end, so at most one
-idle worker per live calling thread exists.
+idle worker per live calling thread exists. At interpreter exit every idle worker is told to stop
+and joined (:func:`_stop_idle_workers`, an ``atexit`` hook): a daemon thread that has run torch code
+must not outlive Python's finalization, where its forced unwind through torch's C++ frames aborts
+the process ("terminate called without an active exception", pytorch/pytorch#38228).
 
 Every entry of a config's ``rewards:`` section takes ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`).
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
@@ -28,6 +32,7 @@ import torch
 DEFAULT_TIMEOUT_S = 600.0  # a reward call that takes longer than 10 minutes is treated as hung
 IDLE_CHECK_S = 1.0  # how often an idle worker checks that its calling thread is still alive
 WAIT_SLICE_S = 0.1  # the caller waits in slices this long, so a Ctrl-C another thread received is handled promptly
+EXIT_JOIN_S = 2.0  # at exit, how long to wait for the idle workers to end (they end at once; bounded under load)
 
 
 class DeadlineExceeded(Exception):
@@ -145,7 +150,10 @@ class _Worker:
     def __init__(self, owner: threading.Thread) -> None:
         self.owner, self.pid = owner, os.getpid()
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.busy = False  # running a job (an abandoned call may never return: not joined at exit)
         self.thread = threading.Thread(target=self._loop, name=self._name("idle"), daemon=True)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
         self.thread.start()
 
     def _name(self, reward: str) -> str:
@@ -161,16 +169,42 @@ class _Worker:
         self.jobs.put(None)
 
     def _loop(self) -> None:
-        while True:
-            try:
-                job = self.jobs.get(timeout=IDLE_CHECK_S)
-            except queue.Empty:
-                if not self.owner.is_alive():
+        try:
+            while True:
+                try:
+                    job = self.jobs.get(timeout=IDLE_CHECK_S)
+                except queue.Empty:
+                    if not self.owner.is_alive():
+                        return
+                    continue
+                if job is None:
                     return
-                continue
-            if job is None:
-                return
-            job()
+                self.busy = True
+                job()
+                self.busy = False
+                del job  # the call's arguments and result are not kept alive by an idle worker
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+
+
+_LIVE: set[_Worker] = set()  # every started worker of this process that has not ended
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_idle_workers(timeout_s: float = EXIT_JOIN_S) -> None:
+    """Stop and join this process's idle workers (run at interpreter exit, before finalization).
+
+    A worker still running a call that overran its deadline is left alone: it may never return.
+    """
+    with _LIVE_LOCK:
+        idle = [w for w in _LIVE if w.pid == os.getpid() and not w.busy]
+    for worker in idle:
+        worker.retire()
+    end = time.monotonic() + timeout_s
+    for worker in idle:
+        worker.thread.join(max(end - time.monotonic(), 0.0))
 
 
 class _Workers(threading.local):

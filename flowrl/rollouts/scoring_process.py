@@ -177,6 +177,7 @@ class ScoringProcess:
         self._closed = False
         self._timeouts = dict(reward.timeouts)
         self._running = ctx.Array("c", 512)  # the reward the worker is calling now (_set_running)
+        self._receiver: threading.Thread | None = None  # started once the worker is ready
         self._proc = ctx.Process(
             target=_worker_main,
             name="flowrl-scoring",
@@ -314,6 +315,17 @@ class ScoringProcess:
                 self._proc.kill()
                 self._proc.join(timeout_s)
         self._fail_pending(RuntimeError("scoring process was closed before this chunk was scored"))
+        self._join_receiver(timeout_s)
+
+    def _join_receiver(self, timeout_s: float) -> None:
+        """Wait for the receiver thread to notice the close (within :data:`POLL_S`).
+
+        It unpickles tensors (torch code), so it must not be alive when the interpreter finalizes:
+        a daemon thread's forced unwind through torch's C++ frames aborts the process.
+        """
+        receiver = self._receiver
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(timeout_s)
 
     def __del__(self) -> None:
         try:

@@ -229,6 +229,8 @@ def test_rollout_scorer_with_a_worker_gathers_chunks(tmp_path):
         assert torch.equal(images, x) and torch.equal(out.total, x.mean(dim=(1, 2, 3)))
     finally:
         worker.close()
+    # the receiver (which unpickles tensors) has ended: no daemon thread that ran torch code outlives close()
+    assert not any(t.name == "flowrl-scoring-receiver" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(RuntimeError, match="scoring process is not running"):
         worker.submit(x, ["p"], {}, 0)
 

@@ -228,6 +228,32 @@ def test_a_worker_abandoned_to_a_hung_call_is_replaced():
     assert started[1].is_alive()  # the abandoned worker still sleeps in the hung call
 
 
+WORKERS_AT_EXIT = """
+import atexit, threading, time, torch
+# registered first, so it runs last of the atexit hooks: after the deadline module's, before finalization
+atexit.register(lambda: print(sorted(t.name for t in threading.enumerate() if t.name.startswith("reward-"))))
+from flowrl.rewards.deadline import call_with_deadline
+try:
+    call_with_deadline(time.sleep, 0.05, (30,), name="hung")
+except Exception:  # DeadlineExceeded: its worker is abandoned to the sleep
+    pass
+call_with_deadline(lambda: torch.ones(3).sum(), 60.0, name="main")  # the main thread's new worker, idle now
+scorer = threading.Thread(target=lambda: call_with_deadline(torch.ones(2).sum, 60.0, name="pool"), name="scorer")
+scorer.start()
+scorer.join()  # its worker would idle on for up to IDLE_CHECK_S
+"""
+
+
+def test_idle_workers_end_before_the_interpreter_finalizes():
+    """A daemon thread that ran torch code and is still alive in finalization can abort the process.
+
+    At exit the idle workers are stopped and joined; only one abandoned to a hung call is left.
+    """
+    out = subprocess.run([sys.executable, "-c", WORKERS_AT_EXIT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['reward-hung@MainThread']", out.stdout + out.stderr
+
+
 CTRL_C_ON_ANOTHER_THREAD = """
 import os, signal, sys, time, torch
 from flowrl.rewards.deadline import call_with_deadline

@@ -119,6 +119,8 @@ def speed(args: argparse.Namespace) -> None:
     noise = seeded_noise(policy.latent_shape, seeds)
     variants = {}
     for name, precision, options, steps in VARIANTS:
+        if precision is not None and args.only and not any(word in name for word in args.only):
+            continue
         module = None if precision is None else build_explore(policy, precision, **options).module
         variants[name] = (module, steps or cfg.sampler.num_steps)
     rates: dict[str, list[float]] = {name: [] for name in variants}
@@ -331,6 +333,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="speed: the explore variants whose name holds one of these words"
+    )
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--eval-every-s", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)

@@ -61,3 +61,14 @@ def test_every_single_stage_evaluation_is_a_shorter_budget_with_its_own_target()
     assert never[1]["two_s"] is None and never[1]["speedup"] is None
     table = solrl.budget_table(never)
     assert table.count("\n") == 4 and "| 20 | 1.200 | 20 | never | - |" in table
+
+
+@pytest.mark.slow
+def test_the_speed_table_rates_the_chosen_explore_copies(capsys, monkeypatch):
+    argv = ["solrl", "speed", "--prompts", "2", "--candidates", "4", "--rounds", "1", "--threads", "1"]
+    monkeypatch.setattr("sys.argv", [*argv, "--only", "fp32", "bf16"])
+    solrl.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == ["full precision (stage 2)", "full precision, 10 steps", "fp32 merged, 3 steps", "bf16 merged, 3 steps"]
+    assert rows[0].split("|")[4].strip() == "1.00x" and rows[0].split("|")[5].strip() == "1.000"  # against itself

@@ -191,16 +191,18 @@ class Run:
             if self.resume is not None:
                 trainer.load_state_dict(self.resume.state)
             t0 = time.perf_counter()
+            failed = True
             try:
                 end_eval = self._loop(logger, t0)
                 if not end_eval and logger is not None:
                     # a run resumed from its final checkpoint trains no step: its end figures are the ones
                     # logged at that step (or evaluated now, when that step logged none)
                     end_eval = logged_eval(logger.rows, trainer.iteration) or self._evaluate()
+                failed = False
             finally:
                 if logger is not None:
                     logger.close()
-                trainer.close()
+                trainer.close(abandon=failed)  # a failed or interrupted run does not wait for a chunk's reward
             wall = time.perf_counter() - t0
             if not self.is_main:
                 self._meet()  # a sharded model: rank 0's end evaluation, final LoRA and grid

@@ -169,10 +169,14 @@ class Trainer:
             self._scoring_process = ScoringProcess(self.reward, self.model.decoder(), threads=torch.get_num_threads())
         return self._scoring_process
 
-    def close(self) -> None:
-        """Stop the scoring process, if one was started (also stopped when Python exits)."""
+    def close(self, abandon: bool = False) -> None:
+        """Stop the scoring process, if one was started (also stopped when Python exits).
+
+        Args:
+            abandon: kill it at once instead of letting it finish its chunk (the run failed or was interrupted).
+        """
         if self._scoring_process is not None:
-            self._scoring_process.close()
+            self._scoring_process.close(abandon=abandon)
             self._scoring_process = None
 
     def _free_encoders(self) -> None:

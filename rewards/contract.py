@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-from .deadline import DeadlineExceeded, call_with_deadline
+from .deadline import CallCancelled, DeadlineExceeded, call_with_deadline
 
 _RANGE_TOL = 1e-3
 
@@ -202,7 +202,7 @@ def score_reward(
             output = call_with_deadline(fn, timeout_s, (images, prompts), dict(metadata or {}), name=name)
     except DeadlineExceeded:
         raise RewardTimeout(timeout_message(name, float(timeout_s or 0), batch_index)) from None
-    except RewardError:
+    except (RewardError, CallCancelled):
         raise
     except Exception as err:  # noqa: BLE001 - any failure inside a reward is re-raised with its name
         message = str(err).splitlines()[0] if str(err) else ""

@@ -14,6 +14,12 @@ and joined (:func:`_stop_idle_workers`, an ``atexit`` hook): a daemon thread tha
 must not outlive Python's finalization, where its forced unwind through torch's C++ frames aborts
 the process ("terminate called without an active exception", pytorch/pytorch#38228).
 
+A thread that scores for someone else (the rollout scorer's worker thread) can run its calls in a
+:func:`cancel_scope`: setting the scope's event ends the call's wait within :data:`WAIT_SLICE_S` with
+:class:`CallCancelled`, the call itself is abandoned like one that overran, and the thread is free
+at once (a Ctrl-C must not wait for a slow or hung reward). :func:`wait_result` waits for a
+``Future`` in the same slices.
+
 Every entry of a config's ``rewards:`` section takes ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`).
 """
 
@@ -25,7 +31,10 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,6 +46,10 @@ EXIT_JOIN_S = 2.0  # at exit, how long to wait for the idle workers to end (they
 
 class DeadlineExceeded(Exception):
     """A call did not return within its deadline (``args[0]`` is the deadline in seconds)."""
+
+
+class CallCancelled(Exception):
+    """The calling thread's :func:`cancel_scope` was cancelled while it waited for a call."""
 
 
 def check_timeout(name: str, value: object) -> float:
@@ -113,31 +126,63 @@ def call_with_deadline(
     worker = _worker()
     try:
         worker.run(run, name)
-        finished = _wait(done, timeout_s)
+        finished = _wait(done, timeout_s, _WORKERS.cancel)
     except BaseException:  # e.g. Ctrl-C while waiting: the next call must not queue behind this one
         _abandon(worker)
         raise
     if not finished:
         _abandon(worker)
+        if _WORKERS.cancel is not None and _WORKERS.cancel.is_set():
+            raise CallCancelled(name)
         raise DeadlineExceeded(timeout_s)
     if "err" in box:
         raise box["err"]
     return box["out"]
 
 
-def _wait(done: threading.Event, timeout_s: float) -> bool:
+def _wait(done: threading.Event, timeout_s: float, cancel: threading.Event | None = None) -> bool:
     """``done.wait(timeout_s)`` in slices of :data:`WAIT_SLICE_S`; True once ``done`` is set.
 
     A SIGINT / SIGTERM sent to the process may be received by any thread (here often the worker
     running the reward); CPython runs the Python handler only in the main thread, between bytecodes,
     so one long wait would hold a Ctrl-C until the reward returned or the deadline passed. Between
-    slices the handler runs and its KeyboardInterrupt ends the wait.
+    slices the handler runs and its KeyboardInterrupt ends the wait. False at the deadline, or
+    as soon as ``cancel`` is set.
     """
     end = time.monotonic() + timeout_s
     while not done.wait(min(WAIT_SLICE_S, max(end - time.monotonic(), 0.0))):
-        if time.monotonic() >= end:
+        if time.monotonic() >= end or (cancel is not None and cancel.is_set()):
             return done.is_set()
     return True
+
+
+def wait_result(future: Future) -> Any:
+    """``future.result()``, waited for in slices of :data:`WAIT_SLICE_S` (a Ctrl-C ends it within one).
+
+    Raises:
+        What the future's call raised; ``CancelledError`` for a cancelled future.
+    """
+    while True:
+        try:
+            future.exception(timeout=WAIT_SLICE_S)  # returns (not raises) the call's exception once done
+        except FutureTimeout:
+            continue
+        return future.result()
+
+
+@contextmanager
+def cancel_scope(cancel: threading.Event) -> Iterator[None]:
+    """Within the block, a call of this thread waiting in :func:`call_with_deadline` ends once ``cancel`` is set.
+
+    Args:
+        cancel: set by another thread to give up this thread's calls; they raise :class:`CallCancelled`
+            within :data:`WAIT_SLICE_S` and are abandoned (they keep running on their daemon worker).
+    """
+    previous, _WORKERS.cancel = _WORKERS.cancel, cancel
+    try:
+        yield
+    finally:
+        _WORKERS.cancel = previous
 
 
 class _Worker:
@@ -208,9 +253,10 @@ def _stop_idle_workers(timeout_s: float = EXIT_JOIN_S) -> None:
 
 
 class _Workers(threading.local):
-    """Each calling thread's worker (None until its first call, and after one overran)."""
+    """Each calling thread's worker (None until its first call, and after one overran) and cancel event."""
 
     worker: _Worker | None = None
+    cancel: threading.Event | None = None
 
 
 _WORKERS = _Workers()

@@ -23,6 +23,7 @@ In every mode each reward call runs under its deadline ``rewards.<name>.timeout_
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..rewards import MultiReward, RewardOutput
+from ..rewards.deadline import cancel_scope, wait_result
 from .scoring_process import ScoringProcess, score_chunk
 
 Decode = Callable[[Tensor], Tensor]
@@ -100,6 +102,7 @@ class RolloutScorer:
         self.score_chunk_size = score_chunk_size
         self.worker = worker
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-scoring") if threaded else None
+        self._cancel = threading.Event()  # set by close(abandon=True): the worker thread gives up its reward call
         self._jobs: list[tuple[slice, Future | tuple[Tensor, dict[str, Tensor]]]] = []
         self._inputs: list[Tensor] = []  # each job's latents, for the jobs the caller takes back
 
@@ -108,6 +111,10 @@ class RolloutScorer:
 
     def _score(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor]]:
         return score_chunk(self.reward, self.decode, latents, *self._chunk_args(rows), index)
+
+    def _score_on_thread(self, rows: slice, latents: Tensor, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        with cancel_scope(self._cancel):
+            return self._score(rows, latents, index)
 
     def _raise_failures(self) -> None:
         for _, job in self._jobs:
@@ -130,7 +137,7 @@ class RolloutScorer:
         elif self._pool is None:
             self._jobs.append((rows, self._score(rows, latents, index)))
         else:
-            self._jobs.append((rows, self._pool.submit(self._score, rows, latents, index)))
+            self._jobs.append((rows, self._pool.submit(self._score_on_thread, rows, latents, index)))
 
     def _take_back(self, job: Any) -> bool:
         """Withdraw a job the worker has not started (thread: cancel; process: unsent)."""
@@ -167,7 +174,7 @@ class RolloutScorer:
             self.submit(slice(0, samples.shape[0]), samples)
         self._raise_failures()
         self._share_the_tail()
-        done = [(rows, job.result() if isinstance(job, Future) else job) for rows, job in self._jobs]
+        done = [(rows, wait_result(job) if isinstance(job, Future) else job) for rows, job in self._jobs]
         covered = [(rows.start, rows.stop) for rows, _ in done]
         expected_start = 0
         for start, stop in covered:
@@ -183,14 +190,23 @@ class RolloutScorer:
         where = self.first_index if last == self.first_index else f"{self.first_index}-{last}"
         return images, self.reward.combine(components, batch_index=where)
 
-    def close(self) -> None:
-        """Stop the worker thread (pending chunks are cancelled; a running one finishes)."""
+    def close(self, abandon: bool = False) -> None:
+        """Stop the worker thread; pending chunks are cancelled.
+
+        Args:
+            abandon: give up the chunk being scored too (the batch failed or was interrupted): its
+                reward call is abandoned within ``WAIT_SLICE_S`` and the thread ends without waiting
+                for it. Otherwise the running chunk finishes first. In ``process`` mode the worker
+                process is the trainer's and is closed by it.
+        """
         if self._pool is not None:
+            if abandon:
+                self._cancel.set()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     def __enter__(self) -> "RolloutScorer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(abandon=kind is not None)

@@ -303,14 +303,20 @@ class ScoringProcess:
             self._send_next()
         return future
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker (it finishes the chunk at hand); kill it if it does not stop in time."""
+    def close(self, timeout_s: float = 10.0, abandon: bool = False) -> None:
+        """Stop the worker (it finishes the chunk at hand); kill it if it does not stop in time.
+
+        Args:
+            timeout_s: how long to wait for the worker to finish the chunk at hand and exit.
+            abandon: kill the worker at once (the run failed or was interrupted: its chunks are not wanted).
+        """
         if self._closed:
             return
         self._closed = True
         if self._proc.is_alive():
-            self._jobs.put(None)
-            self._proc.join(timeout_s)
+            if not abandon:
+                self._jobs.put(None)
+                self._proc.join(timeout_s)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(timeout_s)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,15 @@ import torch
 
 from flowrl.rewards import MultiReward, RewardError, build_multi_reward, ink
 from flowrl.rewards.contract import RewardTimeout
-from flowrl.rewards.deadline import DEFAULT_TIMEOUT_S, IDLE_CHECK_S, DeadlineExceeded, call_with_deadline
+from flowrl.rewards.deadline import (
+    DEFAULT_TIMEOUT_S,
+    IDLE_CHECK_S,
+    CallCancelled,
+    DeadlineExceeded,
+    call_with_deadline,
+    cancel_scope,
+    wait_result,
+)
 from flowrl.rollouts.scoring import RolloutScorer
 from flowrl.rollouts.scoring_process import ScoringProcess, ScoringProcessDied
 
@@ -275,6 +284,81 @@ def test_a_ctrl_c_received_by_the_worker_thread_ends_the_wait_promptly():
     out = subprocess.run([sys.executable, "-c", CTRL_C_ON_ANOTHER_THREAD], capture_output=True, text=True, timeout=60)
     assert out.stdout.startswith("interrupted after"), out.stdout + out.stderr
     assert float(out.stdout.split()[2]) < 5  # not after the reward's 10 s sleep (a single long wait's behaviour)
+
+
+CTRL_C_WHILE_A_CHUNK_IS_SCORED = """
+import os, signal, sys, threading, time, torch
+from flowrl.rewards import MultiReward
+from flowrl.rollouts.scoring import RolloutScorer
+from flowrl.rollouts.scoring_process import ScoringProcess
+
+
+class Slow:
+    def __call__(self, images, prompts, **metadata):
+        time.sleep(10)
+        return torch.zeros(images.shape[0])
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a console Python
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the kernel hands the SIGINT to another thread
+    reward = MultiReward({"slow": (Slow(), 1.0)})
+    mode = sys.argv[1]
+    worker = ScoringProcess(reward, torch.nn.Identity()) if mode == "process" else None
+    x = torch.rand(2, 3, 4, 4)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # as `kill -INT` or a supervisor
+    start = time.monotonic()
+    try:
+        with RolloutScorer(reward, torch.nn.Identity(), ["p"] * 2, threaded=mode == "thread", worker=worker) as s:
+            s.submit(slice(0, 2), x)
+            s.result(x)
+    except KeyboardInterrupt:
+        if worker is not None:
+            worker.close(abandon=True)
+        print(f"stopped after {time.monotonic() - start:.2f} s")
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_ctrl_c_while_a_chunk_is_scored_stops_without_waiting_for_the_reward(tmp_path, mode):
+    """The caller waits for a chunk in slices, and the interrupted scorer abandons the chunk's reward call.
+
+    Before 2026-11-27: 10.5 s with the thread (the reward's sleep), as long in the process mode.
+    """
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_WHILE_A_CHUNK_IS_SCORED)
+    out = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.startswith("stopped after"), out.stdout + out.stderr
+    assert float(out.stdout.split()[2]) < 5  # not after the reward's 10 s sleep
+
+
+def test_a_cancelled_scope_abandons_its_call_and_wait_result_returns_or_raises():
+    cancel, ran = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        ran.set()
+        time.sleep(10)
+
+    def cancel_soon() -> None:
+        ran.wait(10)
+        cancel.set()
+
+    threading.Thread(target=cancel_soon).start()
+    start = time.monotonic()
+    with cancel_scope(cancel), pytest.raises(CallCancelled):
+        call_with_deadline(hang, 60.0, name="hang")
+    assert time.monotonic() - start < 5
+    assert call_with_deadline(lambda: 3, 60.0) == 3  # outside the scope: a fresh worker, no cancel
+
+    pool = ThreadPoolExecutor(1)
+    assert wait_result(pool.submit(lambda: 7)) == 7
+    with pytest.raises(TimeoutError, match="from the call"):  # the call's own TimeoutError, not the wait's
+        wait_result(pool.submit(_raise, TimeoutError("from the call")))
+    pool.shutdown()
+
+
+def _raise(err: BaseException) -> None:
+    raise err
 
 
 def test_an_interrupted_wait_abandons_the_worker():

@@ -26,7 +26,9 @@ harness's :func:`bench.convergence.reader_figures`) on the same samples: its acc
 prompted digit (all, bold, thin) and the ink gap bold - thin. An arm reaches the target when its
 reward is at least the single-stage run's final reward and the reader's accuracy is at least the
 base model's on the same seeds (:func:`bench.convergence.confirmed`); the speed-up is the ratio of
-the reaching times.
+the reaching times. The per-budget tables also give the speed-ups where every evaluation that counts
+kept at least :data:`DIVERSITY_FLOOR` of the base model's per-prompt diversity: a reward reached by
+collapsing onto a few shapes per prompt, which the reader alone does not see, does not count there.
 
 ``modes``: ``solrl.mode: regenerate`` (the two-stage DiffusionNFT arm above) against ``correct``
 (``configs/grpo/digits.yaml``'s Flow-GRPO trained directly on SDE rollouts drawn by the int8
@@ -67,6 +69,7 @@ SOLRL = REPO / "configs/solrl/digits.yaml"
 SINGLE = REPO / "configs/nft/digits_fast.yaml"
 GRPO = REPO / "configs/grpo/digits.yaml"
 CORRECT = ["solrl.mode=correct", "solrl.precision=int8_dynamic"]  # Flow-GRPO on the int8 explore copy's rollouts
+DIVERSITY_FLOOR = 0.8  # the alignment issue's floor: per-prompt diversity >= 80 % of the base model's
 EVAL_SEEDS = 20  # held-out seeds per eval prompt (train.eval_seeds) for the reward and the reader: 400 samples
 
 VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, steps (None = sampler.num_steps)
@@ -186,16 +189,23 @@ class Arm:
         return row
 
 
-def reach_time(rows: list[dict[str, float]], target: float) -> float | None:
+def kept_diversity(row: dict[str, float], diversity_floor: float | None) -> bool:
+    """Whether an evaluation kept ``diversity_floor`` of the base model's diversity (always True for None)."""
+    return diversity_floor is None or row["eval/diversity_ratio"] >= diversity_floor
+
+
+def reach_time(rows: list[dict[str, float]], target: float, diversity_floor: float | None = None) -> float | None:
     """Training seconds at which an arm first reaches ``target``, reader-confirmed; None if it never does.
 
     The first evaluation that :func:`bench.convergence.confirmed` accepts (reward >= ``target``, the
-    reader at least the base model's, row 0); its time is interpolated linearly on the reward from
-    the previous evaluation when that one was below the target, else it is that evaluation's time.
+    reader at least the base model's, row 0), and that kept ``diversity_floor`` of the base model's
+    diversity when one is given (:func:`kept_diversity`); its time is interpolated linearly on the
+    reward from the previous evaluation when that one was below the target, else it is that
+    evaluation's time.
     """
     floor = rows[0]["reader"]
     for i, row in enumerate(rows):
-        if not confirmed(row, target, floor):
+        if not confirmed(row, target, floor) or not kept_diversity(row, diversity_floor):
             continue
         before = rows[i - 1] if i else None
         if before is None or before["eval/reward_mean"] >= target:
@@ -205,7 +215,9 @@ def reach_time(rows: list[dict[str, float]], target: float) -> float | None:
     return None
 
 
-def speedups_by_budget(single: list[dict[str, float]], two: list[dict[str, float]]) -> list[dict[str, Any]]:
+def speedups_by_budget(
+    single: list[dict[str, float]], two: list[dict[str, float]], diversity_floor: float | None = None
+) -> list[dict[str, Any]]:
     """The speed-up at every shorter budget: each single-stage evaluation's reward taken as the target.
 
     For the single-stage evaluation at training time ``B`` (every row after the base row), the target
@@ -216,6 +228,8 @@ def speedups_by_budget(single: list[dict[str, float]], two: list[dict[str, float
     Args:
         single: the single-stage arm's evaluation rows (row 0: the base model).
         two: the two-stage arm's rows.
+        diversity_floor: also require this diversity ratio (:func:`kept_diversity`) of the target
+            evaluation itself and of the reaching ones; single-stage evaluations below it set no target.
 
     Returns:
         One dict per single-stage evaluation: ``budget_s``, ``target``, ``single_s``, ``two_s`` (None
@@ -223,8 +237,10 @@ def speedups_by_budget(single: list[dict[str, float]], two: list[dict[str, float
     """
     out = []
     for row in single[1:]:
+        if not kept_diversity(row, diversity_floor):
+            continue
         target = row["eval/reward_mean"]
-        t1, t2 = reach_time(single, target), reach_time(two, target)
+        t1, t2 = reach_time(single, target, diversity_floor), reach_time(two, target, diversity_floor)
         ratio = t1 / t2 if t1 is not None and t2 else None
         out.append({"budget_s": row["train_s"], "target": target, "single_s": t1, "two_s": t2, "speedup": ratio})
     return out
@@ -268,11 +284,14 @@ def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[f
         Each arm's reaching time (seconds of training), None where it never did.
     """
     base = arms[0].rows[0]["reader"]  # every arm starts from the same base model and reads the same seeds
-    keys = ["eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap"]
+    # the diversity ratio (held-out samples' spread over the base model's; the alignment issue's floor is 0.8) shows
+    # a reward reached by collapsing onto few shapes, which the reader alone does not
+    keys = ["eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap", "eval/diversity_ratio"]
     print(f"\nMachine at the end: {machine()}")
     print(f"Same training wall budget {budget_s:.0f} s per arm (evaluation excluded)\n")
-    print("| arm | train s | iteration | reward | reader | reader bold | reader thin | ink gap | reached |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    columns = "reward | reader | reader bold | reader thin | ink gap | diversity ratio"
+    print(f"| arm | train s | iteration | {columns} | reached |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arm in arms:
         for row in arm.rows:
             cells = " | ".join(f"{row[k]:.3f}" for k in keys)
@@ -309,6 +328,11 @@ def budget(args: argparse.Namespace) -> None:
     report(arms, args.budget_s, arms[0].rows[-1]["eval/reward_mean"], "the single-stage run's final reward")
     print("\nAt every shorter budget (target: the single-stage reward at each of its evaluations, reader-confirmed):\n")
     print(budget_table(speedups_by_budget(arms[0].rows, arms[1].rows)))
+    print(
+        f"\nThe same, where the evaluations also keep >= {DIVERSITY_FLOOR:.0%} of the base model's diversity "
+        "(eval/diversity_ratio, the alignment issue's floor):\n"
+    )
+    print(budget_table(speedups_by_budget(arms[0].rows, arms[1].rows, DIVERSITY_FLOOR)))
 
 
 def modes(args: argparse.Namespace) -> None:

@@ -7,8 +7,8 @@ import pytest
 from bench import solrl
 
 
-def _row(t: float, reward: float, reader: float) -> dict[str, float]:
-    return {"train_s": t, "eval/reward_mean": reward, "reader": reader}
+def _row(t: float, reward: float, reader: float, diversity: float = 1.0) -> dict[str, float]:
+    return {"train_s": t, "eval/reward_mean": reward, "reader": reader, "eval/diversity_ratio": diversity}
 
 
 def test_the_reaching_time_is_interpolated_on_the_reward():
@@ -39,9 +39,10 @@ def test_a_tiny_race_prints_the_reader_confirmed_table(capsys, monkeypatch, part
     start = next(i for i, line in enumerate(lines) if line.startswith("| arm |"))
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     table = lines[start + 2 : end]  # the evaluation table's rows (after its header and rule)
-    assert len(table) >= 4 and all(len(line.split("|")) == 11 for line in table)  # 2 arms x (base + >= 1 point)
+    assert len(table) >= 4 and all(len(line.split("|")) == 12 for line in table)  # 2 arms x (base + >= 1 point)
     if part == "budget":  # then the speed-up at every shorter budget, one row per single-stage evaluation
-        assert "At every shorter budget" in out and "| budget s | target" in out
+        assert "At every shorter budget" in out and out.count("| budget s | target") == 2
+        assert "keep >= 80% of the base model's diversity" in out
 
 
 def test_every_single_stage_evaluation_is_a_shorter_budget_with_its_own_target():
@@ -61,6 +62,17 @@ def test_every_single_stage_evaluation_is_a_shorter_budget_with_its_own_target()
     assert never[1]["two_s"] is None and never[1]["speedup"] is None
     table = solrl.budget_table(never)
     assert table.count("\n") == 4 and "| 20 | 1.200 | 20 | never | - |" in table
+
+
+def test_with_a_diversity_floor_collapsed_evaluations_neither_set_nor_reach_targets():
+    single = [_row(0, 1.0, 0.9), _row(10, 1.1, 0.9, 0.9), _row(20, 1.2, 0.9, 0.7), _row(30, 1.25, 0.9, 0.6)]
+    two = [_row(0, 1.0, 0.9), _row(10, 1.2, 0.9, 0.75), _row(20, 1.15, 0.9, 0.85), _row(30, 1.3, 0.9, 0.5)]
+    assert solrl.reach_time(two, 1.1) == pytest.approx(5.0)  # the reader alone: 1.2 at 10 s counts
+    assert solrl.reach_time(two, 1.1, 0.8) == 20.0  # 1.2 at 10 s kept 75 % of the diversity; 1.15 at 20 s counts
+    assert solrl.reach_time(two, 1.2, 0.8) is None
+    rows = solrl.speedups_by_budget(single, two, 0.8)
+    assert [r["budget_s"] for r in rows] == [10]  # only the single-stage evaluation at 10 s kept the floor
+    assert rows[0]["single_s"] == 10 and rows[0]["two_s"] == 20 and rows[0]["speedup"] == pytest.approx(0.5)
 
 
 @pytest.mark.slow

@@ -123,16 +123,16 @@ def call_with_deadline(
         finally:
             done.set()
 
-    worker = _worker()
+    worker, cancel = _worker(), _WORKERS.cancel
     try:
         worker.run(run, name)
-        finished = _wait(done, timeout_s, _WORKERS.cancel)
+        finished = _wait(done, timeout_s, cancel)
     except BaseException:  # e.g. Ctrl-C while waiting: the next call must not queue behind this one
         _abandon(worker)
         raise
     if not finished:
         _abandon(worker)
-        if _WORKERS.cancel is not None and _WORKERS.cancel.is_set():
+        if cancel is not None and cancel.is_set():
             raise CallCancelled(name)
         raise DeadlineExceeded(timeout_s)
     if "err" in box:

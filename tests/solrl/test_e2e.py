@@ -34,8 +34,9 @@ def test_two_iterations_log_the_diagnostics_every_iteration(tmp_path):
         assert -1.0 <= row["solrl/pooled_kendall_tau"] <= 1.0 and 0.0 <= row["solrl/extreme_overlap"] <= 1.0
         assert row["solrl/explore_s"] > 0 and row["solrl/regenerate_s"] > 0
     # stage 1: 2 prompts x 6 candidates x 2 steps (DPM-Solver++ 2M: one evaluation per step);
-    # stage 2: 8 samples x 3 steps; training: 8 samples x 1 sigma (train_fraction 0.5 of 3) x 2 passes
-    assert trained[0]["nfe"] == 2 * 6 * 2 + 8 * 3 + 8 * 1 * 2
+    # stage 2: 8 samples x 3 steps; training: 8 samples x 1 sigma (train_fraction 0.5 of 3) x 3 passes (the
+    # trained and the old policy, and the base model for the file's velocity KL)
+    assert trained[0]["nfe"] == 2 * 6 * 2 + 8 * 3 + 8 * 1 * 3
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 

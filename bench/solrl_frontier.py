@@ -1,0 +1,149 @@
+"""Sol-RL on the embedded task: each side's best time to a reward-and-diversity target, over the KLs raced.
+
+Usage::
+
+    python -m bench.solrl_frontier SEED:LOG [SEED:LOG ...] [--targets 1.25:0.85 1.28:0.85 1.28:0.80]
+
+``python -m bench.solrl budget`` races the two arms at one ``objective.kl_beta`` each. A KL moves a run
+along a reward-diversity line, and two stage's extreme-seed advantages pull harder against the same KL
+than single stage's, so a race at one shared KL can favour two stage by holding single stage on a lower
+plateau. This reads the evaluation tables of several such races (each log as printed by ``bench.solrl
+budget``, with the train seed it ran) and asks, per seed, how soon each side reaches a target point
+(reward >= R with the reader at least the base model's and the diversity ratio >= D,
+:func:`bench.solrl.reach_time`) with the best KL it was raced at: the fastest single-stage setting against
+the fastest two-stage setting. A setting raced in several logs counts once, from the first log given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from bench.solrl import reach_time
+
+ARMS = {"single-stage DiffusionNFT": "single", "two-stage Sol-RL": "two"}
+COLUMNS = ["train_s", "iteration", "eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap"]
+COLUMNS += ["eval/diversity_ratio"]
+
+
+def arm_kls(first_line: str) -> tuple[float, float]:
+    """The single-stage and two-stage ``kl_beta`` of a race, from the first line ``bench.solrl budget`` prints.
+
+    Since 2026-11-27 the line says ``kl_beta A / B``; earlier logs only list the overrides
+    (``objective.kl_beta=X`` in the single-stage list, then the two-stage list), the configs then
+    having no KL (0.0) and the single-stage arm not inheriting the two-stage one.
+    """
+    shown = re.search(r"kl_beta ([0-9.e-]+) / ([0-9.e-]+);", first_line)
+    if shown:
+        return float(shown.group(1)), float(shown.group(2))
+    lists = re.search(r"overrides (\[.*?\]) / (\[.*?\])", first_line)
+    if not lists:
+        raise ValueError(f"not a `bench.solrl budget` log: its first line names no overrides: {first_line[:120]!r}")
+
+    def kl(text: str) -> float:
+        found = re.search(r"objective\.kl_beta=([0-9.e-]+)", text)
+        return float(found.group(1)) if found else 0.0
+
+    return kl(lists.group(1)), kl(lists.group(2))
+
+
+def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
+    """``{"single" | "two": (kl_beta, evaluation rows)}`` of one ``bench.solrl budget`` log."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Machine:")), None)
+    if start is None:
+        raise ValueError("not a `bench.solrl budget` log: no 'Machine:' line")
+    kls = dict(zip(("single", "two"), arm_kls(lines[start])))
+    rows: dict[str, list[dict[str, float]]] = {"single": [], "two": []}
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] in ARMS and len(cells) == len(COLUMNS) + 2:
+            rows[ARMS[cells[0]]].append(dict(zip(COLUMNS, map(float, cells[1:-1]))))
+    if not rows["single"] or not rows["two"]:
+        raise ValueError("the log has no finished evaluation table (the race did not end?)")
+    return {side: (kls[side], rows[side]) for side in rows}
+
+
+def collect(runs: list[tuple[int, str]]) -> dict[tuple[int, str, float], list[dict[str, float]]]:
+    """Rows per (seed, side, kl_beta), the first log given winning where a setting was raced twice."""
+    out: dict[tuple[int, str, float], list[dict[str, float]]] = {}
+    for seed, text in runs:
+        for side, (kl, rows) in read_race(text).items():
+            out.setdefault((seed, side, kl), rows)
+    return out
+
+
+def best_times(
+    settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float
+) -> dict[int, dict[str, tuple[float | None, float | None]]]:
+    """Per seed and side, the fastest time to the target and the kl_beta that gave it (None, None: never)."""
+    out: dict[int, dict[str, tuple[float | None, float | None]]] = {}
+    for (seed, side, kl), rows in sorted(settings.items()):
+        t = reach_time(rows, reward, diversity)
+        best = out.setdefault(seed, {}).get(side, (None, None))
+        if t is not None and (best[0] is None or t < best[0]):
+            best = (t, kl)
+        out[seed][side] = best
+    return out
+
+
+def table(settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float) -> str:
+    """Markdown: per seed, every setting's time to the target, each side's best, and their ratio."""
+    keys = sorted({(side, kl) for _, side, kl in settings})
+    head = " | ".join(f"{side} kl {kl:g}" for side, kl in keys)
+    lines = [f"| seed | {head} | best single / best two | speed-up |", "|---" * (len(keys) + 3) + "|"]
+    for seed, best in best_times(settings, reward, diversity).items():
+        cells = []
+        for side, kl in keys:
+            rows = settings.get((seed, side, kl))
+            t = None if rows is None else reach_time(rows, reward, diversity)
+            cells.append("-" if rows is None else "never" if t is None else f"{t:.0f}")
+        (t1, _), (t2, _) = best.get("single", (None, None)), best.get("two", (None, None))
+        pair = f"{'never' if t1 is None else f'{t1:.0f}'} / {'never' if t2 is None else f'{t2:.0f}'}"
+        lines.append(f"| {seed} | {' | '.join(cells)} | {pair} | {speedup(t1, t2, _budget(settings, seed))} |")
+    return "\n".join(lines)
+
+
+def _budget(settings: dict[tuple[int, str, float], list[dict[str, float]]], seed: int) -> float:
+    """The longest single-stage training time raced for ``seed``: what "never" means on that side."""
+    return max(rows[-1]["train_s"] for (s, side, _), rows in settings.items() if s == seed and side == "single")
+
+
+def speedup(single_s: float | None, two_s: float | None, single_budget: float) -> str:
+    """``single_s / two_s``; a bound where single stage never reached it in ``single_budget`` seconds."""
+    if single_s is not None and two_s:
+        return f"{single_s / two_s:.2f}x"
+    if two_s is None:
+        return "-" if single_s is None else "< 1x (two stage never)"
+    return f"> {single_budget / two_s:.2f}x (single stage never)"
+
+
+def _run(spec: str) -> tuple[int, str]:
+    seed, sep, path = spec.partition(":")
+    if not sep or not seed.isdigit():
+        raise argparse.ArgumentTypeError(f"{spec!r}: give SEED:LOG, e.g. 0:/tmp/race_s0.log")
+    return int(seed), Path(path).read_text()
+
+
+def _target(spec: str) -> tuple[float, float]:
+    reward, sep, diversity = spec.partition(":")
+    try:
+        return float(reward), float(diversity)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give REWARD:DIVERSITY, e.g. 1.28:0.85") from None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=_run, help="SEED:LOG of each `bench.solrl budget` race")
+    parser.add_argument("--targets", nargs="+", type=_target, default=[(1.25, 0.85), (1.28, 0.85), (1.28, 0.8)])
+    args = parser.parse_args()
+    settings = collect(args.runs)
+    for reward, diversity in args.targets:
+        print(f"\nTarget: reward >= {reward:.3f}, reader >= base, diversity ratio >= {diversity:.2f} (seconds):\n")
+        print(table(settings, reward, diversity))
+
+
+if __name__ == "__main__":
+    main()

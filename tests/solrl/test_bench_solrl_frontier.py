@@ -1,0 +1,65 @@
+"""bench/solrl_frontier.py: reading `bench.solrl budget` logs and each side's best time to a target."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import solrl_frontier as frontier
+
+HEADER = (
+    "| arm | train s | iteration | reward | reader | reader bold | reader thin | ink gap | diversity ratio | reached |"
+)
+
+
+def _log(first: str, single: list[tuple[float, float, float]], two: list[tuple[float, float, float]]) -> str:
+    """A log as `bench.solrl budget` prints it; rows are (train s, reward, diversity), the reader at 0.98."""
+    lines = ["some warning", first, "", HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in (("single-stage DiffusionNFT", single), ("two-stage Sol-RL", two)):
+        for i, (t, reward, div) in enumerate(rows):
+            reader = 0.95 if i == 0 else 0.98
+            lines.append(f"| {name} | {t:.0f} | {i} | {reward:.3f} | {reader:.3f} | 0.9 | 0.9 | 0.1 | {div:.3f} |  |")
+    return "\n".join([*lines, "", "target: ..."])
+
+
+NEW = "Machine: 2026-11-27 15:00 UTC, ...; rewards {}; kl_beta 0.3 / 0.5; overrides [] / ['objective.kl_beta=0.5']"
+OLD = "Machine: 2026-11-27 14:34 UTC, ...; rewards {}; overrides ['objective.kl_beta=0.1'] / []"
+
+
+def test_the_kl_of_each_arm_comes_from_the_first_line_new_or_old():
+    assert frontier.arm_kls(NEW) == (0.3, 0.5)
+    assert frontier.arm_kls(OLD) == (0.1, 0.0)  # before 2026-11-27 the configs had no KL
+    with pytest.raises(ValueError, match="not a `bench.solrl budget` log"):
+        frontier.arm_kls("Machine: nothing else")
+
+
+def test_each_side_takes_its_fastest_kl_and_a_diversity_below_the_target_does_not_count():
+    a = _log(NEW, [(0, 1.1, 1.0), (10, 1.2, 0.9), (20, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.84), (20, 1.3, 0.86)])
+    b = _log(OLD, [(0, 1.1, 1.0), (10, 1.3, 0.9), (20, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.2, 0.9), (20, 1.2, 0.9)])
+    settings = frontier.collect([(0, a), (0, b)])
+    assert set(settings) == {(0, "single", 0.3), (0, "two", 0.5), (0, "single", 0.1), (0, "two", 0.0)}
+    best = frontier.best_times(settings, 1.25, 0.85)[0]
+    assert best["single"][1] == 0.1 and best["single"][0] == pytest.approx(7.5)  # 1.1 -> 1.3 over 0-10 s
+    assert best["two"] == (20.0, 0.5)  # reached at 10 s, but with diversity 0.84 < 0.85
+    out = frontier.table(settings, 1.25, 0.85)
+    assert "| 0 | 7 | 15 | never | 20 | 7 / 20 | 0.37x |" in out  # 7.4999 s: the rewards are parsed floats
+
+
+def test_a_setting_raced_twice_counts_once_from_the_first_log():
+    a = _log(NEW, [(0, 1.1, 1.0), (10, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.9)])
+    b = _log(NEW, [(0, 1.1, 1.0), (30, 1.3, 0.9)], [(0, 1.1, 1.0), (30, 1.3, 0.9)])
+    settings = frontier.collect([(1, a), (1, b)])
+    assert settings[(1, "single", 0.3)][-1]["train_s"] == 10
+
+
+def test_the_speedup_is_a_bound_where_one_side_never_reaches_the_target():
+    assert frontier.speedup(30.0, 10.0, 150.0) == "3.00x"
+    assert frontier.speedup(None, 50.0, 150.0) == "> 3.00x (single stage never)"
+    assert frontier.speedup(30.0, None, 150.0) == "< 1x (two stage never)"
+    assert frontier.speedup(None, None, 150.0) == "-"
+
+
+def test_an_unfinished_or_foreign_log_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="no finished evaluation table"):
+        frontier.read_race(NEW + "\n" + HEADER)
+    with pytest.raises(ValueError, match="no 'Machine:' line"):
+        frontier.read_race("hello")

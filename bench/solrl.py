@@ -319,14 +319,18 @@ def _shared(args: argparse.Namespace) -> list[str]:
 def budget_summary(rows: list[dict[str, Any]], from_s: float) -> str:
     """One line: the smallest and the median speed-up over the budgets of at least ``from_s`` seconds.
 
-    A budget whose target one arm never reached counts as a speed-up of 0 (two stage never) or is
-    left out (single stage never, which :func:`speedups_by_budget` cannot produce: its target is a
-    single-stage evaluation).
+    Args:
+        rows: :func:`speedups_by_budget`'s rows.
+        from_s: the shortest budget that counts.
+
+    Returns:
+        The line. A budget whose target two stage never reached counts as a speed-up of 0; one whose
+        target single stage itself never confirmed (its reader below the base's there) is left out.
     """
     ratios = [
         0.0 if r["two_s"] is None else r["speedup"]
         for r in rows
-        if r["budget_s"] >= from_s and (r["speedup"] is not None or r["two_s"] is None)
+        if r["budget_s"] >= from_s and r["single_s"] is not None and (r["two_s"] is None or r["speedup"] is not None)
     ]
     if not ratios:
         return f"no budget of {from_s:.0f} s or more"
@@ -390,7 +394,8 @@ def modes(args: argparse.Namespace) -> None:
     report(arms, args.budget_s, target, "the lower of the two final rewards")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.solrl``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=("speed", "budget", "modes"))
     parser.add_argument("--prompts", type=int, default=8)
@@ -407,7 +412,11 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="key=value overrides of the two-stage (regenerate) arm")
     parser.add_argument("--set-single", nargs="*", default=[], help="key=value overrides of the single-stage arm")
     parser.add_argument("--set-correct", nargs="*", default=[], help="key=value overrides of the `correct` arm")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     configure_threads(args.threads)
     {"speed": speed, "budget": budget, "modes": modes}[args.part](args)
 

@@ -23,37 +23,75 @@ from pathlib import Path
 from bench.solrl import reach_time
 
 ARMS = {"single-stage DiffusionNFT": "single", "two-stage Sol-RL": "two"}
-COLUMNS = ["train_s", "iteration", "eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap"]
-COLUMNS += ["eval/diversity_ratio"]
+COLUMNS = [
+    "train_s",
+    "iteration",
+    "eval/reward_mean",
+    "reader",
+    "reader_bold",
+    "reader_thin",
+    "ink_gap",
+    "eval/diversity_ratio",
+]
 
 
 def arm_kls(first_line: str) -> tuple[float, float]:
     """The single-stage and two-stage ``kl_beta`` of a race, from the first line ``bench.solrl budget`` prints.
 
     Since 2026-11-27 the line says ``kl_beta A / B``; earlier logs only list the overrides
-    (``objective.kl_beta=X`` in the single-stage list, then the two-stage list), the configs then
-    having no KL (0.0) and the single-stage arm not inheriting the two-stage one.
+    (``objective.kl_beta=X`` in the single-stage list, then the two-stage list, the last one winning as
+    in the config), the configs then having no KL (0.0) and the single-stage arm not inheriting the
+    two-stage one.
+
+    Args:
+        first_line: the log's ``Machine: ...`` line.
+
+    Returns:
+        ``(single-stage kl_beta, two-stage kl_beta)``.
+
+    Raises:
+        ValueError: the line names no overrides, or a KL that is not a number.
     """
-    shown = re.search(r"kl_beta ([0-9.e-]+) / ([0-9.e-]+);", first_line)
+    shown = re.search(r"kl_beta (\S+) / (\S+);", first_line)
     if shown:
-        return float(shown.group(1)), float(shown.group(2))
+        try:
+            return float(shown.group(1)), float(shown.group(2))
+        except ValueError:
+            raise ValueError(f"unreadable kl_beta in the log's first line: {shown.group(0)!r}") from None
     lists = re.search(r"overrides (\[.*?\]) / (\[.*?\])", first_line)
     if not lists:
         raise ValueError(f"not a `bench.solrl budget` log: its first line names no overrides: {first_line[:120]!r}")
 
     def kl(text: str) -> float:
-        found = re.search(r"objective\.kl_beta=([0-9.e-]+)", text)
-        return float(found.group(1)) if found else 0.0
+        found = re.findall(r"objective\.kl_beta=([^'\s,\]]+)", text)
+        try:
+            return float(found[-1]) if found else 0.0
+        except ValueError:
+            raise ValueError(f"unreadable objective.kl_beta override in the log's first line: {found[-1]!r}") from None
 
     return kl(lists.group(1)), kl(lists.group(2))
 
 
 def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
-    """``{"single" | "two": (kl_beta, evaluation rows)}`` of one ``bench.solrl budget`` log."""
+    """One ``bench.solrl budget`` log's arms.
+
+    Args:
+        text: the log, as the bench printed it (warnings before it are ignored).
+
+    Returns:
+        ``{"single" | "two": (kl_beta, evaluation rows)}``, the rows keyed as :func:`bench.solrl.reach_time`
+        reads them.
+
+    Raises:
+        ValueError: not such a log, several races in one file, or the race did not finish.
+    """
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("Machine:")), None)
-    if start is None:
+    starts = [i for i, line in enumerate(lines) if line.startswith("Machine:")]
+    if not starts:
         raise ValueError("not a `bench.solrl budget` log: no 'Machine:' line")
+    if len(starts) > 1:
+        raise ValueError(f"the log holds {len(starts)} races (appended?): give each race its own file")
+    start = starts[0]
     kls = dict(zip(("single", "two"), arm_kls(lines[start])))
     rows: dict[str, list[dict[str, float]]] = {"single": [], "two": []}
     for line in lines:
@@ -66,7 +104,14 @@ def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
 
 
 def collect(runs: list[tuple[int, str]]) -> dict[tuple[int, str, float], list[dict[str, float]]]:
-    """Rows per (seed, side, kl_beta), the first log given winning where a setting was raced twice."""
+    """Every raced setting's evaluation rows.
+
+    Args:
+        runs: ``(train seed, log text)`` per race.
+
+    Returns:
+        Rows per ``(seed, "single" | "two", kl_beta)``; where a setting was raced twice, the first log's.
+    """
     out: dict[tuple[int, str, float], list[dict[str, float]]] = {}
     for seed, text in runs:
         for side, (kl, rows) in read_race(text).items():
@@ -77,7 +122,16 @@ def collect(runs: list[tuple[int, str]]) -> dict[tuple[int, str, float], list[di
 def best_times(
     settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float
 ) -> dict[int, dict[str, tuple[float | None, float | None]]]:
-    """Per seed and side, the fastest time to the target and the kl_beta that gave it (None, None: never)."""
+    """Per seed and side, the fastest time to the target and the kl_beta that gave it.
+
+    Args:
+        settings: :func:`collect`'s rows.
+        reward: the target reward (the reader must be at least the base model's too).
+        diversity: the target's smallest ``eval/diversity_ratio``.
+
+    Returns:
+        ``{seed: {"single" | "two": (seconds, kl_beta)}}``; ``(None, None)`` where no setting reached it.
+    """
     out: dict[int, dict[str, tuple[float | None, float | None]]] = {}
     for (seed, side, kl), rows in sorted(settings.items()):
         t = reach_time(rows, reward, diversity)
@@ -89,7 +143,13 @@ def best_times(
 
 
 def table(settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float) -> str:
-    """Markdown: per seed, every setting's time to the target, each side's best, and their ratio."""
+    """Markdown: per seed, every setting's time to the target, each side's best, and their ratio (:func:`speedup`).
+
+    Args:
+        settings: :func:`collect`'s rows.
+        reward: the target reward.
+        diversity: the target's smallest diversity ratio.
+    """
     keys = sorted({(side, kl) for _, side, kl in settings})
     head = " | ".join(f"{side} kl {kl:g}" for side, kl in keys)
     lines = [f"| seed | {head} | best single / best two | speed-up |", "|---" * (len(keys) + 3) + "|"]
@@ -101,33 +161,58 @@ def table(settings: dict[tuple[int, str, float], list[dict[str, float]]], reward
             cells.append("-" if rows is None else "never" if t is None else f"{t:.0f}")
         (t1, _), (t2, _) = best.get("single", (None, None)), best.get("two", (None, None))
         pair = f"{'never' if t1 is None else f'{t1:.0f}'} / {'never' if t2 is None else f'{t2:.0f}'}"
-        lines.append(f"| {seed} | {' | '.join(cells)} | {pair} | {speedup(t1, t2, _budget(settings, seed))} |")
+        bound = _budget(settings, seed) if t1 is None and t2 else 0.0  # only a "single stage never" needs it
+        lines.append(f"| {seed} | {' | '.join(cells)} | {pair} | {speedup(t1, t2, bound)} |")
     return "\n".join(lines)
 
 
 def _budget(settings: dict[tuple[int, str, float], list[dict[str, float]]], seed: int) -> float:
-    """The longest single-stage training time raced for ``seed``: what "never" means on that side."""
-    return max(rows[-1]["train_s"] for (s, side, _), rows in settings.items() if s == seed and side == "single")
+    """The shortest single-stage training time raced for ``seed``: how long every single-stage setting tried.
+
+    Raises:
+        ValueError: no single-stage run for ``seed``.
+    """
+    times = [rows[-1]["train_s"] for (s, side, _), rows in settings.items() if s == seed and side == "single"]
+    if not times:
+        raise ValueError(f"seed {seed} has no single-stage run among the logs")
+    return min(times)
 
 
 def speedup(single_s: float | None, two_s: float | None, single_budget: float) -> str:
-    """``single_s / two_s``; a bound where single stage never reached it in ``single_budget`` seconds."""
-    if single_s is not None and two_s:
-        return f"{single_s / two_s:.2f}x"
+    """``single_s / two_s`` as text; a lower bound where single stage never reached the target.
+
+    Args:
+        single_s: single stage's best time to the target (None: never).
+        two_s: two stage's best time (None: never).
+        single_budget: the shortest single-stage run raced (:func:`_budget`): "never" means not within it.
+
+    Returns:
+        ``"2.00x"``, ``"> 1.50x (single stage never)"``, ``"< 1x (two stage never)"``, or ``"-"`` where the
+        ratio means nothing (neither reached it, or two stage at 0 s: a target the base model already meets).
+    """
     if two_s is None:
         return "-" if single_s is None else "< 1x (two stage never)"
+    if two_s <= 0:
+        return "-"
+    if single_s is not None:
+        return f"{single_s / two_s:.2f}x"
     return f"> {single_budget / two_s:.2f}x (single stage never)"
 
 
 def _run(spec: str) -> tuple[int, str]:
+    """``SEED:LOG`` -> (seed, the log's text)."""
     seed, sep, path = spec.partition(":")
     if not sep or not seed.isdigit():
         raise argparse.ArgumentTypeError(f"{spec!r}: give SEED:LOG, e.g. 0:/tmp/race_s0.log")
-    return int(seed), Path(path).read_text()
+    try:
+        return int(seed), Path(path).read_text()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{path}: cannot read the log ({err.strerror})") from None
 
 
 def _target(spec: str) -> tuple[float, float]:
-    reward, sep, diversity = spec.partition(":")
+    """``REWARD:DIVERSITY`` -> (reward, diversity ratio)."""
+    reward, _, diversity = spec.partition(":")
     try:
         return float(reward), float(diversity)
     except ValueError:
@@ -139,7 +224,10 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=_run, help="SEED:LOG of each `bench.solrl budget` race")
     parser.add_argument("--targets", nargs="+", type=_target, default=[(1.25, 0.85), (1.28, 0.85), (1.28, 0.8)])
     args = parser.parse_args()
-    settings = collect(args.runs)
+    try:
+        settings = collect(args.runs)
+    except ValueError as err:
+        parser.error(str(err))
     for reward, diversity in args.targets:
         print(f"\nTarget: reward >= {reward:.3f}, reader >= base, diversity ratio >= {diversity:.2f} (seconds):\n")
         print(table(settings, reward, diversity))

@@ -88,14 +88,7 @@ def test_the_speed_table_rates_the_chosen_explore_copies(capsys, monkeypatch):
 
 
 def _args(*argv: str):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--eval-seeds", type=int, default=solrl.EVAL_SEEDS)
-    parser.add_argument("--set", nargs="*", default=[])
-    parser.add_argument("--set-single", nargs="*", default=[])
-    return parser.parse_args(list(argv))
+    return solrl.build_parser().parse_args(["budget", *argv])
 
 
 def test_both_arms_of_a_budget_race_share_the_task_and_the_kl_unless_overridden():
@@ -105,14 +98,18 @@ def test_both_arms_of_a_budget_race_share_the_task_and_the_kl_unless_overridden(
     assert one.rewards == two.rewards and one.solrl.mode == "off" and two.solrl.mode == "regenerate"
     one, two = solrl.arm_configs(_args("--set", "objective.kl_beta=0.25", "--set-single", "objective.kl_beta=0.1"))
     assert (one.objective["kl_beta"], two.objective["kl_beta"]) == (0.1, 0.25)
+    one, two = solrl.arm_configs(_args())  # the shipped file's KL reaches the single-stage arm too
+    assert one.objective["kl_beta"] == two.objective["kl_beta"] > 0
 
 
 def test_the_budget_summary_counts_a_target_two_stage_never_reached_as_zero():
     rows = [
-        {"budget_s": 10, "speedup": 5.0, "two_s": 1.0},
-        {"budget_s": 60, "speedup": 2.0, "two_s": 20.0},
-        {"budget_s": 70, "speedup": 3.0, "two_s": 20.0},
-        {"budget_s": 80, "speedup": None, "two_s": None},
+        {"budget_s": 10, "speedup": 5.0, "single_s": 5.0, "two_s": 1.0},
+        {"budget_s": 60, "speedup": 2.0, "single_s": 40.0, "two_s": 20.0},
+        {"budget_s": 70, "speedup": 3.0, "single_s": 60.0, "two_s": 20.0},
+        {"budget_s": 80, "speedup": None, "single_s": 80.0, "two_s": None},
+        {"budget_s": 90, "speedup": None, "single_s": None, "two_s": None},  # single stage's own reader said no
+        {"budget_s": 95, "speedup": None, "single_s": None, "two_s": 30.0},
     ]
     assert solrl.budget_summary(rows, 50) == "over the 3 budgets of 50 s or more: smallest 0.00x, median 2.00x"
-    assert solrl.budget_summary(rows, 90) == "no budget of 90 s or more"
+    assert solrl.budget_summary(rows, 100) == "no budget of 100 s or more"

@@ -71,6 +71,10 @@ GRPO = REPO / "configs/grpo/digits.yaml"
 CORRECT = ["solrl.mode=correct", "solrl.precision=int8_dynamic"]  # Flow-GRPO on the int8 explore copy's rollouts
 DIVERSITY_FLOOR = 0.8  # the alignment issue's floor: per-prompt diversity >= 80 % of the base model's
 EVAL_SEEDS = 20  # held-out seeds per eval prompt (train.eval_seeds) for the reward and the reader: 400 samples
+# an evaluation row's figures that `report` prints after train s and iteration (bench.solrl_frontier reads them)
+# the diversity ratio (held-out samples' spread over the base model's; the alignment issue's floor is 0.8) shows
+# a reward reached by collapsing onto few shapes, which the reader alone does not
+TABLE_KEYS = ["eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap", "eval/diversity_ratio"]
 
 VARIANTS = [  # name, precision (None = the LoRA policy itself), build options, steps (None = sampler.num_steps)
     ("full precision (stage 2)", None, {}, None),
@@ -284,9 +288,6 @@ def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[f
         Each arm's reaching time (seconds of training), None where it never did.
     """
     base = arms[0].rows[0]["reader"]  # every arm starts from the same base model and reads the same seeds
-    # the diversity ratio (held-out samples' spread over the base model's; the alignment issue's floor is 0.8) shows
-    # a reward reached by collapsing onto few shapes, which the reader alone does not
-    keys = ["eval/reward_mean", "reader", "reader_bold", "reader_thin", "ink_gap", "eval/diversity_ratio"]
     print(f"\nMachine at the end: {machine()}")
     print(f"Same training wall budget {budget_s:.0f} s per arm (evaluation excluded)\n")
     columns = "reward | reader | reader bold | reader thin | ink gap | diversity ratio"
@@ -294,7 +295,7 @@ def report(arms: list[Arm], budget_s: float, target: float, what: str) -> list[f
     print("|---|---|---|---|---|---|---|---|---|---|")
     for arm in arms:
         for row in arm.rows:
-            cells = " | ".join(f"{row[k]:.3f}" for k in keys)
+            cells = " | ".join(f"{row[k]:.3f}" for k in TABLE_KEYS)
             ok = confirmed(row, target, base)
             print(f"| {arm.name} | {row['train_s']:.0f} | {int(row['iteration'])} | {cells} | {'yes' if ok else ''} |")
     times = [reach_time(arm.rows, target) for arm in arms]

@@ -20,19 +20,10 @@ import argparse
 import re
 from pathlib import Path
 
-from bench.solrl import reach_time
+from bench.solrl import TABLE_KEYS, reach_time
 
 ARMS = {"single-stage DiffusionNFT": "single", "two-stage Sol-RL": "two"}
-COLUMNS = [
-    "train_s",
-    "iteration",
-    "eval/reward_mean",
-    "reader",
-    "reader_bold",
-    "reader_thin",
-    "ink_gap",
-    "eval/diversity_ratio",
-]
+COLUMNS = ["train_s", "iteration", *TABLE_KEYS]  # the evaluation table `bench.solrl` prints
 
 
 def arm_kls(first_line: str) -> tuple[float, float]:
@@ -119,9 +110,27 @@ def collect(runs: list[tuple[int, str]]) -> dict[tuple[int, str, float], list[di
     return out
 
 
-def best_times(
-    settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float
-) -> dict[int, dict[str, tuple[float | None, float | None]]]:
+Settings = dict[tuple[int, str, float], list[dict[str, float]]]
+Best = dict[int, dict[str, tuple[float | None, float | None]]]
+
+
+def _times(settings: Settings, reward: float, diversity: float) -> dict[tuple[int, str, float], float | None]:
+    """Each setting's time to the target (:func:`bench.solrl.reach_time`), computed once."""
+    return {key: reach_time(rows, reward, diversity) for key, rows in settings.items()}
+
+
+def _best(times: dict[tuple[int, str, float], float | None]) -> Best:
+    """Per seed and side, the fastest of ``times`` and its kl_beta; ``(None, None)`` where none reached it."""
+    out: Best = {}
+    for (seed, side, kl), t in sorted(times.items()):
+        best = out.setdefault(seed, {}).get(side, (None, None))
+        if t is not None and (best[0] is None or t < best[0]):
+            best = (t, kl)
+        out[seed][side] = best
+    return out
+
+
+def best_times(settings: Settings, reward: float, diversity: float) -> Best:
     """Per seed and side, the fastest time to the target and the kl_beta that gave it.
 
     Args:
@@ -132,17 +141,10 @@ def best_times(
     Returns:
         ``{seed: {"single" | "two": (seconds, kl_beta)}}``; ``(None, None)`` where no setting reached it.
     """
-    out: dict[int, dict[str, tuple[float | None, float | None]]] = {}
-    for (seed, side, kl), rows in sorted(settings.items()):
-        t = reach_time(rows, reward, diversity)
-        best = out.setdefault(seed, {}).get(side, (None, None))
-        if t is not None and (best[0] is None or t < best[0]):
-            best = (t, kl)
-        out[seed][side] = best
-    return out
+    return _best(_times(settings, reward, diversity))
 
 
-def table(settings: dict[tuple[int, str, float], list[dict[str, float]]], reward: float, diversity: float) -> str:
+def table(settings: Settings, reward: float, diversity: float) -> str:
     """Markdown: per seed, every setting's time to the target, each side's best, and their ratio (:func:`speedup`).
 
     Args:
@@ -153,12 +155,12 @@ def table(settings: dict[tuple[int, str, float], list[dict[str, float]]], reward
     keys = sorted({(side, kl) for _, side, kl in settings})
     head = " | ".join(f"{side} kl {kl:g}" for side, kl in keys)
     lines = [f"| seed | {head} | best single / best two | speed-up |", "|---" * (len(keys) + 3) + "|"]
-    for seed, best in best_times(settings, reward, diversity).items():
+    reached = _times(settings, reward, diversity)
+    for seed, best in _best(reached).items():
         cells = []
         for side, kl in keys:
-            rows = settings.get((seed, side, kl))
-            t = None if rows is None else reach_time(rows, reward, diversity)
-            cells.append("-" if rows is None else "never" if t is None else f"{t:.0f}")
+            t = reached.get((seed, side, kl))
+            cells.append("-" if (seed, side, kl) not in reached else "never" if t is None else f"{t:.0f}")
         (t1, _), (t2, _) = best.get("single", (None, None)), best.get("two", (None, None))
         pair = f"{'never' if t1 is None else f'{t1:.0f}'} / {'never' if t2 is None else f'{t2:.0f}'}"
         bound = _budget(settings, seed) if t1 is None and t2 else 0.0  # only a "single stage never" needs it

@@ -80,6 +80,21 @@ def test_cuda_rollout_matches_cpu_and_ratio_is_one():
     assert stats["first_ratio"] == 1.0  # first micro-batch, before any update: recomputed == stored log-prob
 
 
+def test_the_default_job_trains_under_cuda_graphs_with_its_kl_reference_intact():
+    """memory.compile=reduce-overhead: two iterations, the first-update ratio exactly 1.
+
+    Round 2 on an H100 (2026-11-27) stopped here: the KL's reference velocity was the CUDA graph's
+    static output, overwritten by the policy's next replay (docs/gpu-runs/2026-11-27-h100-round2.log).
+    """
+    trainer = digits_trainer("cuda", "memory.compile=reduce-overhead")
+    assert trainer.model.transformer._compiled_call_impl is not None
+    for _ in range(2):
+        batch, _ = trainer.collect()
+        stats = trainer.update(batch)
+        assert stats["first_ratio"] == 1.0 and torch.isfinite(torch.tensor(stats["loss"]))
+    trainer.close()
+
+
 def test_process_scoring_on_cuda_is_identical_to_inline():
     inline, proc = (
         digits_trainer("cuda"),

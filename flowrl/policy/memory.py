@@ -169,10 +169,20 @@ class MemoryAdapter(AdapterWrapper):
         autocast: "none", "bf16" or "fp16" — autocast dtype of the denoiser call.
         offload_encoders: keep the text encoders on the CPU outside ``encode_prompt``.
         offload_vae: keep the VAE on the CPU outside ``decode``.
+        own_outputs: copy each velocity out of the denoiser's output buffer (``memory.compile:
+            reduce-overhead``: a CUDA graph writes every replay into the same static buffer, so a
+            velocity kept across the next denoiser call, as the reference velocity of a KL term is,
+            would be overwritten; measured on an H100, 2026-11-27, docs/gpu-runs).
     """
 
     def __init__(
-        self, model: ModelAdapter, *, autocast: str = "none", offload_encoders: bool = False, offload_vae: bool = False
+        self,
+        model: ModelAdapter,
+        *,
+        autocast: str = "none",
+        offload_encoders: bool = False,
+        offload_vae: bool = False,
+        own_outputs: bool = False,
     ):
         if autocast not in AUTOCAST_DTYPES:
             raise ValueError(
@@ -182,6 +192,7 @@ class MemoryAdapter(AdapterWrapper):
         self.autocast_dtype = AUTOCAST_DTYPES[autocast]
         self.offload_encoders = offload_encoders
         self.offload_vae = offload_vae
+        self.own_outputs = own_outputs
         self.encoders_freed = False
         if offload_encoders:
             for encoder in text_encoders(model.pipe).values():
@@ -195,12 +206,18 @@ class MemoryAdapter(AdapterWrapper):
         return module_device(self._model.transformer)
 
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """The wrapped velocity; under autocast the denoiser runs in bf16/fp16 and v comes back fp32."""
+        """The wrapped velocity; under autocast the denoiser runs in bf16/fp16 and v comes back fp32.
+
+        With ``own_outputs`` the result is always a fresh tensor, never the denoiser's own buffer.
+        """
         if self.autocast_dtype is None:
-            return self._model.velocity(x, sigma, cond)
-        with torch.autocast(self.compute_device.type, dtype=self.autocast_dtype):
             v = self._model.velocity(x, sigma, cond)
-        return v.float()
+        else:
+            with torch.autocast(self.compute_device.type, dtype=self.autocast_dtype):
+                v = self._model.velocity(x, sigma, cond)
+            if v.dtype != torch.float32:
+                return v.float()  # already a copy
+        return v.clone() if self.own_outputs else v
 
     def encode_prompt(self, prompts: Sequence[str]) -> Cond:
         """Encode with the text encoders brought to the compute device for the call.
@@ -274,5 +291,9 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
     compile_denoiser(transformer, memory.compile)
     configure_vae(model.pipe.vae, tiling=memory.vae_tiling, slicing=memory.vae_slicing)
     return MemoryAdapter(
-        model, autocast=memory.autocast, offload_encoders=memory.offload_encoders, offload_vae=memory.offload_vae
+        model,
+        autocast=memory.autocast,
+        offload_encoders=memory.offload_encoders,
+        offload_vae=memory.offload_vae,
+        own_outputs=memory.compile == "reduce-overhead",
     )

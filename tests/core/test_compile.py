@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+from conftest import tiny_sd3_pipeline
 
 from flowrl.config import load_config
 from flowrl.config_files import ConfigError
+from flowrl.models.sd3 import SD3Adapter
 from flowrl.policy import build_policy
-from flowrl.policy.memory import compile_denoiser
+from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, compile_denoiser
+from flowrl.policy.wrapper import AdapterWrapper
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
 from flowrl.trainer import Trainer
@@ -71,3 +74,40 @@ def test_compiled_denoiser_matches_eager_and_keeps_the_first_ratio_one(tiny_sd3)
     batch, _ = trainer.collect()
     stats = trainer.update(batch)
     assert stats["first_ratio"] == 1.0 and torch.isfinite(torch.tensor(stats["loss"]))
+
+
+class _StaticBuffer(AdapterWrapper):
+    """A denoiser whose every call writes into one buffer, as a replayed CUDA graph does."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.buffer = None
+
+    def velocity(self, x, sigma, cond):
+        v = self._model.velocity(x, sigma, cond)
+        if self.buffer is None:
+            self.buffer = torch.empty_like(v)
+        return self.buffer.copy_(v)
+
+
+def test_cuda_graph_mode_hands_out_velocities_that_the_next_call_cannot_overwrite(tiny_sd3):
+    """memory.compile=reduce-overhead: a kept velocity (a KL's reference) survives the next denoiser call.
+
+    On an H100 the default job with CUDA graphs stopped with "accessing tensor output of CUDAGraphs
+    that has been overwritten" (2026-11-27, docs/gpu-runs/2026-11-27-h100-round2.log).
+    """
+    for mode, own in (("reduce-overhead", True), ("default", False), ("none", False)):
+        memory = load_config(None, [f"memory.compile={mode}"]).memory
+        fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2)  # compiled in place, lazily: never called
+        assert apply_memory_settings(fresh, memory).own_outputs is own
+    x = torch.randn(2, *tiny_sd3.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    cond = tiny_sd3.encode_prompt(["a bold 1", "a thin 7"])
+    sigma = torch.full((2,), 0.6)
+    with torch.no_grad():
+        for own, autocast in ((True, "none"), (True, "bf16"), (False, "none")):
+            model = MemoryAdapter(_StaticBuffer(tiny_sd3), autocast=autocast, own_outputs=own)
+            first = model.velocity(x, sigma, cond)
+            kept = first.clone()
+            model.velocity(x, torch.full((2,), 0.2), cond)
+            assert first.dtype == torch.float32
+            assert torch.equal(first, kept) is own  # without own_outputs the buffer was overwritten

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m bench.kernels [--repeats 5] [--threads N]
+    python -m bench.kernels [--repeats 5] [--threads N] [--fp8-sweep]
 
 Prints a Markdown table: kernel, shape, dtype, backend, median time, the bytes the kernel
 moves (its minimum traffic, the numbers in the kernels' docstrings), the effective bandwidth
@@ -13,6 +13,13 @@ The fused Flow-SDE step has its own table, for one sigma for the batch (Python f
 per-sample (B,) tensors: the synchronised wall time per call (what a sampling loop pays, host work
 included) and, on CUDA, the kernel-only GPU time per call (:func:`gpu_seconds`), from which its
 "effective" bandwidth is computed (from the wall time on a CPU).
+
+On CUDA two more tables answer why FP8 explore is or is not faster than bf16 (issue 15's >= 1.5x):
+the FP8 row quantiser's wall and GPU time per call, and a ledger per SD3.5-M Linear shape: bf16
+``F.linear`` against the quantiser, ``torch._scaled_mm`` on quantised inputs and the whole
+``ScaledMMLinear`` forward, in GPU time (kernels back to back) and wall time (what an eager
+sampling loop pays). ``--fp8-sweep`` also times the quantiser's launch configurations
+(:func:`fp8_configs`), each checked bit for bit against the default's output.
 """
 
 from __future__ import annotations
@@ -37,10 +44,11 @@ from flowrl.kernels.roofline import roofline_seconds
 from flowrl.runtime import configure_threads
 
 NVFP4_SHAPES = [(128, 512), (3072, 3072), (4096, 3072)]  # digits MLP weight, FLUX hidden weight, 4096 tokens
-SDE_SHAPES = [(64, 4, 8, 8), (16, 16, 128, 128)]  # digits group, SD3 at 1024 px
+SDE_SHAPES = [(64, 4, 8, 8), (16, 16, 128, 128), (16, 4096, 64)]  # digits group, SD3 and FLUX (packed) at 1024 px
 NVFP4_OPS_PER_ELEMENT = {"quantize": 20, "dequantize": 6, "fake_quantize": 27}
 FP8_SHAPES = [(21712, 1536), (21712, 6144)]  # SD3.5-M activations into ScaledMMLinear: hidden 1536, MLP 6144
 FP8_OPS_PER_ELEMENT = 25  # abs-bits max, one division, integer E4M3 rounding (flowrl.kernels.fp8)
+FP8_LINEARS = [(21712, 1536, 1536), (21712, 1536, 6144), (21712, 6144, 1536)]  # M x K -> N: attention, MLP up, down
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -128,13 +136,102 @@ def sde_coefficients(form: str, batch: int, device: torch.device) -> tuple:
     return tuple(torch.full((batch,), value, device=device) for value in (0.7, 0.6, 0.7))
 
 
-def fp8_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
+FP8_HEADER = (
+    "| kernel | shape | dtype | config | backend | wall / call | GPU / call | bytes moved | effective "
+    "| H100 roofline |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+)
+
+
+def fp8_configs(K: int) -> list[dict[str, int]]:
+    """Launch configurations of the FP8 quantiser to sweep for rows of K: the default first.
+
+    BLOCK_K is the row's power of two (one chunk) or 1024 (several); ROWS 1-8 rows a program with at
+    most 16384 elements held; 4 or 8 warps.
+    """
+    from flowrl.kernels.fp8_triton import MAX_BLOCK_K, launch_config
+
+    default = launch_config(1 << 20, K)
+    configs = [default]
+    full = min(1 << (K - 1).bit_length(), MAX_BLOCK_K)
+    for block_k, rows, warps in itertools.product(sorted({full, min(full, 1024)}), (1, 2, 4, 8), (4, 8)):
+        config = {"BLOCK_K": block_k, "ROWS": rows, "CHUNKS": -(-K // block_k), "num_warps": warps}
+        if rows * block_k <= 16384 and config not in configs:
+            configs.append(config)
+    return configs
+
+
+def config_name(config: dict[str, int]) -> str:
+    return f"{config['ROWS']}x{config['BLOCK_K']}/{config['CHUNKS']}, {config['num_warps']} warps"
+
+
+def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: bool = False) -> Iterator[str]:
+    """FP8 quantiser rows (:data:`FP8_HEADER`): each backend, and on CUDA with ``sweep`` every launch config."""
     for shape in FP8_SHAPES:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
         nbytes = fp8_bytes(*shape, x.element_size())
-        for backend in backends:
-            seconds = timed(lambda: fp8_quantize_rows(x, backend=backend), device, repeats)
-            yield row("fp8 quantize_rows", shape, x.dtype, backend, seconds, nbytes, FP8_OPS_PER_ELEMENT * x.numel())
+        flops = FP8_OPS_PER_ELEMENT * x.numel()
+        cases = [(backend, "default", functools.partial(fp8_quantize_rows, x, backend=backend)) for backend in backends]
+        if sweep and device.type == "cuda":
+            from flowrl.kernels.fp8_triton import quantize_triton
+
+            reference = fp8_quantize_rows(x, backend="triton")
+            for config in fp8_configs(shape[1])[1:]:
+                fn = functools.partial(quantize_triton, x, None, reciprocal=True, config=config)
+                q, scale = fn()
+                same = torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8)) and torch.equal(
+                    scale, reference[1]
+                )
+                cases.append(("triton", config_name(config) + ("" if same else " (DIFFERENT BITS)"), fn))
+        for backend, name, fn in cases:
+            wall = timed(fn, device, repeats)
+            gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
+            yield (
+                f"| fp8 quantize_rows | {'x'.join(map(str, shape))} | bfloat16 | {name} | {backend} "
+                f"| {wall * 1e3:.3f} ms | {'-' if gpu is None else f'{gpu * 1e3:.3f} ms'} | {nbytes / 1e6:.1f} MB "
+                f"| {nbytes / (gpu or wall) / 1e9:.2f} GB/s | {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+            )
+
+
+LEDGER_HEADER = (
+    "| Linear M x K -> N | part | wall / call | GPU / call | time x bf16 (GPU on CUDA) | TFLOP/s |",
+    "|---|---|---|---|---|---|",
+)
+
+
+def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
+    """Per SD3.5-M Linear shape: bf16 F.linear, the quantiser, _scaled_mm, ScaledMMLinear (row, tensor).
+
+    On CUDA the ratio and TFLOP/s use the GPU time; elsewhere (a test on the CPU's ``_scaled_mm``) the wall time.
+    """
+    from flowrl.kernels.fp8 import fp8_quantize_op
+    from flowrl.policy.fp8 import ScaledMMLinear
+
+    g = torch.Generator().manual_seed(0)
+    for M, K, N in FP8_LINEARS:
+        linear = torch.nn.Linear(K, N).to(torch.bfloat16).to(device).requires_grad_(False)
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(device)
+        fp8 = {scaling: ScaledMMLinear(linear, scaling) for scaling in ("row", "tensor")}
+        q, scale = fp8_quantize_op(x, "row")
+        row = fp8["row"]
+        parts = {
+            "bf16 F.linear": lambda: torch.nn.functional.linear(x, linear.weight, linear.bias),
+            "quantise (row)": lambda: fp8_quantize_op(x, "row"),
+            "_scaled_mm (row, quantised input)": lambda: torch._scaled_mm(
+                q, row.weight.t(), scale_a=scale, scale_b=row.weight_scale, bias=row.bias, out_dtype=torch.bfloat16
+            ),
+            "ScaledMMLinear row": lambda: fp8["row"](x),
+            "ScaledMMLinear tensor": lambda: fp8["tensor"](x),
+        }
+        base = None
+        for part, fn in parts.items():
+            wall = timed(fn, device, repeats)
+            gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
+            seconds = gpu or wall
+            base = base or seconds
+            tflops = "-" if "quantise" in part else f"{2 * M * K * N / seconds / 1e12:.1f}"
+            gpu_text = "-" if gpu is None else f"{gpu * 1e3:.3f} ms"
+            yield f"| {M}x{K} -> {N} | {part} | {wall * 1e3:.3f} ms | {gpu_text} | {seconds / base:.2f} | {tflops} |"
 
 
 def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
@@ -168,6 +265,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--fp8-sweep", action="store_true", help="CUDA: time the FP8 quantiser's launch configs")
     args = parser.parse_args()
     configure_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -175,11 +273,16 @@ def main() -> None:
     print(f"Machine: {machine()}\n")
     print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
     print("|---|---|---|---|---|---|---|---|")
-    for line in itertools.chain(nvfp4_rows(device, backends, args.repeats), fp8_rows(device, backends, args.repeats)):
+    for line in nvfp4_rows(device, backends, args.repeats):
         print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
-    print("\n" + "\n".join(SDE_HEADER), flush=True)
-    for line in sde_rows(device, backends, args.repeats):
-        print(line, flush=True)
+    tables = [(SDE_HEADER, sde_rows(device, backends, args.repeats))]
+    tables.append((FP8_HEADER, fp8_rows(device, backends, args.repeats, sweep=args.fp8_sweep)))
+    if device.type == "cuda":
+        tables.append((LEDGER_HEADER, fp8_linear_rows(device, args.repeats)))
+    for header, lines in tables:
+        print("\n" + "\n".join(header), flush=True)
+        for line in lines:
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -153,13 +153,17 @@ def launch_config(M: int, K: int) -> dict[str, int]:
     }
 
 
-def quantize_triton(x: Tensor, amax: Tensor | None, *, reciprocal: bool) -> tuple[Tensor, Tensor]:
+def quantize_triton(
+    x: Tensor, amax: Tensor | None, *, reciprocal: bool, config: dict[str, int] | None = None
+) -> tuple[Tensor, Tensor]:
     """Launch the kernel on ``x`` (M, K), M > 0.
 
     Args:
         x: (M, K) fp16 / bf16 / fp32 (CUDA, or CPU under TRITON_INTERPRET=1); rows may be strided.
         amax: None for a scale per row, or (1,) fp32 holding the tensor's amax for one scale.
         reciprocal: compute ``amax / 448`` as ``amax * fp32(1/448)`` (torch on CUDA) instead of dividing.
+        config: a launch configuration (``BLOCK_K``, ``ROWS``, ``CHUNKS``, ``num_warps``) in place of
+            :func:`launch_config`'s, for ``bench.kernels --fp8-sweep``; the codes do not depend on it.
 
     Returns:
         ``(q, scale)``: q (M, K) ``float8_e4m3fn``; scale (M, 1) fp32 per row, or () per tensor.
@@ -169,7 +173,7 @@ def quantize_triton(x: Tensor, amax: Tensor | None, *, reciprocal: bool) -> tupl
     M, K = x.shape
     q = x.new_empty((M, K), dtype=torch.uint8)
     scale = x.new_empty((M, 1) if amax is None else (), dtype=torch.float32)
-    config = launch_config(M, K)
+    config = config or launch_config(M, K)
     bf16 = x.dtype == torch.bfloat16
     _quantize_kernel[(triton.cdiv(M, config["ROWS"]),)](
         x.view(torch.int16) if bf16 else x,

@@ -1,0 +1,64 @@
+"""``bench.kernels``: the FP8 quantiser's launch configurations (bit-identical codes under each) and the CPU tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_devices import DEVICES
+
+from bench import kernels as bench
+from flowrl.kernels.fp8 import fp8_quantize_rows
+
+
+@pytest.mark.parametrize("K", [17, 1536, 6144, 8195])
+def test_the_sweep_starts_at_the_default_and_every_config_covers_the_row(K):
+    from flowrl.kernels.fp8_triton import launch_config
+
+    configs = bench.fp8_configs(K)
+    assert configs[0] == launch_config(1 << 20, K)
+    assert len({tuple(sorted(c.items())) for c in configs}) == len(configs) > 4
+    for config in configs:
+        assert config["CHUNKS"] * config["BLOCK_K"] >= K > (config["CHUNKS"] - 1) * config["BLOCK_K"]
+        assert config["BLOCK_K"] & (config["BLOCK_K"] - 1) == 0 and config["num_warps"] in (4, 8, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [17, 1536])
+def test_every_swept_launch_config_gives_the_same_codes_and_scales(device, K):
+    from flowrl.kernels.fp8_triton import quantize_triton
+
+    x = (torch.randn(9, K, generator=torch.Generator().manual_seed(K)) * 3).to(torch.bfloat16).to(device)
+    reference = fp8_quantize_rows(x, backend="triton")
+    reciprocal = torch.device(device).type == "cuda"
+    for config in bench.fp8_configs(K):
+        q, scale = quantize_triton(x, None, reciprocal=reciprocal, config=config)
+        assert torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8)), bench.config_name(config)
+        assert torch.equal(scale, reference[1]), bench.config_name(config)
+
+
+def test_the_cpu_tables_print_one_row_per_case(monkeypatch):
+    monkeypatch.setattr(bench, "FP8_SHAPES", [(8, 32)])
+    monkeypatch.setattr(bench, "SDE_SHAPES", [(2, 4, 8, 8), (2, 64, 16)])
+    cpu = torch.device("cpu")
+    fp8 = list(bench.fp8_rows(cpu, ["torch"], 1, sweep=True))  # the sweep is CUDA-only
+    assert len(fp8) == 1 and "| 8x32 | bfloat16 | default | torch |" in fp8[0] and "| - |" in fp8[0]
+    sde = list(bench.sde_rows(cpu, ["torch"], 1))
+    assert len(sde) == 2 * 2 * 2  # shapes x sigma forms x (sample, score)
+    for line in (*fp8, *sde):
+        assert line.count("|") == bench.FP8_HEADER[1].count("|")
+
+
+def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch):
+    """The ledger's five parts per shape, on the CPU's ``_scaled_mm`` (the bench runs it on CUDA only)."""
+    monkeypatch.setattr(bench, "FP8_LINEARS", [(37, 32, 48)])
+    lines = list(bench.fp8_linear_rows(torch.device("cpu"), 1))
+    parts = [line.split(" | ")[1] for line in lines]
+    assert parts == [
+        "bf16 F.linear",
+        "quantise (row)",
+        "_scaled_mm (row, quantised input)",
+        "ScaledMMLinear row",
+        "ScaledMMLinear tensor",
+    ]
+    assert lines[0].endswith("| 1.00 | " + lines[0].split(" | ")[-1])
+    assert all(line.count("|") == bench.LEDGER_HEADER[1].count("|") for line in lines)

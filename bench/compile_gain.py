@@ -1,14 +1,15 @@
 """``memory.compile`` and torch threads on the CPU: compile time, speed-up and exactness of the embedded denoiser.
 
-Usage: ``python -m bench.compile_gain [--mode default] [--chunk 40] [--repeats 7] [--device cuda]``. Builds the
-embedded model's policy stack with a LoRA r8 (``flowrl.policy.build_policy``, as training does),
-times the first compiled no-grad call and the first compiled training call (tracing + code
-generation), then alternates eager and compiled calls of one rollout chunk at 1 and 2 torch
+Usage: ``python -m bench.compile_gain [--mode default] [--scope blocks] [--chunk 40] [--repeats 7]
+[--device cuda]``. Builds the embedded model's policy stack with a LoRA r8 (``flowrl.policy.build_policy``,
+as training does), times the first compiled no-grad call and the first compiled training call (tracing
++ code generation), then alternates eager and compiled calls of one rollout chunk at 1 and 2 torch
 threads: a no-grad forward (a rollout step) and a forward + backward of a squared-velocity loss
 (a training micro-step). Prints the medians, each over eager at one thread, and the largest
 difference between the eager and compiled velocities. On CUDA (``--device cuda``) every timed call
 is synchronised and only one thread count runs (host threads do not run the kernels); the
-``reduce-overhead`` mode (CUDA graphs) is the one to try there.
+``reduce-overhead`` mode (CUDA graphs) is the one to try there. ``--scope blocks`` compiles each
+repeated block instead of the whole denoiser (``memory.compile_scope``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.policy import build_policy
-from flowrl.policy.memory import compile_denoiser
+from flowrl.policy.memory import COMPILE_SCOPES, compile_denoiser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune"])
+    parser.add_argument("--scope", default="model", choices=COMPILE_SCOPES)
     parser.add_argument("--chunk", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -50,23 +52,25 @@ def main(argv: list[str] | None = None) -> None:
 
     load = open("/proc/loadavg").read().split()[:3]
     eager = forward()
-    compile_denoiser(transformer, args.mode)
+    compile_denoiser(transformer, args.mode, args.scope)
     first = {}
     for kind, fn in (("forward", forward), ("step", step)):
         first[kind] = _timed(fn, sync, calls=1)
     diff = (forward() - eager).abs().max().item()
-    impl = transformer._compiled_call_impl
+    impl = {m: m._compiled_call_impl for m in transformer.modules() if m._compiled_call_impl is not None}
     times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.repeats):
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            for name, compiled in (("eager", None), ("compiled", impl)):
-                transformer._compiled_call_impl = compiled
+            for name, compiled in (("eager", dict.fromkeys(impl)), ("compiled", impl)):
+                for module, call in compiled.items():
+                    module._compiled_call_impl = call
                 for kind, fn in (("forward", forward), ("step", step)):
                     times.setdefault((kind, name, threads), []).append(_timed(fn, sync))
     end = open("/proc/loadavg").read().split()[:3]
     print(
-        f"load {' '.join(load)} -> {' '.join(end)}; {args.device}; mode {args.mode}; chunk {args.chunk}; "
+        f"load {' '.join(load)} -> {' '.join(end)}; {args.device}; mode {args.mode}, scope {args.scope} "
+        f"({len(impl)} compiled modules); chunk {args.chunk}; "
         f"{args.repeats} repeats"
     )
     print(f"first compiled call: forward {first['forward']:.1f} s, training step {first['step']:.1f} s")

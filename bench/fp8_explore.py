@@ -33,7 +33,8 @@ bottom eighth of each prompt's seeds).
 
 Usage::
 
-    python -m bench.fp8_explore [--models SD3.5-M FLUX.1-dev] [--seeds 24] [--steps 6] [--repeats 2] [--compile default]
+    python -m bench.fp8_explore [--models SD3.5-M FLUX.1-dev] [--seeds 24] [--steps 6] [--repeats 2]
+        [--compile default] [--compile-scope blocks]
     python -m bench.fp8_explore --tiny        # CPU: tiny random SD3 and FLUX pipelines, fp32 reference
 """
 
@@ -51,7 +52,7 @@ import torch
 
 from flowrl.models.adapter import Cond, model_latent_shape, select_cond
 from flowrl.models.pipeline_schedule import pipeline_sigmas
-from flowrl.policy.memory import COMPILE_MODES, compile_denoiser
+from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser
 from flowrl.policy.precision import build_explore
 from flowrl.rewards import build_reward
 from flowrl.rollouts.chunked import chunked_solve
@@ -95,6 +96,7 @@ class Case:
         resolution: (height, width) in pixels.
         chunk: samples per model call.
         compile: ``memory.compile`` mode of each explore copy ("none": eager).
+        compile_scope: ``memory.compile_scope``: the whole copy ("model") or each repeated block ("blocks").
     """
 
     name: str
@@ -103,6 +105,7 @@ class Case:
     resolution: tuple[int, int]
     chunk: int
     compile: str = "none"
+    compile_scope: str = "model"
 
 
 # --------------------------------------------------------------------------- models
@@ -241,7 +244,7 @@ def explore(case: Case, variant: str | None, seeds: list[int], steps: int, repea
     precision, options = VARIANTS[variant]
     start = time.perf_counter()
     model = build_explore(adapter, precision, **options)
-    compile_denoiser(model.module, case.compile)
+    compile_denoiser(model.module, case.compile, case.compile_scope)
 
     def run(x: torch.Tensor, c: Cond) -> torch.Tensor:
         with torch.no_grad(), explore_transformer(adapter, model.module):
@@ -337,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=None, help="samples per call; default 16 SD3.5-M, 8 FLUX")
     parser.add_argument("--repeats", type=int, default=2, help="timed full runs per explore copy (median)")
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES, help="memory.compile of each copy")
+    parser.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help="memory.compile_scope")
     parser.add_argument("--tiny", action="store_true", help="tiny SD3 and FLUX pipelines on the CPU (a test)")
     args = parser.parse_args(argv)
     if args.seeds < 2:
@@ -348,11 +352,11 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# {device}, torch {torch.__version__}, random weights, {args.seeds} seeds per prompt, {args.steps} Euler "
         f"steps, reward jpeg_compressibility, reference {variants[0]}, median of {args.repeats} timed runs, "
-        f"memory.compile={args.compile}"
+        f"memory.compile={args.compile}, memory.compile_scope={args.compile_scope}"
     )
     print(HEADER)
     for case in cases(args):  # full-size models are built one at a time
-        case.compile = args.compile
+        case.compile, case.compile_scope = args.compile, args.compile_scope
         for line in rows_for(case, variants, args.seeds, args.steps, args.repeats):
             print(line, flush=True)
         case = None  # drop the model before the generator builds the next one

@@ -18,13 +18,15 @@ TFLOP/s to compare with the 400 TFLOP/s that docs/gpu-plan.md assumes.
 (``FlopCounterMode`` does not see inside compiled kernels) and the first calls' compile time goes into
 the warm-up, which is printed.
 
-Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5] [--compile default]``.
+Run on a CUDA machine: ``python -m bench.gpu_measure [--batch 1 4] [--repeats 5] [--compile default]
+[--compile-scope blocks]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import re
 import statistics
 import time
 from typing import Callable
@@ -33,7 +35,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
-from flowrl.policy.memory import COMPILE_MODES, compile_denoiser, trainable_attention
+from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, trainable_attention
 
 GIB = 1024**3
 
@@ -110,13 +112,19 @@ def _time(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
 
 
 def _flops(fn: Callable[[], None], model: torch.nn.Module) -> float:
-    compiled = model._compiled_call_impl  # counted on the eager call: FlopCounterMode does not see compiled kernels
-    model._compiled_call_impl = None
+    """FLOPs of one call, counted eagerly: FlopCounterMode does not see inside compiled kernels.
+
+    Every compiled module (the model, or its blocks under ``--compile-scope blocks``) runs eager for the count.
+    """
+    compiled = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+    for module in compiled:
+        module._compiled_call_impl = None
     try:
         with FlopCounterMode(display=False) as counter:
             fn()
     finally:
-        model._compiled_call_impl = compiled
+        for module, impl in compiled.items():
+            module._compiled_call_impl = impl
     return counter.get_total_flops()
 
 
@@ -126,11 +134,18 @@ def release(model: torch.nn.Module) -> None:
     Inside that block the exception's traceback still holds the failed pass's frames and their
     activations, so ``empty_cache`` there frees nothing. Likely why FLUX.1's checkpointed training pass at
     batch 16 ran out of memory right after the plain one did (2026-11-27, H100; at batch 4 it peaked at
-    26.9 GiB, about 0.9 GiB a sample): not yet rerun.
+    26.9 GiB, about 0.9 GiB a sample). Rerun in round 2 with this release: it ran out again, so the row
+    now also prints the failed allocation's size and what is still allocated after the release.
     """
     model.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def oom_reason(err: BaseException) -> str:
+    """'out of memory' with what the failed allocation asked for, from torch's message when it says."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", str(err))
+    return "out of memory" + (f" (tried to allocate {asked.group(1)})" if asked else "")
 
 
 def _peak(fn: Callable[[], None]) -> float:
@@ -150,9 +165,10 @@ def measure(
     batches: list[int],
     repeats: int,
     compile_mode: str = "none",
+    compile_scope: str = "model",
 ) -> None:
     model = _build(builder, targets, rank)
-    compile_denoiser(model, compile_mode)
+    compile_denoiser(model, compile_mode, compile_scope)
     weights = torch.cuda.memory_allocated() / GIB
     for b in batches:
         x = inputs(b)
@@ -188,12 +204,14 @@ def measure(
                     RuntimeError,
                 ) as err:  # cuBLAS reports some OOMs as internal errors
                     why = (
-                        "out of memory"
+                        oom_reason(err)
                         if isinstance(err, torch.cuda.OutOfMemoryError)
                         else str(err).splitlines()[0][:60]
                     )
                 if why is not None:
                     release(model)
+                    held = torch.cuda.memory_allocated() / GIB
+                    why += f"; {held:.1f} GiB still allocated after release"  # the next pass starts from this
                     print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | | |", flush=True)
                     continue
                 print(
@@ -214,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=None, help="subset of SD3.5-M FLUX.1-dev Wan2.1-1.3B")
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES, help="memory.compile mode of the denoiser")
+    parser.add_argument("--compile-scope", default="model", choices=COMPILE_SCOPES, help="memory.compile_scope")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
-        f"median of {args.repeats}, memory.compile={args.compile}"
+        f"median of {args.repeats}, memory.compile={args.compile}, memory.compile_scope={args.compile_scope}"
     )
     print(
         "| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB "
@@ -230,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (builder, inputs, targets, rank) in _models().items():
         if args.models is None or name in args.models:
-            measure(name, builder, inputs, targets, rank, args.batch, args.repeats, args.compile)
+            measure(name, builder, inputs, targets, rank, args.batch, args.repeats, args.compile, args.compile_scope)
 
 
 if __name__ == "__main__":

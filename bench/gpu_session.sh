@@ -9,7 +9,8 @@
 # so that the whole script ends BUDGET_S seconds (default 560) after it starts; a step with less
 # than 15 s left is skipped and says so. Every step's output goes to $OUT/session.log (a step cut
 # short keeps the rows it printed). Round 1 (2026-11-27) ran FSDP2 memory, kernels, FP8 explore, the CUDA
-# profile, batch-16 MFU and attention backends: docs/gpu-runs/2026-11-27-h100.log.
+# profile, batch-16 MFU and attention backends: docs/gpu-runs/2026-11-27-h100.log; round 2 the kernel fixes,
+# eager FP8 with the fused quantiser, Sol-RL on CUDA and FLUX's rows: docs/gpu-runs/2026-11-27-h100-round2.log.
 set -o pipefail
 : "${OUT:?set OUT to the folder that comes back}"
 BUDGET_S=${1:-560}
@@ -45,36 +46,35 @@ fi
   python3 -c "import torch,diffusers,transformers,peft,accelerate,triton,flowrl as f;print('torch',torch.__version__,'diffusers',diffusers.__version__,'transformers',transformers.__version__,'peft',peft.__version__,'accelerate',accelerate.__version__,'triton',triton.__version__,'flowrl from',f.__file__)"
 } 2>&1 | tee -a "$LOG"
 
-# Round 2 (planned 2026-11-27 after round 1's run, docs/gpu-runs/2026-11-27-h100.log): first the fixes of
-# what round 1 found, then the measurements round 1 could not finish. Caps in order of priority.
+# Round 3 (planned 2026-11-27 after round 2's run, docs/gpu-runs/2026-11-27-h100-round2.log). Round 2 measured the
+# kernels, eager FP8 explore (0.91x bf16), Sol-RL's CUDA profile and FLUX's rows; what it could not finish comes first.
 
-# The fixes, on the GPU: kernels bit for bit (fused FP8 row quantiser, the one-launch Flow-SDE step) and
-# Sol-RL's explore stage with GPU-scored rewards.
-# Then Flow-GRPO's rollout and training through the fused Flow-SDE step: the first-update ratio exactly 1.
-step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels tests/solrl/test_cuda_solrl.py \
-  tests/test_cuda.py::test_cuda_rollout_matches_cpu_and_ratio_is_one -p no:cacheprovider
-
-# Issue 15: kernel bandwidth (GPU time beside wall time), then FP8 explore with the fused quantiser.
-step kernels 45 python3 -m bench.kernels
-step fp8_explore 80 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1
-
-# Issue 17: Sol-RL's profile on CUDA (failed in round 1; its flow_grpo row now runs the fused Flow-SDE step in
-# rollout and training: round 1's eager "sampler" was 0.114 s of 2.04 s), then the default job with CUDA graphs
-# (round 1: 2.04 s an iteration eager, about 143 s for 70; target <= 20 s).
-step profile_solrl 60 python3 -m bench.profile --device cuda --models digits --objectives sol_rl flow_grpo \
-  --iterations 1 --warmup 1 --json "$OUT/profile_cuda_solrl.json"
-step default_job_graphs 130 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
+# Issue 17: the default job under CUDA graphs. Round 2 crashed at the first training step (a kept velocity overwritten by
+# the next graph replay; fixed: MemoryAdapter.own_outputs) after >130 s of cold compiling. Its metrics.jsonl holds each
+# iteration's time, so the steady rate is read past the compile.
+step default_job_graphs 240 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
   output.dir=/tmp/default-graphs train.progress=false
 cp /tmp/default-graphs/summary.json "$OUT/default_job_graphs_summary.json" 2>/dev/null
+cp /tmp/default-graphs/metrics.jsonl "$OUT/default_job_graphs_metrics.jsonl" 2>/dev/null
 
-# Issue 12 and 17: the rows round 1 lost to bench bugs (fixed since).
-step fsdp2_accelerate_flux 45 python3 -m bench.fsdp2_memory --via accelerate --models FLUX.1-dev --batch 1
-step gpu_measure_flux 55 python3 -m bench.gpu_measure --models FLUX.1-dev --batch 16 --repeats 3
-step attention_flux 45 python3 -m bench.attention_backends --models FLUX.1-dev --batch 4 --repeats 2
+# Issue 15: compiled FP8 explore against compiled bf16, block by block (one block's compile shared by all 24; the
+# whole-model compiles outlasted 170 s and 91 s caps in rounds 1 and 2).
+step fp8_compiled_blocks 150 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --compile default \
+  --compile-scope blocks --variants bf16 fp8_e4m3:row
 
-# With what is left: compiled FP8 against compiled bf16 (round 1: the bf16 compile took 67 s; the FP8 quantiser is
-# one torch operator since, so each FP8 Linear compiles without a graph break), then the trainer's CUDA tests.
-step fp8_compiled 200 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --compile default \
-  --variants bf16 fp8_e4m3:row
-step tests_cuda 200 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+# Issue 15: the FP8 quantiser's GPU time, its launch configurations and the per-Linear ledger (bf16 vs quantise vs
+# _scaled_mm), which say where FP8's GEMM gain goes.
+step kernels_sweep 50 python3 -m bench.kernels --repeats 3 --fp8-sweep
+
+# Issue 17: SD3.5-M's MFU compiled block by block (eager: 18.4 % / 16.1 % at batch 16).
+step gpu_measure_sd3_compiled 90 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \
+  --compile default --compile-scope blocks
+
+# The fused Flow-SDE gradient test as rewritten after round 2 (held to float64), the bench's FP8 sweep bit check.
+step tests_fixes 45 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py tests/kernels/test_bench_kernels.py \
+  -p no:cacheprovider
+
+# With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis.
+step fp8_explore_flux 60 python3 -m bench.fp8_explore --models FLUX.1-dev --repeats 1 --variants bf16 fp8_e4m3:row
+step gpu_measure_flux 45 python3 -m bench.gpu_measure --models FLUX.1-dev --batch 16 --repeats 3
 echo "== done at +$(elapsed) s" | tee -a "$LOG"

@@ -8,7 +8,7 @@ from flowrl.config import load_config
 from flowrl.config_files import ConfigError
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.policy import build_policy
-from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, compile_denoiser
+from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, compile_denoiser, repeated_blocks
 from flowrl.policy.wrapper import AdapterWrapper
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
@@ -111,3 +111,46 @@ def test_cuda_graph_mode_hands_out_velocities_that_the_next_call_cannot_overwrit
             model.velocity(x, torch.full((2,), 0.2), cond)
             assert first.dtype == torch.float32
             assert torch.equal(first, kept) is own  # without own_outputs the buffer was overwritten
+
+
+def test_block_scope_compiles_each_repeated_block_and_leaves_the_rest_eager():
+    """memory.compile_scope=blocks: SD3's joint blocks, FLUX's double and single blocks; one-line errors."""
+    from conftest import tiny_flux_transformer
+
+    assert load_config(None).memory.compile_scope == "model"
+    with pytest.raises(ConfigError, match="memory.compile_scope"):
+        load_config(None, ["memory.compile_scope=layers"])
+    sd3 = tiny_sd3_pipeline(num_layers=3).transformer
+    flux = tiny_flux_transformer()
+    assert [type(b).__name__ for b in repeated_blocks(sd3)] == ["JointTransformerBlock"] * 3
+    assert {type(b).__name__ for b in repeated_blocks(flux)} == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    for model in (sd3, flux):
+        compile_denoiser(model, "default", "blocks")
+        assert model._compiled_call_impl is None
+        assert all(block._compiled_call_impl is not None for block in repeated_blocks(model))
+    with pytest.raises(ValueError, match="has no list of repeated blocks; set memory.compile_scope=model"):
+        compile_denoiser(torch.nn.Linear(2, 2), "default", "blocks")
+    with pytest.raises(ValueError, match="memory.compile_scope must be one of"):
+        compile_denoiser(torch.nn.Linear(2, 2), "default", "layer")
+    linear = torch.nn.Linear(2, 2)
+    compile_denoiser(linear, "none", "blocks")  # nothing to compile, nothing to find
+    assert linear._compiled_call_impl is None
+
+
+@pytest.mark.slow
+def test_compiled_blocks_share_one_graph_and_match_eager():
+    """Four SD3 blocks, two compiled graphs: three joint blocks share one, the last (``context_pre_only``) has its own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = SD3Adapter(tiny_sd3_pipeline(num_layers=4), max_sequence_length=2, resolution=(8, 8))
+    x = torch.randn(2, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    cond = model.encode_prompt(["a bold 1", "a thin 7"])
+    sigma = torch.full((2,), 0.6)
+    with torch.no_grad():
+        eager = model.velocity(x, sigma, cond)
+        compile_denoiser(model.transformer, "default", "blocks")
+        compiled = model.velocity(x, sigma, cond)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2

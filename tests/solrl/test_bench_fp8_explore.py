@@ -54,3 +54,16 @@ def test_agreement_measures_against_the_reference_and_the_noise_floor():
 def test_one_seed_per_prompt_is_refused_in_one_line():
     with pytest.raises(SystemExit, match="--seeds must be >= 2"):
         fp8_explore.main(["--tiny", "--seeds", "1"])
+
+
+@pytest.mark.slow
+def test_explore_copies_compile_block_by_block(capsys):
+    """``--compile default --compile-scope blocks``: each copy's repeated blocks compiled, rows as before."""
+    fp8_explore.main(
+        ["--tiny", "--seeds", "2", "--repeats", "1", "--variants", "fp32", "--compile", "default"]
+        + ["--compile-scope", "blocks"]
+    )
+    out = capsys.readouterr().out
+    assert "memory.compile=default, memory.compile_scope=blocks" in out
+    rows = _rows(out)
+    assert rows[("tiny SD3", "fp32")][8:12] == ["1.000"] * 4 and ("tiny FLUX", "fp32") in rows

@@ -58,11 +58,19 @@ class ScaledMMLinear(nn.Module):
     ``torch._scaled_mm`` needs K and N (not M) divisible by 16. The product comes back in bf16;
     for bf16 inputs the bias is added in ``_scaled_mm``'s epilogue (fp32, one rounding), for other
     inputs it is cast to the input's dtype and the bias added after, as before.
+
+    ``fuse_under_compile``: inside ``torch.compile`` quantise with the torch reference's operators
+    (:func:`fp8_quantize`) instead of the opaque kernel operator, so the compiler can fuse the
+    quantisation into the operator that produced ``x`` (a norm, a modulation) rather than read ``x``
+    back from memory; eager calls still run the kernel. Compiled code may round the scale or a
+    quotient differently from eager in the last bit, as any compiled operator may. Off by default
+    until measured on a GPU (docs/kernels.md).
     """
 
-    def __init__(self, linear: nn.Linear, scaling: str):
+    def __init__(self, linear: nn.Linear, scaling: str, *, fuse_under_compile: bool = False):
         super().__init__()
         self.scaling = scaling
+        self.fuse_under_compile = fuse_under_compile
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = fp8_quantize(linear.weight.detach(), scaling)
         self.register_buffer("weight", weight)
@@ -72,7 +80,10 @@ class ScaledMMLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_features) -> (..., out_features) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        q, scale = fp8_quantize_op(rows, self.scaling)  # one opaque op: compiles without a graph break
+        if self.fuse_under_compile and torch.compiler.is_compiling():
+            q, scale = fp8_quantize(rows, self.scaling)  # plain operators the compiler can fuse into x's producer
+        else:
+            q, scale = fp8_quantize_op(rows, self.scaling)  # one opaque op: compiles without a graph break
         fused = self.bias is not None and x.dtype == torch.bfloat16  # out_dtype bf16 takes only a bf16 bias
         bias = self.bias.to(torch.bfloat16) if fused else None
         out = torch._scaled_mm(

@@ -286,3 +286,23 @@ def test_the_fp8_linear_compiles_into_one_graph_with_the_quantiser_as_one_node(d
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), layer(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_fuse_under_compile_traces_the_reference_operators_and_keeps_eager_on_the_kernel(scaling):
+    """``fuse_under_compile``: no opaque quantiser node in the graph (the compiler may fuse it); eager unchanged."""
+    if not cpu_scaled_mm_supports(scaling):
+        pytest.skip(f"this torch's CPU _scaled_mm does not take {scaling} scales")
+    torch._dynamo.reset()
+    plain = ScaledMMLinear(nn.Linear(64, 48), scaling)
+    fused = ScaledMMLinear(nn.Linear(64, 48), scaling, fuse_under_compile=True)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 37, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(fused(x), plain(x))  # eager: the same kernel operator
+    explain = torch._dynamo.explain(fused)(x)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0
+    nodes = [str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")]
+    assert "flowrl.fp8_quantize.default" not in nodes and {"amax", "clamp", "to"} <= set(nodes)
+    compiled = torch.compile(fused, fullgraph=True)  # inductor: the reference's operators, generated code
+    torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)
+    torch._dynamo.reset()

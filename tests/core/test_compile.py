@@ -139,7 +139,7 @@ def test_block_scope_compiles_each_repeated_block_and_leaves_the_rest_eager():
 
 @pytest.mark.slow
 def test_compiled_blocks_share_one_graph_and_match_eager():
-    """Four SD3 blocks, two compiled graphs: three joint blocks share one, the last (``context_pre_only``) has its own."""
+    """Four SD3 blocks, two graphs: three joint blocks share one, the last (``context_pre_only``) has its own."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

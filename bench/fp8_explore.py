@@ -7,7 +7,7 @@ are kept. Each explore copy is built by flowrl's own :func:`flowrl.policy.precis
 per-tensor or per-row scales on CUDA), put in the adapter's place by
 :func:`flowrl.solrl.explore.explore_transformer` and sampled by
 :func:`flowrl.rollouts.chunked.chunked_solve`, as ``SolRL.explore_stage`` does. The ``:fused`` FP8
-variants set ``ScaledMMLinear.fuse_under_compile``: under ``--compile`` the activation quantiser is
+variants build the copy with ``fuse_under_compile=True``: under ``--compile`` the activation quantiser is
 traced from torch operators, which the compiler may fuse into the norm or modulation before it,
 instead of the opaque kernel operator (eager calls run the kernel either way).
 
@@ -55,7 +55,6 @@ import torch
 
 from flowrl.models.adapter import Cond, model_latent_shape, select_cond
 from flowrl.models.pipeline_schedule import pipeline_sigmas
-from flowrl.policy.fp8 import ScaledMMLinear
 from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser
 from flowrl.policy.precision import build_explore
 from flowrl.rewards import build_reward
@@ -70,14 +69,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (precision, build
     "bf16": ("bf16", {}),
     "fp8_e4m3:tensor": ("fp8_e4m3", {"scaling": "tensor"}),
     "fp8_e4m3:row": ("fp8_e4m3", {"scaling": "row"}),
-    "fp8_e4m3:tensor:fused": ("fp8_e4m3", {"scaling": "tensor"}),
-    "fp8_e4m3:row:fused": ("fp8_e4m3", {"scaling": "row"}),
+    "fp8_e4m3:tensor:fused": ("fp8_e4m3", {"scaling": "tensor", "fuse_under_compile": True}),
+    "fp8_e4m3:row:fused": ("fp8_e4m3", {"scaling": "row", "fuse_under_compile": True}),
     "nvfp4": ("nvfp4", {}),
     "nvfp4:act": ("nvfp4", {"activations": True}),
     "int8_dynamic": ("int8_dynamic", {}),
     "native_nvfp4": ("native_nvfp4", {}),
 }
-FUSED = ("fp8_e4m3:tensor:fused", "fp8_e4m3:row:fused")  # ScaledMMLinear(fuse_under_compile=True): for --compile
 CUDA_VARIANTS = ["bf16", "fp8_e4m3:tensor", "fp8_e4m3:row"]
 CPU_VARIANTS = ["fp32", "bf16", "fp8_e4m3:tensor", "fp8_e4m3:row", "int8_dynamic", "nvfp4"]
 # published scheduler configs: SD3.5 (static shift 3) and FLUX.1-dev (resolution-dependent shift)
@@ -251,9 +249,6 @@ def explore(case: Case, variant: str | None, seeds: list[int], steps: int, repea
     precision, options = VARIANTS[variant]
     start = time.perf_counter()
     model = build_explore(adapter, precision, **options)
-    for layer in model.module.modules():
-        if isinstance(layer, ScaledMMLinear):
-            layer.fuse_under_compile = variant in FUSED
     compile_denoiser(model.module, case.compile, case.compile_scope)
 
     def run(x: torch.Tensor, c: Cond) -> torch.Tensor:

@@ -49,31 +49,31 @@ fi
 # Round 3 (planned 2026-11-27 after round 2's run, docs/gpu-runs/2026-11-27-h100-round2.log). Round 2 measured the
 # kernels, eager FP8 explore (0.91x bf16), Sol-RL's CUDA profile and FLUX's rows; what it could not finish comes first.
 
-# Issue 17: the default job under CUDA graphs. Round 2 crashed at the first training step (a kept velocity overwritten by
-# the next graph replay; fixed: MemoryAdapter.own_outputs) after >130 s of cold compiling. Its metrics.jsonl holds each
-# iteration's time, so the steady rate is read past the compile.
-step default_job_graphs 220 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
+# The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check.
+step tests_fixes 45 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
+  tests/kernels/test_bench_kernels.py -p no:cacheprovider
+
+# Issue 17: the default job under CUDA graphs. Round 2 crashed at the first training step (a kept velocity overwritten
+# by a later graph replay; fixed: MemoryAdapter.own_outputs) after >130 s of cold compiling. Its metrics.jsonl holds
+# each iteration's time, so the steady rate is read past the compile.
+step default_job_graphs 210 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
   output.dir=/tmp/default-graphs train.progress=false
 cp /tmp/default-graphs/summary.json "$OUT/default_job_graphs_summary.json" 2>/dev/null
 cp /tmp/default-graphs/metrics.jsonl "$OUT/default_job_graphs_metrics.jsonl" 2>/dev/null
 
-# Issue 15: compiled FP8 explore against compiled bf16, block by block (one block's compile shared by all 24; the
-# whole-model compiles outlasted 170 s and 91 s caps in rounds 1 and 2); ":fused" traces the activation quantiser
-# from torch operators so inductor can fuse it into the norm / modulation before each Linear.
-step fp8_compiled_blocks 180 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --compile default \
+# Issue 15: compiled FP8 explore against compiled bf16, block by block (one graph per block variant, 3 for
+# SD3.5-M's 24 blocks; round 1's whole-model FP8 compiles outlasted 170 s, round 2's bf16 + FP8 its 91 s cap);
+# ":fused" traces the activation quantiser from torch operators so inductor can fuse it into the op before.
+step fp8_compiled_blocks 170 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --compile default \
   --compile-scope blocks --variants bf16 fp8_e4m3:row fp8_e4m3:row:fused
 
-# Issue 15: the FP8 quantiser's GPU time, its launch configurations and the per-Linear ledger (bf16 vs quantise vs
-# _scaled_mm), which say where FP8's GEMM gain goes.
-step kernels_sweep 50 python3 -m bench.kernels --repeats 3 --fp8-sweep
+# Issue 15: the per-Linear ledger (bf16 vs quantise vs _scaled_mm: where FP8's GEMM gain goes), then the FP8
+# quantiser's GPU time and launch configurations (each a Triton compile: printed last).
+step kernels_sweep 60 python3 -m bench.kernels --repeats 3 --fp8-sweep
 
 # Issue 17: SD3.5-M's MFU compiled block by block (eager: 18.4 % / 16.1 % at batch 16).
-step gpu_measure_sd3_compiled 75 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \
+step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \
   --compile default --compile-scope blocks
-
-# The fused Flow-SDE gradient test as rewritten after round 2 (held to float64), the bench's FP8 sweep bit check.
-step tests_fixes 40 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py tests/kernels/test_bench_kernels.py \
-  -p no:cacheprovider
 
 # With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis.
 step fp8_explore_flux 60 python3 -m bench.fp8_explore --models FLUX.1-dev --repeats 1 --variants bf16 fp8_e4m3:row

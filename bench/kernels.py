@@ -143,16 +143,21 @@ FP8_HEADER = (
 )
 
 
-def fp8_configs(K: int) -> list[dict[str, int]]:
-    """Launch configurations of the FP8 quantiser to sweep for rows of K: the default first.
+def fp8_configs(M: int, K: int) -> list[dict[str, int]]:
+    """Launch configurations of the FP8 quantiser to sweep for an (M, K) input, the default first.
 
-    BLOCK_K is the row's power of two (one chunk) or 1024 (several); ROWS 1-8 rows a program with at
-    most 16384 elements held; 4 or 8 warps.
+    Args:
+        M: rows (the default caps its rows per program by M).
+        K: row length.
+
+    Returns:
+        The default (:func:`flowrl.kernels.fp8_triton.launch_config`), then each distinct config with
+        BLOCK_K the row's power of two (one chunk) or 1024 (several), 1-8 rows a program holding at
+        most 16384 elements, and 4 or 8 warps.
     """
     from flowrl.kernels.fp8_triton import MAX_BLOCK_K, launch_config
 
-    default = launch_config(1 << 20, K)
-    configs = [default]
+    configs = [launch_config(M, K)]
     full = min(1 << (K - 1).bit_length(), MAX_BLOCK_K)
     for block_k, rows, warps in itertools.product(sorted({full, min(full, 1024)}), (1, 2, 4, 8), (4, 8)):
         config = {"BLOCK_K": block_k, "ROWS": rows, "CHUNKS": -(-K // block_k), "num_warps": warps}
@@ -162,27 +167,40 @@ def fp8_configs(K: int) -> list[dict[str, int]]:
 
 
 def config_name(config: dict[str, int]) -> str:
+    """'ROWS x BLOCK_K / CHUNKS, W warps', as the sweep's rows print a launch config."""
     return f"{config['ROWS']}x{config['BLOCK_K']}/{config['CHUNKS']}, {config['num_warps']} warps"
 
 
+def sweep_cases(x: torch.Tensor) -> Iterator[tuple[str, str, Callable[[], object]]]:
+    """(backend, config name, call) for every non-default launch config, each checked against the default's bits.
+
+    A config whose codes or scales differ from the default's is named "(DIFFERENT BITS)".
+    """
+    from flowrl.kernels.fp8 import scale_by_reciprocal
+    from flowrl.kernels.fp8_triton import quantize_triton
+
+    reference = fp8_quantize_rows(x, backend="triton")
+    for config in fp8_configs(*x.shape)[1:]:
+        fn = functools.partial(quantize_triton, x, None, reciprocal=scale_by_reciprocal(x), config=config)
+        q, scale = fn()
+        same = torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8)) and torch.equal(scale, reference[1])
+        yield "triton", config_name(config) + ("" if same else " (DIFFERENT BITS)"), fn
+
+
 def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: bool = False) -> Iterator[str]:
-    """FP8 quantiser rows (:data:`FP8_HEADER`): each backend, and on CUDA with ``sweep`` every launch config."""
+    """FP8 quantiser rows (:data:`FP8_HEADER`): each backend and, with ``sweep``, every launch config.
+
+    The sweep runs where the Triton kernel does: compiled on CUDA, or in the interpreter (a test).
+    """
+    from flowrl.kernels import interpreting, triton_installed
+
     for shape in FP8_SHAPES:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
         nbytes = fp8_bytes(*shape, x.element_size())
         flops = FP8_OPS_PER_ELEMENT * x.numel()
         cases = [(backend, "default", functools.partial(fp8_quantize_rows, x, backend=backend)) for backend in backends]
-        if sweep and device.type == "cuda":
-            from flowrl.kernels.fp8_triton import quantize_triton
-
-            reference = fp8_quantize_rows(x, backend="triton")
-            for config in fp8_configs(shape[1])[1:]:
-                fn = functools.partial(quantize_triton, x, None, reciprocal=True, config=config)
-                q, scale = fn()
-                same = torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8)) and torch.equal(
-                    scale, reference[1]
-                )
-                cases.append(("triton", config_name(config) + ("" if same else " (DIFFERENT BITS)"), fn))
+        if sweep and triton_installed() and (device.type == "cuda" or interpreting()):
+            cases.extend(sweep_cases(x))
         for backend, name, fn in cases:
             wall = timed(fn, device, repeats)
             gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
@@ -193,6 +211,7 @@ def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: boo
             )
 
 
+NO_GEMM = {"quantise (row)"}  # ledger parts without a matrix product: no TFLOP/s
 LEDGER_HEADER = (
     "| Linear M x K -> N | part | wall / call | GPU / call | time x bf16 (GPU on CUDA) | TFLOP/s |",
     "|---|---|---|---|---|---|",
@@ -213,12 +232,17 @@ def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
         x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(device)
         fp8 = {scaling: ScaledMMLinear(linear, scaling) for scaling in ("row", "tensor")}
         q, scale = fp8_quantize_op(x, "row")
-        row = fp8["row"]
+        by_row = fp8["row"]
         parts = {
             "bf16 F.linear": lambda: torch.nn.functional.linear(x, linear.weight, linear.bias),
             "quantise (row)": lambda: fp8_quantize_op(x, "row"),
             "_scaled_mm (row, quantised input)": lambda: torch._scaled_mm(
-                q, row.weight.t(), scale_a=scale, scale_b=row.weight_scale, bias=row.bias, out_dtype=torch.bfloat16
+                q,
+                by_row.weight.t(),
+                scale_a=scale,
+                scale_b=by_row.weight_scale,
+                bias=by_row.bias,
+                out_dtype=torch.bfloat16,
             ),
             "ScaledMMLinear row": lambda: fp8["row"](x),
             "ScaledMMLinear tensor": lambda: fp8["tensor"](x),
@@ -229,7 +253,7 @@ def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
             gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
             seconds = gpu or wall
             base = base or seconds
-            tflops = "-" if "quantise" in part else f"{2 * M * K * N / seconds / 1e12:.1f}"
+            tflops = "-" if part in NO_GEMM else f"{2 * M * K * N / seconds / 1e12:.1f}"
             gpu_text = "-" if gpu is None else f"{gpu * 1e3:.3f} ms"
             yield f"| {M}x{K} -> {N} | {part} | {wall * 1e3:.3f} ms | {gpu_text} | {seconds / base:.2f} | {tflops} |"
 
@@ -276,9 +300,9 @@ def main() -> None:
     for line in nvfp4_rows(device, backends, args.repeats):
         print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
     tables = [(SDE_HEADER, sde_rows(device, backends, args.repeats))]
-    tables.append((FP8_HEADER, fp8_rows(device, backends, args.repeats, sweep=args.fp8_sweep)))
-    if device.type == "cuda":
+    if device.type == "cuda":  # before the sweep, whose Triton compiles take the longest
         tables.append((LEDGER_HEADER, fp8_linear_rows(device, args.repeats)))
+    tables.append((FP8_HEADER, fp8_rows(device, backends, args.repeats, sweep=args.fp8_sweep)))
     for header, lines in tables:
         print("\n" + "\n".join(header), flush=True)
         for line in lines:

@@ -185,7 +185,7 @@ class MemoryConfig:
     free_encoders_when_cached: bool = False  # encode every train/eval prompt once, then drop the encoders
     attention_backend: Literal["sdpa", "xformers"] = "sdpa"  # xformers: CUDA + `pip install xformers`
     compile: Literal["none", "default", "reduce-overhead", "max-autotune"] = "none"  # torch.compile the denoiser
-    compile_scope: Literal["model", "blocks"] = "model"  # blocks: each repeated block, one compile shared by all
+    compile_scope: Literal["model", "blocks"] = "model"  # blocks: each repeated block; a block class compiles once
 
 
 @dataclass

@@ -167,6 +167,9 @@ def quantize_triton(
 
     Returns:
         ``(q, scale)``: q (M, K) ``float8_e4m3fn``; scale (M, 1) fp32 per row, or () per tensor.
+
+    Raises:
+        ValueError: a ``config`` whose ``CHUNKS`` blocks of a power-of-two ``BLOCK_K`` do not split the row.
     """
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -174,6 +177,9 @@ def quantize_triton(
     q = x.new_empty((M, K), dtype=torch.uint8)
     scale = x.new_empty((M, 1) if amax is None else (), dtype=torch.float32)
     config = config or launch_config(M, K)
+    block_k, chunks = config["BLOCK_K"], config["CHUNKS"]
+    if block_k & (block_k - 1) or not (chunks - 1) * block_k < K <= chunks * block_k:
+        raise ValueError(f"fp8 launch config {config} does not split rows of K={K} into CHUNKS power-of-two blocks")
     bf16 = x.dtype == torch.bfloat16
     _quantize_kernel[(triton.cdiv(M, config["ROWS"]),)](
         x.view(torch.int16) if bf16 else x,

@@ -29,6 +29,10 @@ from .wrapper import AdapterWrapper
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""Compile modes that replay CUDA graphs on a GPU (torch's "max-autotune" turns them on too), whose
+outputs live in static buffers the next replay overwrites: :class:`MemoryAdapter` copies them out."""
+COMPILE_SCOPES = ("model", "blocks")
 COMPILED_GRAPHS = 64
 """Graphs torch.compile may keep per function before it falls back to eager (torch's default is 8).
 
@@ -109,14 +113,17 @@ def trainable_attention(device: torch.device) -> Iterator[None]:
         yield
 
 
-COMPILE_SCOPES = ("model", "blocks")
-
-
 def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
     """The denoiser's repeated blocks: every element of each ``nn.ModuleList`` child whose modules are of one class.
 
     SD3's ``transformer_blocks``, FLUX's ``transformer_blocks`` and ``single_transformer_blocks``, Wan's
-    ``blocks``, Qwen-Image's ``transformer_blocks``: found by structure, not by class name.
+    ``blocks``, Qwen-Image's ``transformer_blocks``: found by structure, not by class name. In diffusers
+    0.42 these are the only ``nn.ModuleList`` children of those denoisers (other lists sit inside the
+    attention modules); a model whose top level held a list of norms or projections would have them
+    compiled too, which is harmless but gains little.
+
+    Returns:
+        The blocks in model order (empty when the denoiser has no such list).
     """
     blocks = []
     for child in transformer.children():
@@ -136,10 +143,12 @@ def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") ->
     graphs never fall back to eager on their own.
 
     ``scope="blocks"`` compiles each repeated block (:func:`repeated_blocks`) instead of the whole
-    model ("regional compilation"): the blocks of one class share one compiled graph, so a 24-block
-    SD3.5-M compiles one block's code instead of 24 inlined ones; embedders and the final layer stay
-    eager. For full-size models, whose whole-model compile takes minutes; "model" removes more
-    launches on small ones.
+    model ("regional compilation"): the blocks of one class share compiled code, one graph per
+    variant of the block's forward (SD3.5-M's 24 joint blocks: 3, with and without dual attention,
+    and the ``context_pre_only`` last block) instead of 24 blocks inlined into one graph; embedders and
+    the final layer stay eager. For full-size models, whose whole-model compile takes minutes;
+    "model" removes more launches on small ones. Every variant counts against the one per-function
+    graph limit of the block's ``forward`` (:data:`COMPILED_GRAPHS`).
 
     Raises:
         ValueError: an unknown mode or scope, or ``scope="blocks"`` on a model without repeated blocks.
@@ -201,10 +210,10 @@ class MemoryAdapter(AdapterWrapper):
         autocast: "none", "bf16" or "fp16" — autocast dtype of the denoiser call.
         offload_encoders: keep the text encoders on the CPU outside ``encode_prompt``.
         offload_vae: keep the VAE on the CPU outside ``decode``.
-        own_outputs: copy each velocity out of the denoiser's output buffer (``memory.compile:
-            reduce-overhead``: a CUDA graph writes every replay into the same static buffer, so a
-            velocity kept across the next denoiser call, as the reference velocity of a KL term is,
-            would be overwritten; measured on an H100, 2026-11-27, docs/gpu-runs).
+        own_outputs: copy each velocity out of the denoiser's output buffer (``memory.compile`` in
+            :data:`CUDA_GRAPH_MODES`: a CUDA graph writes every replay into the same static buffer, so
+            a velocity kept across later denoiser calls, as the frozen reference velocities of a KL
+            term are, would be overwritten; found on an H100, 2026-11-27, docs/gpu-runs).
     """
 
     def __init__(
@@ -327,5 +336,5 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
         autocast=memory.autocast,
         offload_encoders=memory.offload_encoders,
         offload_vae=memory.offload_vae,
-        own_outputs=memory.compile == "reduce-overhead",
+        own_outputs=memory.compile in CUDA_GRAPH_MODES,
     )

@@ -91,6 +91,8 @@ class ExploreModel:
         scaling: fp8 scale granularity, "tensor" or "row".
         emulate: whether a quantised precision is emulated (fake-quantised weights).
         backend: kernel backend of the NVFP4 quantiser.
+        fuse_under_compile: fp8 on ``torch._scaled_mm`` only: its layers trace the torch quantiser
+            under ``torch.compile`` (:class:`~flowrl.policy.fp8.ScaledMMLinear`), also after a refresh.
     """
 
     module: nn.Module
@@ -102,6 +104,7 @@ class ExploreModel:
     scaling: str
     emulate: bool
     backend: Backend
+    fuse_under_compile: bool = False
 
 
 def build_explore(
@@ -114,6 +117,7 @@ def build_explore(
     scaling: Literal["tensor", "row"] = "tensor",
     emulate: bool | None = None,
     backend: Backend = "auto",
+    fuse_under_compile: bool = False,
 ) -> ExploreModel:
     """Deep-copy the policy's transformer, merge one LoRA adapter (peft ``merge``) and set its precision.
 
@@ -127,6 +131,8 @@ def build_explore(
         scaling: "tensor" or "row" amax scales for "fp8_e4m3".
         emulate: "fp8_e4m3" only: None emulates off CUDA and uses ``torch._scaled_mm`` on CUDA.
         backend: NVFP4 kernel backend ("auto": Triton on CUDA, the torch reference on CPU).
+        fuse_under_compile: "fp8_e4m3" on ``torch._scaled_mm``: under ``torch.compile`` quantise
+            activations with torch operators the compiler can fuse (``ScaledMMLinear``).
 
     Returns:
         The :class:`ExploreModel`, in eval mode.
@@ -139,6 +145,11 @@ def build_explore(
     rule = rule or QuantRule()
     transformer = policy_transformer(policy)
     emulate = _check_request(precision, transformer, activations, scaling, emulate)
+    if fuse_under_compile and (precision != "fp8_e4m3" or emulate):
+        raise ValueError(
+            "fuse_under_compile applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
+            f"got precision={precision!r}, emulate={emulate}"
+        )
     module = copy.deepcopy(transformer)
     _merge_lora(module, adapter)
     module.requires_grad_(False).eval()
@@ -147,7 +158,9 @@ def build_explore(
         chosen = tuple(n for n in chosen if not any(d % 16 for d in module.get_submodule(n).weight.shape))
     if precision in QUANTISED and not chosen:
         raise ValueError(f"QuantRule {rule} selects no Linear layer for precision={precision!r}; lower min_features")
-    explore = ExploreModel(module, precision, adapter, chosen, rule, activations, scaling, emulate, backend)
+    explore = ExploreModel(
+        module, precision, adapter, chosen, rule, activations, scaling, emulate, backend, fuse_under_compile
+    )
     _apply_precision(explore, io_dtype=_float_dtype(transformer))
     return explore
 
@@ -299,7 +312,10 @@ def _load_weight(explore: ExploreModel, name: str, weight: Tensor) -> None:
     elif explore.precision == "fp8_e4m3" and explore.emulate:
         target.weight.copy_(fp8_fake_quantize(weight, explore.scaling))
     elif explore.precision == "fp8_e4m3":
-        _set_submodule(explore.module, name, ScaledMMLinear(_as_linear(target, weight), explore.scaling))
+        layer = ScaledMMLinear(
+            _as_linear(target, weight), explore.scaling, fuse_under_compile=explore.fuse_under_compile
+        )
+        _set_submodule(explore.module, name, layer)
     elif explore.precision == "int8_dynamic":
         _set_submodule(explore.module, name, _int8_dynamic(_as_linear(target, weight)))
     else:  # native_nvfp4

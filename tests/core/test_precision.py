@@ -206,6 +206,8 @@ def test_refresh_of_the_fp32_copy_tracks_the_trained_lora(policy):
         ({"precision": "fp8_e4m3", "emulate": False}, r"needs CUDA \(torch._scaled_mm\)"),
         ({"precision": "int8_dynamic", "activations": True}, "activations=True applies to"),
         ({"precision": "fp8_e4m3", "scaling": "block"}, "scaling must be"),
+        ({"precision": "fp8_e4m3", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
+        ({"precision": "nvfp4", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
     ],
 )
 def test_bad_requests_are_one_line_errors(policy, kwargs, match):
@@ -219,3 +221,21 @@ def test_int8_needs_fp32_and_policy_needs_a_transformer(tiny_sd3):
         build_explore(tiny_sd3.transformer.to(torch.bfloat16), "int8_dynamic")
     with pytest.raises(TypeError, match="Policy, a model adapter or an nn.Module"):
         build_explore(object(), "fp32")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs cc >= 8.9"
+)
+def test_fuse_under_compile_reaches_every_fp8_layer_and_survives_a_refresh(tiny_sd3):
+    from flowrl.policy.fp8 import ScaledMMLinear
+
+    tiny_sd3.transformer.to("cuda")
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=TARGETS)
+    explore = build_explore(tiny_sd3, "fp8_e4m3", rule=QuantRule(min_features=0), fuse_under_compile=True)
+    layers = [m for m in explore.module.modules() if isinstance(m, ScaledMMLinear)]
+    assert layers and all(layer.fuse_under_compile for layer in layers)
+    perturb(params, seed=1)
+    refresh(explore, tiny_sd3)
+    layers = [m for m in explore.module.modules() if isinstance(m, ScaledMMLinear)]
+    assert layers and all(layer.fuse_under_compile for layer in layers)

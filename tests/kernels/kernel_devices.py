@@ -35,3 +35,14 @@ DEVICES = [
         marks=[_NO_TRITON, pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
     ),
 ]
+
+
+def cpu_scaled_mm_supports(scaling: str) -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes ``scaling`` (2.13 takes both; 2.11 per-tensor only)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    scale = torch.ones(16, 1) if scaling == "row" else torch.ones(())
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_devices import DEVICES
+from kernel_devices import DEVICES, cpu_scaled_mm_supports
 
 from bench import kernels as bench
 from flowrl.kernels.fp8 import fp8_quantize_rows
@@ -14,8 +14,8 @@ from flowrl.kernels.fp8 import fp8_quantize_rows
 def test_the_sweep_starts_at_the_default_and_every_config_covers_the_row(K):
     from flowrl.kernels.fp8_triton import launch_config
 
-    configs = bench.fp8_configs(K)
-    assert configs[0] == launch_config(1 << 20, K)
+    configs = bench.fp8_configs(21712, K)
+    assert configs[0] == launch_config(21712, K)
     assert len({tuple(sorted(c.items())) for c in configs}) == len(configs) > 4
     for config in configs:
         assert config["CHUNKS"] * config["BLOCK_K"] >= K > (config["CHUNKS"] - 1) * config["BLOCK_K"]
@@ -25,33 +25,49 @@ def test_the_sweep_starts_at_the_default_and_every_config_covers_the_row(K):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("K", [17, 1536])
 def test_every_swept_launch_config_gives_the_same_codes_and_scales(device, K):
+    from flowrl.kernels.fp8 import scale_by_reciprocal
     from flowrl.kernels.fp8_triton import quantize_triton
 
     x = (torch.randn(9, K, generator=torch.Generator().manual_seed(K)) * 3).to(torch.bfloat16).to(device)
     reference = fp8_quantize_rows(x, backend="triton")
-    reciprocal = torch.device(device).type == "cuda"
-    for config in bench.fp8_configs(K):
-        q, scale = quantize_triton(x, None, reciprocal=reciprocal, config=config)
+    for config in bench.fp8_configs(*x.shape):
+        q, scale = quantize_triton(x, None, reciprocal=scale_by_reciprocal(x), config=config)
         assert torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8)), bench.config_name(config)
         assert torch.equal(scale, reference[1]), bench.config_name(config)
+    names = [name for _, name, _ in bench.sweep_cases(x)]  # the bench's own check agrees
+    assert len(names) == len(bench.fp8_configs(*x.shape)) - 1 and not any("DIFFERENT" in n for n in names)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_launch_config_that_does_not_cover_the_row_is_refused(device):
+    from flowrl.kernels.fp8_triton import quantize_triton
+
+    x = torch.ones(4, 100, device=device)
+    for bad in ({"BLOCK_K": 64, "CHUNKS": 1}, {"BLOCK_K": 96, "CHUNKS": 2}, {"BLOCK_K": 32, "CHUNKS": 5}):
+        config = {"ROWS": 1, "num_warps": 4, **bad}
+        with pytest.raises(ValueError, match="does not split rows of K=100 into CHUNKS"):
+            quantize_triton(x, None, reciprocal=False, config=config)
 
 
 def test_the_cpu_tables_print_one_row_per_case(monkeypatch):
+    from flowrl.kernels import interpreting, triton_installed
+
     monkeypatch.setattr(bench, "FP8_SHAPES", [(8, 32)])
     monkeypatch.setattr(bench, "SDE_SHAPES", [(2, 4, 8, 8), (2, 64, 16)])
     cpu = torch.device("cpu")
-    fp8 = list(bench.fp8_rows(cpu, ["torch"], 1, sweep=True))  # the sweep is CUDA-only
+    fp8 = list(bench.fp8_rows(cpu, ["torch"], 1))
     assert len(fp8) == 1 and "| 8x32 | bfloat16 | default | torch |" in fp8[0] and "| - |" in fp8[0]
+    if triton_installed() and interpreting():  # the sweep runs where the kernel does: here, the interpreter
+        swept = list(bench.fp8_rows(cpu, ["torch"], 1, sweep=True))
+        assert len(swept) == len(bench.fp8_configs(8, 32)) and not any("DIFFERENT" in line for line in swept)
     sde = list(bench.sde_rows(cpu, ["torch"], 1))
     assert len(sde) == 2 * 2 * 2  # shapes x sigma forms x (sample, score)
-    for line in (*fp8, *sde):
-        assert line.count("|") == bench.FP8_HEADER[1].count("|")
+    assert all(line.count("|") == bench.FP8_HEADER[1].count("|") for line in fp8)
+    assert all(line.count("|") == bench.SDE_HEADER[1].count("|") for line in sde)
 
 
 def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch):
     """The ledger's five parts per shape, on the CPU's ``_scaled_mm`` (the bench runs it on CUDA only)."""
-    from test_fp8 import cpu_scaled_mm_supports
-
     if not cpu_scaled_mm_supports("row"):
         pytest.skip("this torch's CPU _scaled_mm has no row scaling (2.11: per-tensor only)")
     monkeypatch.setattr(bench, "FP8_LINEARS", [(37, 32, 48)])
@@ -64,5 +80,7 @@ def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch)
         "ScaledMMLinear row",
         "ScaledMMLinear tensor",
     ]
-    assert lines[0].endswith("| 1.00 | " + lines[0].split(" | ")[-1])
+    tflops = [line.split(" | ")[-1].rstrip(" |") for line in lines]
+    assert lines[0].split(" | ")[-2] == "1.00"  # the bf16 row is the ratio's base
+    assert [t == "-" for t in tflops] == [False, True, False, False, False]  # only the quantiser has no GEMM
     assert all(line.count("|") == bench.LEDGER_HEADER[1].count("|") for line in lines)

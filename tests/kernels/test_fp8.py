@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_devices import DEVICES
+from kernel_devices import DEVICES, cpu_scaled_mm_supports
 from torch import nn
 
 from flowrl.kernels.fp8 import fp8_bytes, fp8_quantize_rows, fp8_quantize_tensor
@@ -184,17 +184,6 @@ def test_torch_backend_is_the_reference_and_bytes_are_counted():
 
 
 # --------------------------------------------------------------------------- ScaledMMLinear
-
-
-def cpu_scaled_mm_supports(scaling: str) -> bool:
-    """Whether this torch's CPU ``_scaled_mm`` takes ``scaling`` (2.13 takes both; 2.11 per-tensor only)."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    scale = torch.ones(16, 1) if scaling == "row" else torch.ones(())
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 SCALED_MM_DEVICES = [

@@ -275,10 +275,12 @@ def _grad_v(fn, x, v, sigma, sigma_next, level, prev, reduce, w_lp, w_mean):
 def test_scoring_is_differentiable_in_v_as_the_reference(device, shape, step, reduce, v_dtype):
     """grad_v of (log-prob and mean terms) through the closed-form backward equals autograd of the reference.
 
-    fp32: both the kernel and torch's fp32 autograd are held to the float64 gradient within the
-    fp32 error of a sum over one sample's n elements, sqrt(n) eps32 max|grad| (the log-prob is such
-    a sum; the kernel sums in another order, so on a GPU it differs from torch's fp32 in the last
-    bits: up to 6.4e-6 where max|grad| is 5.05, H100 2026-11-27). bf16 v: within 1 bf16 ulp of torch.
+    fp32: both the kernel and torch's fp32 autograd are held to the float64 gradient within
+    32 eps32 max|grad|. The gradient is elementwise (no sum enters it), but ``x' - mean`` cancels
+    where std is small, so its fp32 error is a few eps of the largest gradient: at most 6.7 here for
+    either (interpreter, 2026-11-27); on an H100 the kernel differed from torch's fp32 by up to 10.6
+    (6.4e-6 where max|grad| is 5.05). A wrong formula is off by O(max|grad|). bf16 v: within 1 bf16
+    ulp of torch.
     """
     x, v0, z = inputs(shape, torch.float32, device, seed=4)
     sigma, sigma_next, level = (per_sample(t, shape[0]) for t in STEPS[step])
@@ -295,8 +297,7 @@ def test_scoring_is_differentiable_in_v_as_the_reference(device, shape, step, re
         return
     f64 = [t.double() if isinstance(t, torch.Tensor) else t for t in (x, v, *args)]
     exact = _grad_v(flow_sde_step, *f64)
-    per_sample_n = x[0].numel()
-    bound = per_sample_n**0.5 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+    bound = 32 * torch.finfo(torch.float32).eps * exact.abs().max().item()
     for name, grad in (("fused", got), ("torch fp32", ref)):
         err = (grad.double() - exact).abs().max().item()
         assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e}"

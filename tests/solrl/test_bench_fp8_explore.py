@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import fp8_explore
+from flowrl.policy.memory import compile_denoiser, repeated_blocks
 
 
 def _rows(out: str) -> dict[tuple[str, str], list[str]]:
@@ -57,8 +58,16 @@ def test_one_seed_per_prompt_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-def test_explore_copies_compile_block_by_block(capsys):
+def test_explore_copies_compile_block_by_block(capsys, monkeypatch):
     """``--compile default --compile-scope blocks``: each copy's repeated blocks compiled, rows as before."""
+    compiled = []
+
+    def compile_and_record(module, mode, scope):
+        compile_denoiser(module, mode, scope)
+        compiled.append(sum(m._compiled_call_impl is not None for m in module.modules()))
+        assert module._compiled_call_impl is None and compiled[-1] == len(repeated_blocks(module)) > 0
+
+    monkeypatch.setattr(fp8_explore, "compile_denoiser", compile_and_record)
     fp8_explore.main(
         ["--tiny", "--seeds", "2", "--repeats", "1", "--variants", "fp32", "--compile", "default"]
         + ["--compile-scope", "blocks"]
@@ -67,3 +76,4 @@ def test_explore_copies_compile_block_by_block(capsys):
     assert "memory.compile=default, memory.compile_scope=blocks" in out
     rows = _rows(out)
     assert rows[("tiny SD3", "fp32")][8:12] == ["1.000"] * 4 and ("tiny FLUX", "fp32") in rows
+    assert len(compiled) == 2  # one fp32 copy per model, its blocks compiled

@@ -15,6 +15,7 @@ repeated block instead of the whole denoiser (``memory.compile_scope``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -23,7 +24,7 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.policy import build_policy
-from flowrl.policy.memory import COMPILE_SCOPES, compile_denoiser
+from flowrl.policy.memory import COMPILE_SCOPES, compile_denoiser, eager_calls
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,20 +58,19 @@ def main(argv: list[str] | None = None) -> None:
     for kind, fn in (("forward", forward), ("step", step)):
         first[kind] = _timed(fn, sync, calls=1)
     diff = (forward() - eager).abs().max().item()
-    impl = {m: m._compiled_call_impl for m in transformer.modules() if m._compiled_call_impl is not None}
+    compiled_modules = sum(m._compiled_call_impl is not None for m in transformer.modules())
     times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.repeats):
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            for name, compiled in (("eager", dict.fromkeys(impl)), ("compiled", impl)):
-                for module, call in compiled.items():
-                    module._compiled_call_impl = call
-                for kind, fn in (("forward", forward), ("step", step)):
-                    times.setdefault((kind, name, threads), []).append(_timed(fn, sync))
+            for name in ("eager", "compiled"):
+                with eager_calls(transformer) if name == "eager" else contextlib.nullcontext():
+                    for kind, fn in (("forward", forward), ("step", step)):
+                        times.setdefault((kind, name, threads), []).append(_timed(fn, sync))
     end = open("/proc/loadavg").read().split()[:3]
     print(
         f"load {' '.join(load)} -> {' '.join(end)}; {args.device}; mode {args.mode}, scope {args.scope} "
-        f"({len(impl)} compiled modules); chunk {args.chunk}; "
+        f"({compiled_modules} compiled modules); chunk {args.chunk}; "
         f"{args.repeats} repeats"
     )
     print(f"first compiled call: forward {first['forward']:.1f} s, training step {first['step']:.1f} s")

@@ -35,7 +35,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
-from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, trainable_attention
+from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, eager_calls, trainable_attention
 
 GIB = 1024**3
 
@@ -116,15 +116,8 @@ def _flops(fn: Callable[[], None], model: torch.nn.Module) -> float:
 
     Every compiled module (the model, or its blocks under ``--compile-scope blocks``) runs eager for the count.
     """
-    compiled = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
-    for module in compiled:
-        module._compiled_call_impl = None
-    try:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-    finally:
-        for module, impl in compiled.items():
-            module._compiled_call_impl = impl
+    with eager_calls(model), FlopCounterMode(display=False) as counter:
+        fn()
     return counter.get_total_flops()
 
 

@@ -69,7 +69,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 def row(kernel: str, shape: tuple, dtype: torch.dtype, backend: str, seconds: float, nbytes: int, flops: int) -> str:
     return (
         f"| {kernel} | {'x'.join(map(str, shape))} | {str(dtype).removeprefix('torch.')} | {backend} "
-        f"| {seconds * 1e3:.3f} ms | {nbytes / 1e6:.1f} MB | {nbytes / seconds / 1e9:.2f} GB/s "
+        f"| {ms(seconds)} | {nbytes / 1e6:.1f} MB | {nbytes / seconds / 1e9:.2f} GB/s "
         f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
     )
 
@@ -118,13 +118,23 @@ def gpu_seconds(fn: Callable[[], object], wall: float, calls: int = 20) -> float
     return start.elapsed_time(end) / 1e3 / calls
 
 
+def wall_and_gpu(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float | None]:
+    """Median wall seconds per call (:func:`timed`) and, on CUDA, kernel-only GPU seconds (:func:`gpu_seconds`)."""
+    wall = timed(fn, device, repeats)
+    return wall, gpu_seconds(fn, wall) if device.type == "cuda" else None
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as 'x.xxx ms'; '-' for a time not measured (GPU time off CUDA)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
 def sde_row(case: tuple, backend: str, wall: float, gpu: float | None, nbytes: int, flops: int) -> str:
     """One flow_sde row; ``effective`` is bytes / GPU time on CUDA, bytes / wall time on a CPU."""
     mode, shape, form = case
-    gpu_text = "-" if gpu is None else f"{gpu * 1e3:.3f} ms"
     return (
-        f"| flow_sde {mode} | {'x'.join(map(str, shape))} | float32 | {form} | {backend} | {wall * 1e3:.3f} ms "
-        f"| {gpu_text} | {nbytes / 1e6:.1f} MB | {nbytes / (gpu or wall) / 1e9:.2f} GB/s "
+        f"| flow_sde {mode} | {'x'.join(map(str, shape))} | float32 | {form} | {backend} | {ms(wall)} "
+        f"| {ms(gpu)} | {nbytes / 1e6:.1f} MB | {nbytes / (gpu or wall) / 1e9:.2f} GB/s "
         f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
     )
 
@@ -155,10 +165,10 @@ def fp8_configs(M: int, K: int) -> list[dict[str, int]]:
         BLOCK_K the row's power of two (one chunk) or 1024 (several), 1-8 rows a program holding at
         most 16384 elements, and 4 or 8 warps.
     """
-    from flowrl.kernels.fp8_triton import MAX_BLOCK_K, launch_config
+    from flowrl.kernels.fp8_triton import launch_config
 
     configs = [launch_config(M, K)]
-    full = min(1 << (K - 1).bit_length(), MAX_BLOCK_K)
+    full = configs[0]["BLOCK_K"]  # the row's power of two, at most MAX_BLOCK_K
     for block_k, rows, warps in itertools.product(sorted({full, min(full, 1024)}), (1, 2, 4, 8), (4, 8)):
         config = {"BLOCK_K": block_k, "ROWS": rows, "CHUNKS": -(-K // block_k), "num_warps": warps}
         if rows * block_k <= 16384 and config not in configs:
@@ -202,11 +212,10 @@ def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: boo
         if sweep and triton_installed() and (device.type == "cuda" or interpreting()):
             cases.extend(sweep_cases(x))
         for backend, name, fn in cases:
-            wall = timed(fn, device, repeats)
-            gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
+            wall, gpu = wall_and_gpu(fn, device, repeats)
             yield (
                 f"| fp8 quantize_rows | {'x'.join(map(str, shape))} | bfloat16 | {name} | {backend} "
-                f"| {wall * 1e3:.3f} ms | {'-' if gpu is None else f'{gpu * 1e3:.3f} ms'} | {nbytes / 1e6:.1f} MB "
+                f"| {ms(wall)} | {ms(gpu)} | {nbytes / 1e6:.1f} MB "
                 f"| {nbytes / (gpu or wall) / 1e9:.2f} GB/s | {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
             )
 
@@ -249,13 +258,11 @@ def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
         }
         base = None
         for part, fn in parts.items():
-            wall = timed(fn, device, repeats)
-            gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
+            wall, gpu = wall_and_gpu(fn, device, repeats)
             seconds = gpu or wall
             base = base or seconds
             tflops = "-" if part in NO_GEMM else f"{2 * M * K * N / seconds / 1e12:.1f}"
-            gpu_text = "-" if gpu is None else f"{gpu * 1e3:.3f} ms"
-            yield f"| {M}x{K} -> {N} | {part} | {wall * 1e3:.3f} ms | {gpu_text} | {seconds / base:.2f} | {tflops} |"
+            yield f"| {M}x{K} -> {N} | {part} | {ms(wall)} | {ms(gpu)} | {seconds / base:.2f} | {tflops} |"
 
 
 def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
@@ -268,8 +275,7 @@ def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterato
             stored = fused_flow_sde_step(x, v, *step, noise=z, backend=backend).sample
             for mode, kwargs in (("sample", {"noise": z}), ("score", {"prev_sample": stored})):
                 fn = functools.partial(fused_flow_sde_step, x, v, *step, backend=backend, **kwargs)
-                wall = timed(fn, device, repeats)
-                gpu = gpu_seconds(fn, wall) if device.type == "cuda" else None
+                wall, gpu = wall_and_gpu(fn, device, repeats)
                 nbytes = flow_sde_bytes(x.numel(), 4, score=mode == "score")
                 flops = FLOPS_PER_ELEMENT[mode] * x.numel()
                 yield sde_row((mode, shape, form), backend, wall, gpu, nbytes, flops)

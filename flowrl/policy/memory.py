@@ -171,6 +171,23 @@ def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") ->
         module.compile(mode=None if mode == "default" else mode)
 
 
+@contextlib.contextmanager
+def eager_calls(module: nn.Module) -> Iterator[None]:
+    """Run every compiled part of ``module`` (the model, or its blocks) eager inside the block.
+
+    For counting FLOPs (``FlopCounterMode`` does not see inside compiled kernels) and for timing eager
+    against compiled calls of the same compiled module; the compiled calls are restored on exit.
+    """
+    compiled = {m: m._compiled_call_impl for m in module.modules() if m._compiled_call_impl is not None}
+    for part in compiled:
+        part._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for part, call in compiled.items():
+            part._compiled_call_impl = call
+
+
 def configure_vae(vae: nn.Module | None, *, tiling: bool, slicing: bool) -> None:
     """Enable VAE tiling / slicing where asked.
 

@@ -144,12 +144,7 @@ def build_explore(
     """
     rule = rule or QuantRule()
     transformer = policy_transformer(policy)
-    emulate = _check_request(precision, transformer, activations, scaling, emulate)
-    if fuse_under_compile and (precision != "fp8_e4m3" or emulate):
-        raise ValueError(
-            "fuse_under_compile applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
-            f"got precision={precision!r}, emulate={emulate}"
-        )
+    emulate = _check_request(precision, transformer, activations, scaling, emulate, fuse_under_compile)
     module = copy.deepcopy(transformer)
     _merge_lora(module, adapter)
     module.requires_grad_(False).eval()
@@ -210,7 +205,12 @@ def policy_transformer(policy: Any) -> nn.Module:
 
 
 def _check_request(
-    precision: str, transformer: nn.Module, activations: bool, scaling: str, emulate: bool | None
+    precision: str,
+    transformer: nn.Module,
+    activations: bool,
+    scaling: str,
+    emulate: bool | None,
+    fuse_under_compile: bool = False,
 ) -> bool:
     """Validate the options before any copy; returns the resolved ``emulate``."""
     if precision not in PRECISIONS:
@@ -228,10 +228,15 @@ def _check_request(
         raise ValueError(
             f"int8_dynamic quantises fp32 weights; the policy is {_float_dtype(transformer)}; load it in fp32"
         )
+    if precision == "fp8_e4m3" and emulate is None:
+        emulate = device.type != "cuda"
+    if fuse_under_compile and (precision != "fp8_e4m3" or emulate):
+        raise ValueError(
+            "fuse_under_compile applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
+            f"got precision={precision!r}, emulate={emulate}"
+        )
     if precision != "fp8_e4m3":
         return precision == "nvfp4"
-    if emulate is None:
-        emulate = device.type != "cuda"
     if not emulate:
         check_scaled_mm(device, activations)
     return emulate

@@ -9,7 +9,10 @@ threads: a no-grad forward (a rollout step) and a forward + backward of a square
 difference between the eager and compiled velocities. On CUDA (``--device cuda``) every timed call
 is synchronised and only one thread count runs (host threads do not run the kernels); the
 ``reduce-overhead`` mode (CUDA graphs) is the one to try there. ``--scope blocks`` compiles each
-repeated block instead of the whole denoiser (``memory.compile_scope``).
+repeated block instead of the whole denoiser (``memory.compile_scope``). ``--mode cudagraphs`` (torch's
+``cudagraphs`` backend, CUDA graphs of the traced eager kernels) is CUDA-only in training; on the CPU
+torch traces and skips the capture, so there its first calls time the tracing alone and its calls equal
+eager (difference 0).
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.policy import build_policy
-from flowrl.policy.memory import COMPILE_SCOPES, compile_denoiser, eager_calls
+from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, eager_calls
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune"])
+    parser.add_argument("--mode", default="default", choices=[m for m in COMPILE_MODES if m != "none"])
     parser.add_argument("--scope", default="model", choices=COMPILE_SCOPES)
     parser.add_argument("--chunk", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=7)

@@ -184,7 +184,8 @@ class MemoryConfig:
     offload_vae: bool = False  # VAE on the CPU outside decoding
     free_encoders_when_cached: bool = False  # encode every train/eval prompt once, then drop the encoders
     attention_backend: Literal["sdpa", "xformers"] = "sdpa"  # xformers: CUDA + `pip install xformers`
-    compile: Literal["none", "default", "reduce-overhead", "max-autotune"] = "none"  # torch.compile the denoiser
+    # torch.compile the denoiser; cudagraphs (CUDA only): CUDA graphs of the eager kernels, seconds to trace
+    compile: Literal["none", "default", "reduce-overhead", "max-autotune", "cudagraphs"] = "none"
     compile_scope: Literal["model", "blocks"] = "model"  # blocks: each repeated block; a block class compiles once
 
 

@@ -11,7 +11,8 @@
 * the attention backend: torch SDPA (diffusers' default) or xformers (CUDA only);
 * ``torch.compile`` of the denoiser (``memory.compile``; off by default: compiled kernels round
   differently from eager ones in the last bits, and compiling costs minutes on a CPU,
-  docs/performance.md).
+  docs/performance.md); ``cudagraphs`` replays CUDA graphs of the eager kernels instead (CUDA only:
+  seconds of tracing, no code generation, the eager results).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from .wrapper import AdapterWrapper
 
 AUTOCAST_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTION_BACKENDS = ("sdpa", "xformers")
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "cudagraphs")
 """Compile modes that replay CUDA graphs on a GPU (torch's "max-autotune" turns them on too), whose
 outputs live in static buffers the next replay overwrites: :class:`MemoryAdapter` copies them out."""
+CUDA_ONLY_MODES = ("cudagraphs",)
+"""Compile modes with nothing to gain off CUDA: torch skips the graphs for CPU tensors and keeps only the tracing."""
 COMPILE_SCOPES = ("model", "blocks")
 COMPILED_GRAPHS = 64
 """Graphs torch.compile may keep per function before it falls back to eager (torch's default is 8).
@@ -150,6 +153,14 @@ def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") ->
     "model" removes more launches on small ones. Every variant counts against the one per-function
     graph limit of the block's ``forward`` (:data:`COMPILED_GRAPHS`).
 
+    ``mode="cudagraphs"`` uses torch's ``cudagraphs`` backend: dynamo and AOT autograd trace the
+    forward and backward, and CUDA graph trees replay the traced eager kernels, with no inductor code
+    generation. Tracing takes seconds where inductor takes tens of seconds (docs/performance.md), and
+    the kernels are the eager ones, so velocities and gradients equal eager (bit for bit on the CPU,
+    where torch traces but does not capture; tested). Shapes are static (``dynamic=False``): one graph
+    per batch shape, as a CUDA graph needs. For the launch-bound small models; on a CPU tensor torch
+    skips the capture, so :func:`apply_memory_settings` refuses it there.
+
     Raises:
         ValueError: an unknown mode or scope, or ``scope="blocks"`` on a model without repeated blocks.
     """
@@ -168,7 +179,10 @@ def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") ->
             "set memory.compile_scope=model"
         )
     for module in targets:
-        module.compile(mode=None if mode == "default" else mode)
+        if mode == "cudagraphs":
+            module.compile(backend="cudagraphs", dynamic=False)
+        else:
+            module.compile(mode=None if mode == "default" else mode)
 
 
 @contextlib.contextmanager
@@ -343,7 +357,13 @@ def apply_memory_settings(model: ModelAdapter, memory: Any) -> MemoryAdapter:
     if isinstance(model, MemoryAdapter):
         return model
     transformer = model.transformer
-    set_attention_backend(transformer, memory.attention_backend, module_device(transformer))
+    device = module_device(transformer)
+    set_attention_backend(transformer, memory.attention_backend, device)
+    if memory.compile in CUDA_ONLY_MODES and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"memory.compile={memory.compile} captures CUDA graphs and the model is on {device}; "
+            "set model.device=cuda, or memory.compile=default (or none) on this device"
+        )
     if memory.gradient_checkpointing:
         enable_gradient_checkpointing(transformer)
     compile_denoiser(transformer, memory.compile, memory.compile_scope)

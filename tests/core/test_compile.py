@@ -8,7 +8,13 @@ from flowrl.config import load_config
 from flowrl.config_files import ConfigError
 from flowrl.models.sd3 import SD3Adapter
 from flowrl.policy import build_policy
-from flowrl.policy.memory import MemoryAdapter, apply_memory_settings, compile_denoiser, repeated_blocks
+from flowrl.policy.memory import (
+    CUDA_GRAPH_MODES,
+    MemoryAdapter,
+    apply_memory_settings,
+    compile_denoiser,
+    repeated_blocks,
+)
 from flowrl.policy.wrapper import AdapterWrapper
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
@@ -100,6 +106,7 @@ def test_cuda_graph_mode_hands_out_velocities_that_the_next_call_cannot_overwrit
         memory = load_config(None, [f"memory.compile={mode}"]).memory
         fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2)  # compiled in place, lazily: never called
         assert apply_memory_settings(fresh, memory).own_outputs is own
+    assert "cudagraphs" in CUDA_GRAPH_MODES  # its replays share a static output too (CUDA only: tests/test_cuda.py)
     x = torch.randn(2, *tiny_sd3.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
     cond = tiny_sd3.encode_prompt(["a bold 1", "a thin 7"])
     sigma = torch.full((2,), 0.6)
@@ -156,3 +163,44 @@ def test_compiled_blocks_share_one_graph_and_match_eager():
         compiled = model.velocity(x, sigma, cond)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_cudagraphs_mode_is_refused_off_cuda_with_the_fix():
+    """memory.compile=cudagraphs on a CPU model: one line naming the device and the fix, nothing compiled."""
+    memory = load_config(None, ["memory.compile=cudagraphs"]).memory
+    fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2)
+    with pytest.raises(ValueError, match="memory.compile=cudagraphs captures CUDA graphs and the model is on cpu; set"):
+        apply_memory_settings(fresh, memory)
+    assert fresh.transformer._compiled_call_impl is None
+
+
+@pytest.mark.slow
+def test_cudagraphs_mode_traces_the_eager_kernels_bit_for_bit(tiny_sd3):
+    """The ``cudagraphs`` backend runs the traced eager kernels: velocity and LoRA gradients equal eager exactly.
+
+    On the CPU torch traces (dynamo + AOT autograd) and skips the capture, so this checks what the mode
+    computes; the replay on a GPU is ``tests/test_cuda.py``.
+    """
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    policy = build_policy(load_config(None, FAST), model=tiny_sd3, trainable=True)
+    model, transformer = policy.model, policy.model.transformer
+    x = torch.randn(3, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = model.encode_prompt(["a bold handwritten 1"] * 3)
+    sigma = torch.full((3,), 0.6)
+
+    def velocity_and_grads() -> list[torch.Tensor]:
+        transformer.zero_grad(set_to_none=True)
+        v = model.velocity(x, sigma, cond)
+        v.square().mean().backward()
+        return [v.detach()] + [p.grad for p in transformer.parameters() if p.grad is not None]
+
+    eager = velocity_and_grads()
+    compile_denoiser(transformer, "cudagraphs")
+    assert transformer._compiled_call_impl is not None
+    traced = velocity_and_grads()
+    assert len(traced) == len(eager) > 1
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert counters["inductor"]["cudagraph_skips"] == 1  # torch's backend traced it; a CPU graph is not captured

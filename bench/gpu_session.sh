@@ -50,9 +50,11 @@ fi
 # kernels, eager FP8 explore (0.91x bf16), Sol-RL's CUDA profile and FLUX's rows; what it could not finish comes first.
 
 # The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check;
-# and memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1.
+# memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's
+# copy without a stream sync (new).
 step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
   tests/kernels/test_bench_kernels.py "tests/test_cuda.py::test_the_default_job_under_cudagraphs_replays_the_eager_kernels" \
+  "tests/test_cuda.py::test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise" \
   -p no:cacheprovider
 
 # Issue 17: the default job under CUDA graphs of the eager kernels (memory.compile=cudagraphs: seconds of tracing per

@@ -39,10 +39,16 @@ def standard_normal(x: Tensor, generator: torch.Generator | None = None) -> Tens
     """float32 N(0, I) noise shaped like ``x`` (B, ...), on x's device.
 
     Drawn on the generator's device (the trainer's generator lives on the CPU) and then moved,
-    so a seed gives the same noise on a CPU and on a GPU run.
+    so a seed gives the same noise on a CPU and on a GPU run. A CPU draw for a CUDA latent goes
+    through pinned memory with a non-blocking copy: a pageable copy would synchronise the stream
+    at every sampler step (torch waits for the copy), stalling the host until the GPU has run
+    everything queued before it. The values are the same either way.
     """
     device = generator.device if generator is not None else x.device
-    return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
+    noise = torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32)
+    if noise.device.type == "cpu" and x.device.type == "cuda":
+        return noise.pin_memory().to(x.device, non_blocking=True)
+    return noise.to(x.device)
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:

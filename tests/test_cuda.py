@@ -68,6 +68,22 @@ def test_every_objective_trains_on_cuda(config):
     trainer.close()
 
 
+def test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise():
+    """``standard_normal``: the CPU generator's draw, moved through pinned memory without a stream sync."""
+    from flowrl.samplers import standard_normal
+
+    x = torch.zeros(8, 4, 16, 16, device="cuda")
+    expected = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising copy raises here
+    try:
+        noise = standard_normal(x, torch.Generator().manual_seed(3))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert noise.device == x.device and noise.dtype == torch.float32
+    assert torch.equal(noise.cpu(), expected)
+
+
 def test_cuda_rollout_matches_cpu_and_ratio_is_one():
     cpu, gpu = digits_trainer("cpu"), digits_trainer("cuda")
     a, _ = cpu.collect()

@@ -37,6 +37,11 @@ step() {  # step NAME CAP_S COMMAND...
   echo "== $name: rc=$rc in $(($(date +%s) - start)) s$( ((rc == 124 || rc == 137)) && echo ' (cut by its cap)')" | tee -a "$LOG"
 }
 
+keep_run() {  # keep_run RUN_DIR NAME: a training run's summary and per-iteration metrics come back as NAME_*
+  cp "$1/summary.json" "$OUT/$2_summary.json" 2>/dev/null
+  cp "$1/metrics.jsonl" "$OUT/$2_metrics.jsonl" 2>/dev/null
+}
+
 if [ ! -d "$SITE/flowrl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl 2>&1 | tee -a "$LOG" || exit 1
 fi
@@ -61,8 +66,7 @@ step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_s
 # graph instead of inductor's tens of seconds, 4.6 vs 34.3 s on the 2-core CPU; the eager results).
 step default_job_cudagraphs 120 python3 -m flowrl train model.device=cuda memory.compile=cudagraphs \
   output.dir=/tmp/default-cudagraphs train.progress=false
-cp /tmp/default-cudagraphs/summary.json "$OUT/default_job_cudagraphs_summary.json" 2>/dev/null
-cp /tmp/default-cudagraphs/metrics.jsonl "$OUT/default_job_cudagraphs_metrics.jsonl" 2>/dev/null
+keep_run /tmp/default-cudagraphs default_job_cudagraphs
 
 # Issue 15: compiled FP8 explore against compiled bf16, block by block (one graph per block variant, 3 for
 # SD3.5-M's 24 blocks; round 1's whole-model FP8 compiles outlasted 170 s, round 2's bf16 + FP8 its 91 s cap);
@@ -79,8 +83,7 @@ step kernels_sweep 60 python3 -m bench.kernels --repeats 3 --fp8-sweep
 # each iteration's time, so the steady rate is read past the compile.
 step default_job_graphs 180 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
   output.dir=/tmp/default-graphs train.progress=false
-cp /tmp/default-graphs/summary.json "$OUT/default_job_graphs_summary.json" 2>/dev/null
-cp /tmp/default-graphs/metrics.jsonl "$OUT/default_job_graphs_metrics.jsonl" 2>/dev/null
+keep_run /tmp/default-graphs default_job_graphs
 
 # Issue 17: SD3.5-M's MFU compiled block by block (eager: 18.4 % / 16.1 % at batch 16).
 step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \

@@ -1,4 +1,4 @@
-"""Sol-RL on the embedded task: each side's best time to a reward-and-diversity target, over the KLs raced.
+"""Sol-RL on the embedded task: each side's best time to a reward-and-diversity target, over the settings raced.
 
 Usage::
 
@@ -10,13 +10,15 @@ than single stage's, so a race at one shared KL can favour two stage by holding 
 plateau. This reads the evaluation tables of several such races (each log as printed by ``bench.solrl
 budget``, with the train seed it ran) and asks, per seed, how soon each side reaches a target point
 (reward >= R with the reader at least the base model's and the diversity ratio >= D,
-:func:`bench.solrl.reach_time`) with the best KL it was raced at: the fastest single-stage setting against
-the fastest two-stage setting. A setting raced in several logs counts once, from the first log given.
+:func:`bench.solrl.reach_time`) with the best setting it was raced at: the fastest single-stage setting against
+the fastest two-stage setting. A setting is an arm's KL and its other overrides (``--set`` / ``--set-single``:
+lr, group size, candidates, ...); one raced in several logs counts once, from the first log given.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -63,15 +65,71 @@ def arm_kls(first_line: str) -> tuple[float, float]:
     return kl(lists.group(1)), kl(lists.group(2))
 
 
-def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
+Setting = tuple[float, str]  # (kl_beta, the arm's other overrides as "key=value ..."; "" for none)
+
+
+def _extras(listed: str) -> str:
+    """An arm's overrides other than ``objective.kl_beta``, as ``"lr=6e-3 group_size=8"`` (last key part).
+
+    Raises:
+        ValueError: the list is not a printed Python list of strings.
+    """
+    try:
+        items = ast.literal_eval(listed)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"unreadable override list in the log's first line: {listed[:120]!r}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"unreadable override list in the log's first line: {listed[:120]!r}")
+    last: dict[str, str] = {}  # the last override of a key wins, as in the config
+    for item in items:
+        key, _, value = item.partition("=")
+        if key != "objective.kl_beta":
+            last[key.rsplit(".", 1)[-1]] = value
+    return " ".join(f"{key}={value}" for key, value in last.items())
+
+
+def arm_settings(first_line: str) -> tuple[Setting, Setting]:
+    """The single-stage and two-stage settings of a race: each arm's ``kl_beta`` and its other overrides.
+
+    Races at one KL with other overrides (``optim.lr``, ``prompts.group_size``, ``solrl.candidates``, ...)
+    are other settings, not the same one raced twice.
+
+    Args:
+        first_line: the log's ``Machine: ...`` line.
+
+    Returns:
+        ``((kl, extras) of single stage, (kl, extras) of two stage)``; see :func:`_extras`.
+
+    Raises:
+        ValueError: as :func:`arm_kls`, or an override list that cannot be read.
+    """
+    kls = arm_kls(first_line)
+    lists = re.search(r"overrides (\[.*?\]) / (\[.*?\])", first_line)
+    if not lists:
+        return (kls[0], ""), (kls[1], "")
+    return (kls[0], _extras(lists.group(1))), (kls[1], _extras(lists.group(2)))
+
+
+def label(setting: Setting) -> str:
+    """``"kl 0.3"`` or ``"kl 0.3 lr=6e-3"``: a setting as a table column names it."""
+    kl, extras = setting
+    return f"kl {kl:g}" + (f" {extras}" if extras else "")
+
+
+Key = tuple[int, str, Setting]  # (train seed, "single" | "two", setting)
+Settings = dict[Key, list[dict[str, float]]]
+Best = dict[int, dict[str, tuple[float | None, Setting | None]]]
+
+
+def read_race(text: str) -> dict[str, tuple[Setting, list[dict[str, float]]]]:
     """One ``bench.solrl budget`` log's arms.
 
     Args:
         text: the log, as the bench printed it (warnings before it are ignored).
 
     Returns:
-        ``{"single" | "two": (kl_beta, evaluation rows)}``, the rows keyed as :func:`bench.solrl.reach_time`
-        reads them.
+        ``{"single" | "two": (setting, evaluation rows)}`` (:func:`arm_settings`), the rows keyed as
+        :func:`bench.solrl.reach_time` reads them.
 
     Raises:
         ValueError: not such a log, several races in one file, or the race did not finish.
@@ -83,7 +141,7 @@ def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
     if len(starts) > 1:
         raise ValueError(f"the log holds {len(starts)} races (appended?): give each race its own file")
     start = starts[0]
-    kls = dict(zip(("single", "two"), arm_kls(lines[start])))
+    kls = dict(zip(("single", "two"), arm_settings(lines[start])))
     rows: dict[str, list[dict[str, float]]] = {"single": [], "two": []}
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -94,44 +152,40 @@ def read_race(text: str) -> dict[str, tuple[float, list[dict[str, float]]]]:
     return {side: (kls[side], rows[side]) for side in rows}
 
 
-def collect(runs: list[tuple[int, str]]) -> dict[tuple[int, str, float], list[dict[str, float]]]:
+def collect(runs: list[tuple[int, str]]) -> Settings:
     """Every raced setting's evaluation rows.
 
     Args:
         runs: ``(train seed, log text)`` per race.
 
     Returns:
-        Rows per ``(seed, "single" | "two", kl_beta)``; where a setting was raced twice, the first log's.
+        Rows per ``(seed, "single" | "two", setting)``; where a setting was raced twice, the first log's.
     """
-    out: dict[tuple[int, str, float], list[dict[str, float]]] = {}
+    out: Settings = {}
     for seed, text in runs:
-        for side, (kl, rows) in read_race(text).items():
-            out.setdefault((seed, side, kl), rows)
+        for side, (setting, rows) in read_race(text).items():
+            out.setdefault((seed, side, setting), rows)
     return out
 
 
-Settings = dict[tuple[int, str, float], list[dict[str, float]]]
-Best = dict[int, dict[str, tuple[float | None, float | None]]]
-
-
-def _times(settings: Settings, reward: float, diversity: float) -> dict[tuple[int, str, float], float | None]:
+def _times(settings: Settings, reward: float, diversity: float) -> dict[Key, float | None]:
     """Each setting's time to the target (:func:`bench.solrl.reach_time`), computed once."""
     return {key: reach_time(rows, reward, diversity) for key, rows in settings.items()}
 
 
-def _best(times: dict[tuple[int, str, float], float | None]) -> Best:
-    """Per seed and side, the fastest of ``times`` and its kl_beta; ``(None, None)`` where none reached it."""
+def _best(times: dict[Key, float | None]) -> Best:
+    """Per seed and side, the fastest of ``times`` and its setting; ``(None, None)`` where none reached it."""
     out: Best = {}
-    for (seed, side, kl), t in sorted(times.items()):
+    for (seed, side, setting), t in sorted(times.items()):
         best = out.setdefault(seed, {}).get(side, (None, None))
         if t is not None and (best[0] is None or t < best[0]):
-            best = (t, kl)
+            best = (t, setting)
         out[seed][side] = best
     return out
 
 
 def best_times(settings: Settings, reward: float, diversity: float) -> Best:
-    """Per seed and side, the fastest time to the target and the kl_beta that gave it.
+    """Per seed and side, the fastest time to the target and the setting that gave it.
 
     Args:
         settings: :func:`collect`'s rows.
@@ -139,7 +193,7 @@ def best_times(settings: Settings, reward: float, diversity: float) -> Best:
         diversity: the target's smallest ``eval/diversity_ratio``.
 
     Returns:
-        ``{seed: {"single" | "two": (seconds, kl_beta)}}``; ``(None, None)`` where no setting reached it.
+        ``{seed: {"single" | "two": (seconds, setting)}}``; ``(None, None)`` where no setting reached it.
     """
     return _best(_times(settings, reward, diversity))
 
@@ -152,15 +206,15 @@ def table(settings: Settings, reward: float, diversity: float) -> str:
         reward: the target reward.
         diversity: the target's smallest diversity ratio.
     """
-    keys = sorted({(side, kl) for _, side, kl in settings})
-    head = " | ".join(f"{side} kl {kl:g}" for side, kl in keys)
+    keys = sorted({(side, setting) for _, side, setting in settings})
+    head = " | ".join(f"{side} {label(setting)}" for side, setting in keys)
     lines = [f"| seed | {head} | best single / best two | speed-up |", "|---" * (len(keys) + 3) + "|"]
     reached = _times(settings, reward, diversity)
     for seed, best in _best(reached).items():
         cells = []
-        for side, kl in keys:
-            t = reached.get((seed, side, kl))
-            cells.append("-" if (seed, side, kl) not in reached else "never" if t is None else f"{t:.0f}")
+        for side, setting in keys:
+            t = reached.get((seed, side, setting))
+            cells.append("-" if (seed, side, setting) not in reached else "never" if t is None else f"{t:.0f}")
         (t1, _), (t2, _) = best.get("single", (None, None)), best.get("two", (None, None))
         pair = f"{'never' if t1 is None else f'{t1:.0f}'} / {'never' if t2 is None else f'{t2:.0f}'}"
         bound = _budget(settings, seed) if t1 is None and t2 else 0.0  # only a "single stage never" needs it
@@ -168,7 +222,7 @@ def table(settings: Settings, reward: float, diversity: float) -> str:
     return "\n".join(lines)
 
 
-def _budget(settings: dict[tuple[int, str, float], list[dict[str, float]]], seed: int) -> float:
+def _budget(settings: Settings, seed: int) -> float:
     """The shortest single-stage training time raced for ``seed``: how long every single-stage setting tried.
 
     Raises:

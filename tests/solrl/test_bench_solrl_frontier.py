@@ -42,10 +42,11 @@ def test_each_side_takes_its_fastest_kl_and_a_diversity_below_the_target_does_no
     a = _log(NEW, [(0, 1.1, 1.0), (10, 1.2, 0.9), (20, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.84), (20, 1.3, 0.86)])
     b = _log(OLD, [(0, 1.1, 1.0), (10, 1.5, 0.9), (20, 1.5, 0.9)], [(0, 1.1, 1.0), (10, 1.2, 0.9), (20, 1.2, 0.9)])
     settings = frontier.collect([(0, a), (0, b)])
-    assert set(settings) == {(0, "single", 0.3), (0, "two", 0.5), (0, "single", 0.1), (0, "two", 0.0)}
+    keys = {(0, "single", (0.3, "")), (0, "two", (0.5, "")), (0, "single", (0.1, "")), (0, "two", (0.0, ""))}
+    assert set(settings) == keys
     best = frontier.best_times(settings, 1.25, 0.85)[0]
-    assert best["single"][1] == 0.1 and best["single"][0] == pytest.approx(3.75)  # 1.1 -> 1.5 over 0-10 s
-    assert best["two"] == (20.0, 0.5)  # reached at 10 s, but with diversity 0.84 < 0.85
+    assert best["single"][1] == (0.1, "") and best["single"][0] == pytest.approx(3.75)  # 1.1 -> 1.5 over 0-10 s
+    assert best["two"] == (20.0, (0.5, ""))  # reached at 10 s, but with diversity 0.84 < 0.85
     out = frontier.table(settings, 1.25, 0.85)
     assert "| 0 | 4 | 15 | never | 20 | 4 / 20 | 0.19x |" in out
 
@@ -54,7 +55,29 @@ def test_a_setting_raced_twice_counts_once_from_the_first_log():
     a = _log(NEW, [(0, 1.1, 1.0), (10, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.9)])
     b = _log(NEW, [(0, 1.1, 1.0), (30, 1.3, 0.9)], [(0, 1.1, 1.0), (30, 1.3, 0.9)])
     settings = frontier.collect([(1, a), (1, b)])
-    assert settings[(1, "single", 0.3)][-1]["train_s"] == 10
+    assert settings[(1, "single", (0.3, ""))][-1]["train_s"] == 10
+
+
+LR = (
+    "Machine: x; kl_beta 0.3 / 0.5; overrides ['objective.kl_beta=0.3', 'optim.lr=6e-3', 'optim.lr=3e-3', "
+    "'prompts.group_size=8'] / ['objective.kl_beta=0.5', 'solrl.candidates=16']"
+)
+
+
+def test_other_overrides_make_another_setting_and_name_its_column():
+    assert frontier.arm_settings(LR) == ((0.3, "lr=3e-3 group_size=8"), (0.5, "candidates=16"))
+    assert frontier.arm_settings(NEW) == ((0.3, ""), (0.5, ""))
+    assert frontier.arm_settings("Machine: x; kl_beta 0.2 / 0.2;") == ((0.2, ""), (0.2, ""))
+    plain = _log(NEW, [(0, 1.1, 1.0), (10, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.9)])
+    tuned = _log(LR, [(0, 1.1, 1.0), (5, 1.3, 0.9)], [(0, 1.1, 1.0), (40, 1.3, 0.9)])
+    settings = frontier.collect([(0, plain), (0, tuned)])
+    assert len(settings) == 4  # the lr / group-size race is not the kl 0.3 race run again
+    out = frontier.table(settings, 1.25, 0.85)
+    head = "| seed | single kl 0.3 | single kl 0.3 lr=3e-3 group_size=8 | two kl 0.5 | two kl 0.5 candidates=16 |"
+    assert head in out
+    assert "| 0 | 7 | 4 | 7 | 30 | 4 / 7 | 0.50x |" in out  # 7.5 s and 3.75 s, printed to the second
+    with pytest.raises(ValueError, match="unreadable override list"):
+        frontier.arm_settings("Machine: x; kl_beta 0.2 / 0.2; overrides [1] / []")
 
 
 def test_the_speedup_is_a_bound_where_one_side_never_reaches_the_target():

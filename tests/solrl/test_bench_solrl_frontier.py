@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import solrl_frontier as frontier
@@ -110,3 +112,19 @@ def test_an_unfinished_foreign_or_appended_log_is_refused_in_one_line():
     race = _log(NEW, [(0, 1.1, 1.0), (10, 1.3, 0.9)], [(0, 1.1, 1.0), (10, 1.3, 0.9)])
     with pytest.raises(ValueError, match="holds 2 races"):
         frontier.read_race(race + "\n" + race)
+
+
+def test_the_stored_race_logs_give_the_documented_frontier():
+    """docs/solrl-races/ holds the 2026-11-28 logs; benchmarks.md quotes their best times to 1.28 with 80 %."""
+    logs = sorted(Path(__file__).parents[2].joinpath("docs", "solrl-races").glob("*_s[0-9].log"))
+    assert len(logs) == 10
+    settings = frontier.collect([(int(p.stem[-1]), p.read_text()) for p in logs])
+    best = frontier.best_times(settings, 1.28, 0.8)
+    assert [round(best[seed]["two"][0]) for seed in range(4)] == [35, 34, 37, 39]
+    assert best[0]["two"][1] == (0.3, "per_iteration=20 group_size=4 candidates=16 explore_steps=2")
+    assert [None if best[s]["single"][0] is None else round(best[s]["single"][0]) for s in range(4)] == [
+        46,
+        109,
+        None,
+        132,
+    ]

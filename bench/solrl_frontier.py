@@ -26,6 +26,7 @@ from bench.solrl import TABLE_KEYS, reach_time
 
 ARMS = {"single-stage DiffusionNFT": "single", "two-stage Sol-RL": "two"}
 COLUMNS = ["train_s", "iteration", *TABLE_KEYS]  # the evaluation table `bench.solrl` prints
+OVERRIDES = re.compile(r"overrides (\[.*?\]) / (\[.*?\])")  # the first line's single / two-stage override lists
 
 
 def arm_kls(first_line: str) -> tuple[float, float]:
@@ -51,7 +52,7 @@ def arm_kls(first_line: str) -> tuple[float, float]:
             return float(shown.group(1)), float(shown.group(2))
         except ValueError:
             raise ValueError(f"unreadable kl_beta in the log's first line: {shown.group(0)!r}") from None
-    lists = re.search(r"overrides (\[.*?\]) / (\[.*?\])", first_line)
+    lists = OVERRIDES.search(first_line)
     if not lists:
         raise ValueError(f"not a `bench.solrl budget` log: its first line names no overrides: {first_line[:120]!r}")
 
@@ -77,7 +78,7 @@ def _extras(listed: str) -> str:
     try:
         items = ast.literal_eval(listed)
     except (ValueError, SyntaxError):
-        raise ValueError(f"unreadable override list in the log's first line: {listed[:120]!r}") from None
+        items = None
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         raise ValueError(f"unreadable override list in the log's first line: {listed[:120]!r}")
     last: dict[str, str] = {}  # the last override of a key wins, as in the config
@@ -104,7 +105,7 @@ def arm_settings(first_line: str) -> tuple[Setting, Setting]:
         ValueError: as :func:`arm_kls`, or an override list that cannot be read.
     """
     kls = arm_kls(first_line)
-    lists = re.search(r"overrides (\[.*?\]) / (\[.*?\])", first_line)
+    lists = OVERRIDES.search(first_line)
     if not lists:
         return (kls[0], ""), (kls[1], "")
     return (kls[0], _extras(lists.group(1))), (kls[1], _extras(lists.group(2)))
@@ -141,7 +142,7 @@ def read_race(text: str) -> dict[str, tuple[Setting, list[dict[str, float]]]]:
     if len(starts) > 1:
         raise ValueError(f"the log holds {len(starts)} races (appended?): give each race its own file")
     start = starts[0]
-    kls = dict(zip(("single", "two"), arm_settings(lines[start])))
+    setting = dict(zip(("single", "two"), arm_settings(lines[start])))
     rows: dict[str, list[dict[str, float]]] = {"single": [], "two": []}
     for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -149,7 +150,7 @@ def read_race(text: str) -> dict[str, tuple[Setting, list[dict[str, float]]]]:
             rows[ARMS[cells[0]]].append(dict(zip(COLUMNS, map(float, cells[1:-1]))))
     if not rows["single"] or not rows["two"]:
         raise ValueError("the log has no finished evaluation table (the race did not end?)")
-    return {side: (kls[side], rows[side]) for side in rows}
+    return {side: (setting[side], rows[side]) for side in rows}
 
 
 def collect(runs: list[tuple[int, str]]) -> Settings:

@@ -11,7 +11,9 @@ config through ``flowrl.policy.lora.add_lora``, and runs the training geometry o
   with and without per-block gradient checkpointing.
 
 FLOPs are counted with ``FlopCounterMode`` on the same call, so the table gives the achieved
-TFLOP/s to compare with the 400 TFLOP/s that docs/gpu-plan.md assumes.
+TFLOP/s to compare with the 400 TFLOP/s that docs/gpu-plan.md assumes, and the MFU: achieved over
+the dense bf16 datasheet peak of the GPU it runs on (``flowrl.kernels.roofline.peaks_for``; 989
+TFLOP/s on an H100 SXM and on an H200; "-" on a GPU that table does not hold).
 
 ``--compile MODE`` compiles each transformer with flowrl's ``memory.compile`` path
 (``flowrl.policy.memory.compile_denoiser``) before timing; its FLOPs are counted on the eager call
@@ -35,6 +37,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.gpu_plan import flux_transformer, sd3_transformer, wan_transformer
+from flowrl.kernels.roofline import GpuPeaks, peaks_for
 from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, eager_calls, trainable_attention
 
 GIB = 1024**3
@@ -149,6 +152,11 @@ def _peak(fn: Callable[[], None]) -> float:
     return torch.cuda.max_memory_allocated() / GIB
 
 
+def mfu(flops_per_s: float, peaks: GpuPeaks | None) -> str:
+    """Achieved FLOP/s over the GPU's dense bf16 datasheet peak, as a percentage; "-" for a GPU not in the table."""
+    return "-" if peaks is None else f"{flops_per_s / peaks.bf16_flops:.1%}"
+
+
 def measure(
     name: str,
     builder: Callable,
@@ -159,6 +167,7 @@ def measure(
     repeats: int,
     compile_mode: str = "none",
     compile_scope: str = "model",
+    peaks: GpuPeaks | None = None,
 ) -> None:
     model = _build(builder, targets, rank)
     compile_denoiser(model, compile_mode, compile_scope)
@@ -205,12 +214,13 @@ def measure(
                     release(model)
                     held = torch.cuda.memory_allocated() / GIB
                     why += f"; {held:.1f} GiB still allocated after release"  # the next pass starts from this
-                    print(f"| {name} | {b} | {case} | {why} | | | | {weights:.1f} | | |", flush=True)
+                    print(f"| {name} | {b} | {case} | {why} | | | | | {weights:.1f} | | |", flush=True)
                     continue
                 print(
                     f"| {name} | {b} | {case} | {seconds * 1e3:,.1f} | {seconds * 1e3 / b:,.1f} | "
                     f"{flops / 1e12:,.2f} | "
-                    f"{flops / seconds / 1e12:,.0f} | {weights:.1f} | {peak:.1f} | {warmup:.1f} |",
+                    f"{flops / seconds / 1e12:,.0f} | {mfu(flops / seconds, peaks)} | {weights:.1f} | {peak:.1f} "
+                    f"| {warmup:.1f} |",
                     flush=True,
                 )
     # Free the weights before empty_cache. Rebinding (not ``del``) clears the cell that the closures above share,
@@ -230,19 +240,23 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_measure needs a CUDA GPU; bench.gpu_plan gives the counted estimates without one")
     torch.backends.cuda.matmul.allow_tf32 = True
+    peaks = peaks_for(torch.cuda.get_device_name())
+    peak_name = "unknown peak" if peaks is None else f"{peaks.name} bf16 {peaks.bf16_flops / 1e12:,.0f}"
 
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 weights, random init, LoRA as shipped, "
         f"median of {args.repeats}, memory.compile={args.compile}, memory.compile_scope={args.compile_scope}"
     )
     print(
-        "| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | weights GiB | peak GiB "
-        "| first call s |"
+        f"| model | batch | pass | ms | ms per sample | TFLOP | achieved TFLOP/s | MFU ({peak_name}) | weights GiB "
+        "| peak GiB | first call s |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, (builder, inputs, targets, rank) in _models().items():
         if args.models is None or name in args.models:
-            measure(name, builder, inputs, targets, rank, args.batch, args.repeats, args.compile, args.compile_scope)
+            measure(
+                name, builder, inputs, targets, rank, args.batch, args.repeats, args.compile, args.compile_scope, peaks
+            )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One device call of the pending H100 measurements (issues 12, 15, 17), in order of priority.
+# One device call of the pending GPU measurements (issues 12, 15, 17), in order of priority. Rounds 1 and 2 ran on an
+# H100; the kind lent since 2026-11-28 is an H200 (the H100's arithmetic, 1.43x its memory bandwidth, 141 GB):
+# every table names the GPU, and shares of peak use that GPU's datasheet (flowrl/kernels/roofline.py).
 #
 # Usage (on the device machine, from the repository root; see docs/gpu-session.md):
 #   OUT=/some/dir bash bench/gpu_session.sh [BUDGET_S]
@@ -53,6 +55,10 @@ fi
 
 # Round 3 (planned 2026-11-27 after round 2's run, docs/gpu-runs/2026-11-27-h100-round2.log). Round 2 measured the
 # kernels, eager FP8 explore (0.91x bf16), Sol-RL's CUDA profile and FLUX's rows; what it could not finish comes first.
+
+# The card's own ceilings first (about 10 s): copy bandwidth, bf16 and FP8 matrix rates, against which the kernels'
+# bandwidth and the denoisers' MFU below are read (datasheet rates are leads: /work/.library/device/METHOD.md).
+step ceilings 30 python3 -m bench.ceilings --json "$OUT/ceilings.json"
 
 # The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check;
 # memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's

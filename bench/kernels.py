@@ -6,8 +6,12 @@ Usage::
 
 Prints a Markdown table: kernel, shape, dtype, backend, median time, the bytes the kernel
 moves (its minimum traffic, the numbers in the kernels' docstrings), the effective bandwidth
-(bytes / time) and the H100 SXM roofline time for the same bytes and FLOPs. On a CPU only the
-torch reference runs; with CUDA both the reference and the Triton kernel run on the GPU.
+(bytes / time), the roofline time for the same bytes and FLOPs and, on a GPU, the effective
+bandwidth's share of the memory peak. Roofline and peak are the datasheet figures of the GPU the
+bench runs on (``flowrl.kernels.roofline.peaks_for``: an H200's 4.8 TB/s, an H100 SXM's 3.35 TB/s);
+on a CPU, or a GPU that table does not hold, the roofline is an H100 SXM's and the share is "-".
+On a CPU only the torch reference runs; with CUDA both the reference and the Triton kernel run on
+the GPU.
 
 The fused Flow-SDE step has its own table, for one sigma for the batch (Python floats) and for
 per-sample (B,) tensors: the synchronised wall time per call (what a sampling loop pays, host work
@@ -40,7 +44,7 @@ from flowrl.kernels import fused_flow_sde_step, nvfp4_dequantize, nvfp4_fake_qua
 from flowrl.kernels.flow_sde import FLOPS_PER_ELEMENT, flow_sde_bytes
 from flowrl.kernels.fp8 import fp8_bytes, fp8_quantize_rows
 from flowrl.kernels.nvfp4 import nvfp4_bytes
-from flowrl.kernels.roofline import roofline_seconds
+from flowrl.kernels.roofline import H100_SXM, GpuPeaks, peaks_for, roofline_seconds
 from flowrl.runtime import configure_threads
 
 NVFP4_SHAPES = [(128, 512), (3072, 3072), (4096, 3072)]  # digits MLP weight, FLUX hidden weight, 4096 tokens
@@ -66,15 +70,50 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(times)
 
 
-def row(kernel: str, shape: tuple, dtype: torch.dtype, backend: str, seconds: float, nbytes: int, flops: int) -> str:
+def device_peaks(device: torch.device) -> GpuPeaks | None:
+    """The datasheet peaks of the GPU the bench runs on; None on a CPU or a GPU the table does not hold."""
+    return peaks_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def roof_label(peaks: GpuPeaks | None) -> str:
+    """The roofline columns' header: the part whose figures they use."""
+    return f"{(peaks or H100_SXM).name} roofline | of peak BW"
+
+
+def roof_cells(nbytes: int, flops: int, seconds: float, peaks: GpuPeaks | None) -> str:
+    """The roofline time on ``peaks`` (an H100 SXM's without) and bytes / ``seconds`` as a share of its bandwidth."""
+    share = "-" if peaks is None else f"{nbytes / seconds / peaks.hbm_bytes_per_s:.0%}"
+    return f"{roofline_seconds(nbytes, flops, peaks or H100_SXM) * 1e6:.1f} us | {share} |"
+
+
+def row(
+    kernel: str,
+    shape: tuple,
+    dtype: torch.dtype,
+    backend: str,
+    seconds: float,
+    cost: tuple[int, int],
+    peaks: GpuPeaks | None,
+) -> str:
+    """One NVFP4 row; ``cost`` is (bytes moved, FLOPs)."""
+    nbytes, flops = cost
     return (
         f"| {kernel} | {'x'.join(map(str, shape))} | {str(dtype).removeprefix('torch.')} | {backend} "
         f"| {ms(seconds)} | {nbytes / 1e6:.1f} MB | {nbytes / seconds / 1e9:.2f} GB/s "
-        f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+        f"| {roof_cells(nbytes, flops, seconds, peaks)}"
+    )
+
+
+def nvfp4_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    return (
+        f"| kernel | shape | dtype | backend | time | bytes moved | effective | {roof_label(peaks)} |",
+        "|---|---|---|---|---|---|---|---|---|",
     )
 
 
 def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
+    """NVFP4 rows (:func:`nvfp4_header`): per shape and dtype, each backend's quantise, dequantise, fake-quantise."""
+    peaks = device_peaks(device)
     for shape in NVFP4_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
@@ -90,13 +129,15 @@ def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> Itera
                     seconds = timed(fn, device, repeats)
                     nbytes = nvfp4_bytes(numel, x.element_size(), op)
                     flops = NVFP4_OPS_PER_ELEMENT[op] * numel
-                    yield row(f"nvfp4 {op}", shape, dtype, backend, seconds, nbytes, flops)
+                    yield row(f"nvfp4 {op}", shape, dtype, backend, seconds, (nbytes, flops), peaks)
 
 
-SDE_HEADER = (
-    "| kernel | shape | dtype | sigma | backend | wall / call | GPU / call | bytes moved | effective | H100 roofline |",
-    "|---|---|---|---|---|---|---|---|---|---|",
-)
+def sde_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    return (
+        "| kernel | shape | dtype | sigma | backend | wall / call | GPU / call | bytes moved | effective "
+        f"| {roof_label(peaks)} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    )
 
 
 def gpu_seconds(fn: Callable[[], object], wall: float, calls: int = 20) -> float:
@@ -129,13 +170,23 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
 
-def sde_row(case: tuple, backend: str, wall: float, gpu: float | None, nbytes: int, flops: int) -> str:
-    """One flow_sde row; ``effective`` is bytes / GPU time on CUDA, bytes / wall time on a CPU."""
-    mode, shape, form = case
+def sde_row(
+    case: tuple, backend: str, times: tuple[float, float | None], cost: tuple[int, int], peaks: GpuPeaks | None
+) -> str:
+    """One flow_sde row; ``effective`` is bytes / GPU time on CUDA, bytes / wall time on a CPU.
+
+    Args:
+        case: (mode, shape, sigma form).
+        backend: "torch" or "triton".
+        times: (wall, GPU) seconds per call; GPU None off CUDA.
+        cost: (bytes moved, FLOPs) per call.
+        peaks: the GPU's datasheet peaks (:func:`device_peaks`).
+    """
+    (mode, shape, form), (wall, gpu), (nbytes, flops) = case, times, cost
     return (
         f"| flow_sde {mode} | {'x'.join(map(str, shape))} | float32 | {form} | {backend} | {ms(wall)} "
         f"| {ms(gpu)} | {nbytes / 1e6:.1f} MB | {nbytes / (gpu or wall) / 1e9:.2f} GB/s "
-        f"| {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+        f"| {roof_cells(nbytes, flops, gpu or wall, peaks)}"
     )
 
 
@@ -146,11 +197,12 @@ def sde_coefficients(form: str, batch: int, device: torch.device) -> tuple:
     return tuple(torch.full((batch,), value, device=device) for value in (0.7, 0.6, 0.7))
 
 
-FP8_HEADER = (
-    "| kernel | shape | dtype | config | backend | wall / call | GPU / call | bytes moved | effective "
-    "| H100 roofline |",
-    "|---|---|---|---|---|---|---|---|---|---|",
-)
+def fp8_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    return (
+        "| kernel | shape | dtype | config | backend | wall / call | GPU / call | bytes moved | effective "
+        f"| {roof_label(peaks)} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    )
 
 
 def fp8_configs(M: int, K: int) -> list[dict[str, int]]:
@@ -198,12 +250,13 @@ def sweep_cases(x: torch.Tensor) -> Iterator[tuple[str, str, Callable[[], object
 
 
 def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: bool = False) -> Iterator[str]:
-    """FP8 quantiser rows (:data:`FP8_HEADER`): each backend and, with ``sweep``, every launch config.
+    """FP8 quantiser rows (:func:`fp8_header`): each backend and, with ``sweep``, every launch config.
 
     The sweep runs where the Triton kernel does: compiled on CUDA, or in the interpreter (a test).
     """
     from flowrl.kernels import interpreting, triton_installed
 
+    peaks = device_peaks(device)
     for shape in FP8_SHAPES:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(device)
         nbytes = fp8_bytes(*shape, x.element_size())
@@ -216,7 +269,7 @@ def fp8_rows(device: torch.device, backends: list[str], repeats: int, sweep: boo
             yield (
                 f"| fp8 quantize_rows | {'x'.join(map(str, shape))} | bfloat16 | {name} | {backend} "
                 f"| {ms(wall)} | {ms(gpu)} | {nbytes / 1e6:.1f} MB "
-                f"| {nbytes / (gpu or wall) / 1e9:.2f} GB/s | {roofline_seconds(nbytes, flops) * 1e6:.1f} us |"
+                f"| {nbytes / (gpu or wall) / 1e9:.2f} GB/s | {roof_cells(nbytes, flops, gpu or wall, peaks)}"
             )
 
 
@@ -266,7 +319,8 @@ def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
 
 
 def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterator[str]:
-    """flow_sde rows (:data:`SDE_HEADER`): per shape, scalar and (B,) sigmas, each backend, sampling and scoring."""
+    """flow_sde rows (:func:`sde_header`): per shape, scalar and (B,) sigmas, each backend, sampling and scoring."""
+    peaks = device_peaks(device)
     for shape in SDE_SHAPES:
         g = torch.Generator().manual_seed(0)
         x, v, z = (torch.randn(shape, generator=g).to(device) for _ in range(3))
@@ -275,10 +329,9 @@ def sde_rows(device: torch.device, backends: list[str], repeats: int) -> Iterato
             stored = fused_flow_sde_step(x, v, *step, noise=z, backend=backend).sample
             for mode, kwargs in (("sample", {"noise": z}), ("score", {"prev_sample": stored})):
                 fn = functools.partial(fused_flow_sde_step, x, v, *step, backend=backend, **kwargs)
-                wall, gpu = wall_and_gpu(fn, device, repeats)
-                nbytes = flow_sde_bytes(x.numel(), 4, score=mode == "score")
-                flops = FLOPS_PER_ELEMENT[mode] * x.numel()
-                yield sde_row((mode, shape, form), backend, wall, gpu, nbytes, flops)
+                times = wall_and_gpu(fn, device, repeats)
+                cost = flow_sde_bytes(x.numel(), 4, score=mode == "score"), FLOPS_PER_ELEMENT[mode] * x.numel()
+                yield sde_row((mode, shape, form), backend, times, cost, peaks)
 
 
 def machine() -> str:
@@ -300,15 +353,15 @@ def main() -> None:
     configure_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = ["torch", "triton"] if device.type == "cuda" else ["torch"]
+    peaks = device_peaks(device)
     print(f"Machine: {machine()}\n")
-    print("| kernel | shape | dtype | backend | time | bytes moved | effective | H100 roofline |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(nvfp4_header(peaks)))
     for line in nvfp4_rows(device, backends, args.repeats):
         print(line, flush=True)  # each row as it is measured: a run cut short keeps its rows
-    tables = [(SDE_HEADER, sde_rows(device, backends, args.repeats))]
+    tables = [(sde_header(peaks), sde_rows(device, backends, args.repeats))]
     if device.type == "cuda":  # before the sweep, whose Triton compiles take the longest
         tables.append((LEDGER_HEADER, fp8_linear_rows(device, args.repeats)))
-    tables.append((FP8_HEADER, fp8_rows(device, backends, args.repeats, sweep=args.fp8_sweep)))
+    tables.append((fp8_header(peaks), fp8_rows(device, backends, args.repeats, sweep=args.fp8_sweep)))
     for header, lines in tables:
         print("\n" + "\n".join(header), flush=True)
         for line in lines:

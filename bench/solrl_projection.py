@@ -47,10 +47,12 @@ from bench.gpu_plan import (
     sd3_transformer,
     train_passes,
 )
+from flowrl.kernels.roofline import B200 as B200_PEAKS
+from flowrl.kernels.roofline import H100_SXM, GpuPeaks
 from flowrl.policy.precision import QuantRule
 
 GB = 1e9
-H100_BF16_PEAK = 989.0
+H100_BF16_PEAK = H100_SXM.bf16_flops / 1e12
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,14 @@ class Device:
     peaks: dict[str, float]
 
 
-H100 = Device("H100 SXM", {"bf16": 989.0, "fp8": 1979.0})
-B200 = Device("B200", {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0})
+def device(peaks: GpuPeaks) -> Device:
+    """A :class:`Device` from the datasheet table of :mod:`flowrl.kernels.roofline`, in TFLOP/s."""
+    formats = {"bf16": peaks.bf16_flops, "fp8": peaks.fp8_flops, "fp4": peaks.fp4_flops}
+    return Device(peaks.name, {fmt: flops / 1e12 for fmt, flops in formats.items() if flops is not None})
+
+
+H100 = device(H100_SXM)
+B200 = device(B200_PEAKS)
 # (device, explore format): bf16 = fewer steps only; fp8 = torch._scaled_mm W8A8; fp4 = NVFP4 W4A4 (native_nvfp4).
 # B200 FP8 is left out: FP8 is 2x bf16 on both GPUs, so its ratios are the H100 FP8 row's.
 SCENARIOS = ((H100, "bf16"), (H100, "fp8"), (B200, "bf16"), (B200, "fp4"))

@@ -62,8 +62,22 @@ def test_the_cpu_tables_print_one_row_per_case(monkeypatch):
         assert len(swept) == len(bench.fp8_configs(8, 32)) and not any("DIFFERENT" in line for line in swept)
     sde = list(bench.sde_rows(cpu, ["torch"], 1))
     assert len(sde) == 2 * 2 * 2  # shapes x sigma forms x (sample, score)
-    assert all(line.count("|") == bench.FP8_HEADER[1].count("|") for line in fp8)
-    assert all(line.count("|") == bench.SDE_HEADER[1].count("|") for line in sde)
+    assert all(line.count("|") == bench.fp8_header(None)[1].count("|") for line in fp8)
+    assert all(line.count("|") == bench.sde_header(None)[1].count("|") for line in sde)
+    assert all(line.endswith(" us | - |") for line in fp8 + sde)  # a CPU has no share of a GPU's peak
+    nvfp4 = list(bench.nvfp4_rows(cpu, ["torch"], 1))[:3]
+    assert all(line.count("|") == bench.nvfp4_header(None)[1].count("|") for line in nvfp4)
+    for header in (bench.nvfp4_header(None), bench.sde_header(None), bench.fp8_header(None)):
+        assert header[0].count("|") == header[1].count("|") and "H100 SXM roofline" in header[0]
+
+
+def test_the_roofline_columns_use_the_peaks_of_the_gpu_the_bench_runs_on():
+    from flowrl.kernels.roofline import H200
+
+    # 4.8 GB in 1 ms is an H200's whole datasheet bandwidth; the same bytes are 143 % of an H100 SXM's.
+    assert bench.roof_cells(4_800_000_000, 0, 1e-3, H200) == "1000.0 us | 100% |"
+    assert bench.roof_cells(4_800_000_000, 0, 1e-3, None) == "1432.8 us | - |"
+    assert "H200 roofline | of peak BW" in bench.sde_header(H200)[0]
 
 
 def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch):

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from flowrl.kernels.roofline import GpuPeaks, peaks_for
+from flowrl.policy.fp8 import check_scaled_mm
 
 WARMUPS = 3
 
@@ -106,9 +107,13 @@ def fp8_ceiling(device: torch.device, n: int, repeats: int, peaks: GpuPeaks | No
     return Ceiling("fp8 _scaled_mm (row)", f"{n}^3", seconds, 2 * n**3 / seconds, "TFLOP/s", peaks and peaks.fp8_flops)
 
 
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: CUDA with compute capability 8.9 (Ada) or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run on ``device`` (:func:`flowrl.policy.fp8.check_scaled_mm`); None if it can."""
+    try:
+        check_scaled_mm(device, activations=False)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def row(c: Ceiling) -> str:
@@ -139,10 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     print("| ceiling | size | median time | measured | datasheet | measured / datasheet |")
     print("|---|---|---:|---:|---:|---:|")
     ceilings = []
-    measures = [copy_ceiling, matmul_ceiling] + ([fp8_ceiling] if fp8_supported(device) else [])
+    refusal = fp8_refusal(device)
+    measures = [copy_ceiling, matmul_ceiling] + ([fp8_ceiling] if refusal is None else [])
     for measure, size in zip(measures, (gib, n, n)):
         ceilings.append(measure(device, size, args.repeats, peaks))
         print(row(ceilings[-1]), flush=True)
+    if refusal is not None:
+        print(f"| fp8 _scaled_mm (row) | not run: {refusal} | | | | |")
     if args.json:
         args.json.write_text(json.dumps({"device": name, "ceilings": [asdict(c) for c in ceilings]}, indent=1))
 

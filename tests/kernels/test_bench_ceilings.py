@@ -16,7 +16,8 @@ def test_the_cpu_table_measures_a_copy_and_a_product_and_writes_them(tmp_path, c
     out = tmp_path / "ceilings.json"
     ceilings.main(["--cpu", "--repeats", "2", "--json", str(out)])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [line.split(" | ")[0] for line in lines[1:]] == ["| copy", "| float32 matmul"]
+    assert [line.split(" | ")[0] for line in lines[1:]] == ["| copy", "| float32 matmul", "| fp8 _scaled_mm (row)"]
+    assert "not run: fp8_e4m3 with emulate=False needs CUDA" in lines[-1]
     saved = json.loads(out.read_text())
     copy, product = saved["ceilings"]
     assert saved["device"] == "cpu" and copy["datasheet"] is None  # no datasheet share for a CPU
@@ -30,7 +31,7 @@ def test_the_fp8_product_runs_as_scaled_mm_linear_runs_it():
         pytest.skip("this torch's CPU _scaled_mm has no row scaling (2.11: per-tensor only)")
     got = ceilings.fp8_ceiling(torch.device("cpu"), 64, 1, H200)
     assert got.rate == pytest.approx(2 * 64**3 / got.seconds) and got.datasheet == H200.fp8_flops
-    assert not ceilings.fp8_supported(torch.device("cpu"))  # the bench itself runs it on CUDA >= 8.9 only
+    assert "needs CUDA" in ceilings.fp8_refusal(torch.device("cpu"))  # the bench runs it on CUDA >= 8.9 only
 
 
 def test_a_row_gives_the_share_of_the_datasheet_figure():

@@ -15,10 +15,17 @@ reference: same inputs, same weights). A backend that cannot run a pass says why
 of docs/gpu-plan.md). flowrl's training passes run under
 :func:`flowrl.policy.memory.trainable_attention` (flash, efficient, math: no cuDNN); this table is
 what that choice and ``memory.attention_backend`` are checked against. xformers is a row only where
-it is installed (``memory.attention_backend=xformers``, CUDA only).
+it is installed (``memory.attention_backend=xformers``, CUDA only); it runs after the SDPA rows and
+names the xformers operator its forward dispatched to (xformers can fall back to PyTorch's own
+kernels when its extension does not match the installed torch).
+
+``--backends`` runs a subset; ratios are over the first one listed ("auto" by default). On FLUX.1 the
+"auto" training pass picks cuDNN, whose backward breaks the CUDA context on torch 2.11 (:data:`LAST`),
+so a run that must reach the xformers row there leaves "auto" and "cudnn" out.
 
 Usage:
     python -m bench.attention_backends [--models SD3.5-M FLUX.1-dev] [--batch 4 16] [--repeats 3]
+        [--backends flash efficient xformers]
         # CUDA: bench.gpu_measure's full-size transformers, random bf16 weights, 512^2
     python -m bench.attention_backends --cpu [--batch 40]
         # the embedded model's denoiser on the CPU, one thread (only flash and math exist there)
@@ -48,6 +55,16 @@ BACKENDS: dict[str, list[SDPBackend] | None] = {
     "math": [SDPBackend.MATH],
 }
 """Row label -> the SDPA kernels allowed (None: torch chooses, as in a plain run)."""
+LABELS = (*BACKENDS, "xformers")
+
+
+@dataclass
+class Baseline:
+    """What the xformers row of a case is read against: the base backend's medians and the math rollout."""
+
+    label: str
+    seconds: dict[bool, float]  # train -> median seconds of the base backend's pass (absent where it failed)
+    reference: torch.Tensor
 
 
 @dataclass
@@ -124,25 +141,26 @@ def _warm(case: Case, key: tuple[str, bool], failed: dict, reference: torch.Tens
     return call
 
 
-def measure(case: Case, repeats: int) -> tuple[list[str], bool]:
-    """Table rows for every backend on one case, and whether the CUDA context was lost on the way.
+def measure(case: Case, repeats: int, labels: tuple[str, ...] = LABELS) -> tuple[list[str], bool, Baseline]:
+    """Table rows for the SDPA backends of ``labels`` on one case, whether the CUDA context was lost, the baseline.
 
-    A row holds rollout ms, train ms, each over "auto", and the rollout's difference from math. Every
-    (backend, pass) that runs is warmed up once, then the repeats alternate between them, so a change of
-    the host's load falls on every backend alike; the passes of :data:`LAST` follow, each warmed up and
-    timed on its own.
+    A row holds rollout ms, train ms, each over the first of ``labels`` (the base), and the rollout's
+    difference from math. Every (backend, pass) that runs is warmed up once, then the repeats alternate
+    between them, so a change of the host's load falls on every backend alike; the passes of
+    :data:`LAST` follow, each warmed up and timed on its own.
     """
     reference = run_pass(case, BACKENDS["math"], train=False).float()
+    sdpa = [label for label in labels if label in BACKENDS]
     failed: dict[tuple[str, bool], str] = {}
     diffs: dict[str, str] = {}
-    keys = [(label, train) for train in (False, True) for label in BACKENDS if (label, train) not in LAST]
+    keys = [(label, train) for train in (False, True) for label in sdpa if (label, train) not in LAST]
     calls = {key: call for key in keys if (call := _warm(case, key, failed, reference, diffs)) is not None}
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in calls}
     for _ in range(repeats):
         for key, call in calls.items():
             times[key].append(timed_once(call, case.device))
     lost = False
-    for key in LAST:
+    for key in [key for key in LAST if key[0] in sdpa]:
         if lost:
             failed[key] = "not run: the CUDA context was lost"
             continue
@@ -154,42 +172,81 @@ def measure(case: Case, repeats: int) -> tuple[list[str], bool]:
         if call is not None:
             times[key] = [timed_once(call, case.device) for _ in range(repeats)]
     medians = {key: statistics.median(values) for key, values in times.items()}
+    base = labels[0]
+    baseline = Baseline(
+        base, {train: medians[(base, train)] for train in (False, True) if (base, train) in medians}, reference
+    )
     rows = []
-    for label in BACKENDS:
+    for label in sdpa:
         cells = []
         for train in (False, True):
             if (label, train) in failed:
                 cells += [failed[(label, train)], ""]
                 continue
-            auto = medians.get(("auto", train))
-            seconds = medians[(label, train)]
-            cells += [f"{seconds * 1e3:,.2f}", f"{seconds / auto:.2f}" if auto else ""]
+            cells += time_cells(medians[(label, train)], baseline.seconds.get(train))
         rows.append(f"| {case.model} | {case.batch} | {label} | {' | '.join(cells)} | {diffs.get(label, '')} |")
-    return rows, lost
+    return rows, lost, baseline
 
 
-def xformers_rows(cases: list[Case], repeats: int) -> list[str]:
-    """The same passes with ``memory.attention_backend=xformers`` (after every SDPA row: it stays switched on)."""
+def time_cells(seconds: float, base: float | None) -> list[str]:
+    """A pass's milliseconds and its ratio to the base backend's ("" where the base did not run)."""
+    return [f"{seconds * 1e3:,.2f}", f"{seconds / base:.2f}" if base else ""]
+
+
+def xformers_rows(cases: list[Case], repeats: int, baselines: list[Baseline]) -> list[str]:
+    """The same passes with ``memory.attention_backend=xformers`` (after every SDPA row: it stays switched on).
+
+    One row per case, read against its :class:`Baseline`, or one row saying why xformers could not be switched on.
+    """
     if not cases or importlib.util.find_spec("xformers") is None or cases[0].device.type != "cuda":
         return []
     from flowrl.policy.memory import set_attention_backend
 
-    set_attention_backend(cases[0].module, "xformers", cases[0].device)
-    return [_xformers_row(case, repeats) for case in cases]
+    try:
+        set_attention_backend(cases[0].module, "xformers", cases[0].device)
+    except (ValueError, RuntimeError, ImportError) as err:  # diffusers' own check of the installed xformers
+        return [f"| {cases[0].model} | | xformers | not switched on: {str(err).splitlines()[0][:90]} | | | | |"]
+    return [_xformers_row(case, repeats, baseline) for case, baseline in zip(cases, baselines)]
 
 
-def _xformers_row(case: Case, repeats: int) -> str:
-    cells = []
+def _xformers_row(case: Case, repeats: int, baseline: Baseline) -> str:
+    cells, diff = [], ""
     for train in (False, True):
         try:
-            run_pass(case, None, train)
+            out = run_pass(case, None, train)
+            if not train:
+                diff = f"{(out.float() - baseline.reference).abs().max().item():.1e}"
             seconds = statistics.median(
                 [timed_once(functools.partial(run_pass, case, None, train), case.device) for _ in range(repeats)]
             )
-            cells += [f"{seconds * 1e3:,.2f}", ""]
+            cells += time_cells(seconds, baseline.seconds.get(train))
         except RuntimeError as err:
             cells += [_failure(err), ""]
-    return f"| {case.model} | {case.batch} | xformers | {' | '.join(cells)} | |"
+    return f"| {case.model} | {case.batch} | xformers ({xformers_operator(case)}) | {' | '.join(cells)} | {diff} |"
+
+
+def xformers_operator(case: Case) -> str:
+    """The name of the xformers forward operator that a rollout of ``case`` dispatches to, or why none is found."""
+    import xformers.ops.fmha as fmha
+
+    names: list[str] = []
+    original = getattr(fmha, "_dispatch_fw", None)  # xformers' private dispatcher: absent, the row says "unknown"
+    if original is None:
+        return "unknown"
+
+    def spy(*args: object, **kwargs: object) -> object:
+        op = original(*args, **kwargs)
+        names.append(getattr(op, "NAME", type(op).__name__))
+        return op
+
+    fmha._dispatch_fw = spy
+    try:
+        run_pass(case, None, train=False)
+    except RuntimeError as err:
+        return f"none: {_failure(err)}"
+    finally:
+        fmha._dispatch_fw = original
+    return ", ".join(sorted(set(names))) or "not called"
 
 
 def cpu_cases(batches: list[int]) -> list[Case]:
@@ -236,10 +293,12 @@ def cuda_cases(names: list[str] | None, batches: list[int]) -> list[tuple[str, C
     ]
 
 
-HEADER = (
-    "| model | batch | backend | rollout ms | / auto | train ms | / auto | rollout max diff vs math |\n"
-    "|---|---:|---|---:|---:|---:|---:|---:|"
-)
+def header(base: str) -> str:
+    """The table's header, ratios over ``base``."""
+    return (
+        f"| model | batch | backend | rollout ms | / {base} | train ms | / {base} | rollout max diff vs math |\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,12 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=None, help="subset of SD3.5-M FLUX.1-dev Wan2.1-1.3B")
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="default: 4 16 on CUDA, 40 on the CPU")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--backends", nargs="+", default=list(LABELS), choices=LABELS, help="rows to run; ratios over the first"
+    )
     args = parser.parse_args(argv)
+    labels = tuple(dict.fromkeys(args.backends))
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("bench.attention_backends needs CUDA for the full-size models; --cpu runs the embedded one")
     where = "cpu, 1 thread, fp32" if args.cpu else f"{torch.cuda.get_device_name()}, bf16 autocast, random weights"
     print(f"# attention backends: {where}, torch {torch.__version__}, median of {args.repeats}", flush=True)
-    print(HEADER, flush=True)
+    print(header(labels[0]), flush=True)
     if args.cpu:
         torch.set_num_threads(1)
         groups = [("flowrl-digits", lambda: cpu_cases(args.batch or [40]))]
@@ -262,15 +325,17 @@ def main(argv: list[str] | None = None) -> None:
         groups = cuda_cases(args.models, args.batch or [4, 16])
     for name, build in groups:
         cases = build()
+        baselines = []
         for case in cases:
-            rows, lost = measure(case, args.repeats)
+            rows, lost, baseline = measure(case, args.repeats, labels)
+            baselines.append(baseline)
             print("\n".join(rows), flush=True)
             if lost:
                 print(
                     f"# {name} at batch {case.batch} broke the CUDA context: the cases after it are not run", flush=True
                 )
                 return
-        for row in xformers_rows(cases, args.repeats):
+        for row in xformers_rows(cases, args.repeats, baselines) if "xformers" in labels else []:
             print(row, flush=True)
         cases = None  # free one full-size model before building the next
         if not args.cpu:

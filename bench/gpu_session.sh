@@ -98,4 +98,17 @@ step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M -
 # With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis.
 step fp8_explore_flux 60 python3 -m bench.fp8_explore --models FLUX.1-dev --repeats 1 --variants bf16 fp8_e4m3:row
 step gpu_measure_flux 45 python3 -m bench.gpu_measure --models FLUX.1-dev --batch 16 --repeats 3
+
+# Issue 17: xformers beside SDPA's flash and memory-efficient kernels (never measured: the device image has no
+# xformers). Its wheel travels apart in .whl/xformers/ and is put on the path for this last step only, since diffusers
+# imports xformers whenever it is installed. "auto" and "cudnn" are left out: FLUX's cuDNN backward breaks the CUDA
+# context (round 2), which would end the run before the xformers rows; ratios are over flash.
+if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-xformers .whl/xformers/*.whl \
+  >>"$LOG" 2>&1; then
+  export PYTHONPATH=/tmp/site-xformers:$PYTHONPATH
+else
+  echo "== attention_xformers: the xformers wheel did not install (see above); its rows will be missing" | tee -a "$LOG"
+fi
+step attention_xformers 50 python3 -m bench.attention_backends --models SD3.5-M FLUX.1-dev --batch 4 --repeats 2 \
+  --backends flash efficient xformers
 echo "== done at +$(elapsed) s" | tee -a "$LOG"

@@ -49,3 +49,13 @@ def test_full_size_run_without_cuda_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs CUDA for the full-size models; --cpu runs the embedded one"):
         attention_backends.main([])
+
+
+def test_a_subset_of_backends_is_read_against_the_first_one_listed(capsys, keep_threads):
+    attention_backends.main(["--cpu", "--batch", "2", "--repeats", "1", "--backends", "flash", "math", "xformers"])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert list(rows) == ["flash", "math"]  # no xformers row off CUDA
+    assert "| rollout ms | / flash | train ms | / flash |" in out
+    assert rows["flash"][4] == rows["flash"][6] == "1.00" and float(rows["math"][4]) > 0
+    assert float(rows["flash"][7]) < 1e-4  # still compared with the math kernel's rollout

@@ -84,25 +84,20 @@ step fp8_compiled_blocks 170 python3 -m bench.fp8_explore --models SD3.5-M --rep
 # quantiser's GPU time and launch configurations (each a Triton compile: printed last).
 step kernels_sweep 60 python3 -m bench.kernels --repeats 3 --fp8-sweep
 
-# Issue 17: the default job under CUDA graphs. Round 2 crashed at the first training step (a kept velocity overwritten
-# by a later graph replay; fixed: MemoryAdapter.own_outputs) after >130 s of cold compiling. Its metrics.jsonl holds
-# each iteration's time, so the steady rate is read past the compile.
-step default_job_graphs 180 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
-  output.dir=/tmp/default-graphs train.progress=false
-keep_run /tmp/default-graphs default_job_graphs
-
 # Issue 17: SD3.5-M's MFU compiled block by block (eager: 18.4 % / 16.1 % at batch 16).
 step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \
   --compile default --compile-scope blocks
 
-# With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis.
+# With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis (141 GB on
+# an H200: it may fit).
 step fp8_explore_flux 60 python3 -m bench.fp8_explore --models FLUX.1-dev --repeats 1 --variants bf16 fp8_e4m3:row
 step gpu_measure_flux 45 python3 -m bench.gpu_measure --models FLUX.1-dev --batch 16 --repeats 3
 
 # Issue 17: xformers beside SDPA's flash and memory-efficient kernels (never measured: the device image has no
-# xformers). Its wheel travels apart in .whl/xformers/ and is put on the path for this last step only, since diffusers
+# xformers). Its wheel travels apart in .whl/xformers/ and is put on the path for this step only, since diffusers
 # imports xformers whenever it is installed. "auto" and "cudnn" are left out: FLUX's cuDNN backward breaks the CUDA
 # context (round 2), which would end the run before the xformers rows; ratios are over flash.
+BASE_PYTHONPATH=$PYTHONPATH
 if python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-xformers .whl/xformers/*.whl \
   >>"$LOG" 2>&1; then
   export PYTHONPATH=/tmp/site-xformers:$PYTHONPATH
@@ -111,4 +106,14 @@ else
 fi
 step attention_xformers 50 python3 -m bench.attention_backends --models SD3.5-M FLUX.1-dev --batch 4 --repeats 2 \
   --backends flash efficient xformers
+export PYTHONPATH=$BASE_PYTHONPATH  # xformers off the path again
+
+# Issue 17: the default job under inductor's CUDA graphs, last: it takes what is left. Round 2 crashed at the first
+# training step (a kept velocity overwritten by a later graph replay; fixed: MemoryAdapter.own_outputs) after >130 s
+# of cold compiling, so a short remainder would be spent compiling; the cudagraphs run above answers the same question
+# sooner. Its metrics.jsonl holds each iteration's time, so the steady rate is read past the compile.
+step default_job_graphs 180 python3 -m flowrl train model.device=cuda memory.compile=reduce-overhead \
+  output.dir=/tmp/default-graphs train.progress=false
+keep_run /tmp/default-graphs default_job_graphs
+
 echo "== done at +$(elapsed) s" | tee -a "$LOG"

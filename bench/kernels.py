@@ -105,6 +105,7 @@ def row(
 
 
 def nvfp4_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    """The NVFP4 table's header and separator, its roofline columns for ``peaks``."""
     return (
         f"| kernel | shape | dtype | backend | time | bytes moved | effective | {roof_label(peaks)} |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -133,6 +134,7 @@ def nvfp4_rows(device: torch.device, backends: list[str], repeats: int) -> Itera
 
 
 def sde_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    """The fused Flow-SDE step table's header and separator, its roofline columns for ``peaks``."""
     return (
         "| kernel | shape | dtype | sigma | backend | wall / call | GPU / call | bytes moved | effective "
         f"| {roof_label(peaks)} |",
@@ -198,6 +200,7 @@ def sde_coefficients(form: str, batch: int, device: torch.device) -> tuple:
 
 
 def fp8_header(peaks: GpuPeaks | None) -> tuple[str, str]:
+    """The FP8 quantiser table's header and separator, its roofline columns for ``peaks``."""
     return (
         "| kernel | shape | dtype | config | backend | wall / call | GPU / call | bytes moved | effective "
         f"| {roof_label(peaks)} |",

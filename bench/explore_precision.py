@@ -37,6 +37,7 @@ from flowrl.recipe import build_reward
 from flowrl.rollouts.chunked import sample_images
 from flowrl.runtime import configure_threads
 
+UNSHARED = {"activations": True, "share_inputs": False}  # quantise each Linear's input again (before 2026-11-29)
 VARIANTS = [  # name, precision, options, ODE steps
     ("fp32 policy (reference)", None, {}, 10),
     ("fp32 merged copy", "fp32", {}, 10),
@@ -45,6 +46,7 @@ VARIANTS = [  # name, precision, options, ODE steps
     ("fp8_e4m3 emulated, W8", "fp8_e4m3", {}, 10),
     ("nvfp4 emulated, W4", "nvfp4", {}, 10),
     ("nvfp4 emulated, W4A4", "nvfp4", {"activations": True}, 10),
+    ("nvfp4 emulated, W4A4, each Linear quantises its input", "nvfp4", UNSHARED, 10),
     ("nvfp4 emulated, W4A4, 6 steps", "nvfp4", {"activations": True}, 6),
 ]
 

@@ -9,7 +9,9 @@ per-tensor or per-row scales on CUDA), put in the adapter's place by
 :func:`flowrl.rollouts.chunked.chunked_solve`, as ``SolRL.explore_stage`` does. The ``:fused`` FP8
 variants build the copy with ``fuse_under_compile=True``: under ``--compile`` the activation quantiser is
 traced from torch operators, which the compiler may fuse into the norm or modulation before it,
-instead of the opaque kernel operator (eager calls run the kernel either way).
+instead of the opaque kernel operator (eager calls run the kernel either way). The ``:unshared`` variants
+quantise each Linear's input separately, as before 2026-11-29; the others quantise a tensor that several
+Linears read (q / k / v, FLUX's ``proj_mlp``) once (:mod:`flowrl.policy.shared_input`).
 
 Models: the transformers of ``bench/gpu_plan.py`` built from their published configs with random
 bf16 weights and the shipped LoRA (``bench.gpu_measure``'s builder: nothing is downloaded; speed does
@@ -71,8 +73,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (precision, build
     "fp8_e4m3:row": ("fp8_e4m3", {"scaling": "row"}),
     "fp8_e4m3:tensor:fused": ("fp8_e4m3", {"scaling": "tensor", "fuse_under_compile": True}),
     "fp8_e4m3:row:fused": ("fp8_e4m3", {"scaling": "row", "fuse_under_compile": True}),
+    "fp8_e4m3:row:unshared": ("fp8_e4m3", {"scaling": "row", "share_inputs": False}),
     "nvfp4": ("nvfp4", {}),
     "nvfp4:act": ("nvfp4", {"activations": True}),
+    "nvfp4:act:unshared": ("nvfp4", {"activations": True, "share_inputs": False}),
     "int8_dynamic": ("int8_dynamic", {}),
     "native_nvfp4": ("native_nvfp4", {}),
 }

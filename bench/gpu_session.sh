@@ -62,10 +62,12 @@ step ceilings 30 python3 -m bench.ceilings --json "$OUT/ceilings.json"
 
 # The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check;
 # memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's
-# copy without a stream sync (new).
+# copy without a stream sync (new); FP8 layers sharing one quantised input (new 2026-11-29).
 step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
   tests/kernels/test_bench_kernels.py "tests/test_cuda.py::test_the_default_job_under_cudagraphs_replays_the_eager_kernels" \
   "tests/test_cuda.py::test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise" \
+  tests/kernels/test_fp8.py::test_fp8_layers_sharing_an_input_quantise_it_once \
+  tests/core/test_precision.py::test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh \
   -p no:cacheprovider
 
 # Issue 17: the default job under CUDA graphs of the eager kernels (memory.compile=cudagraphs: seconds of tracing per
@@ -87,6 +89,12 @@ step kernels_sweep 60 python3 -m bench.kernels --repeats 3 --fp8-sweep
 # Issue 17: SD3.5-M's MFU compiled block by block (eager: 18.4 % / 16.1 % at batch 16).
 step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M --batch 16 --repeats 3 \
   --compile default --compile-scope blocks
+
+# Issue 15: eager FP8 with each activation quantised once for the Linears that read it (q / k / v; new 2026-11-29)
+# against one quantisation per Linear (round 2's 0.91x bf16), SD3.5-M.
+# 12 seeds a prompt (48 candidates): round 2's 24 took 56 s for three copies.
+step fp8_shared_inputs 50 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --seeds 12 \
+  --variants bf16 fp8_e4m3:row:unshared fp8_e4m3:row
 
 # With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis (141 GB on
 # an H200: it may fit).

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 # the torch reference (fp8_quantize) lives beside its kernel; imported here for the weights and the emulation
 from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_op
+from .shared_input import SharedInput
 
 __all__ = ["FP8_MAX", "ScaledMMLinear", "check_scaled_mm", "fp8_fake_quantize", "fp8_quantize"]
 
@@ -65,12 +66,24 @@ class ScaledMMLinear(nn.Module):
     back from memory; eager calls still run the kernel. Compiled code may round the scale or a
     quotient differently from eager in the last bit, as any compiled operator may. Off by default
     until measured on a GPU (docs/kernels.md).
+
+    ``shared_input``: a :class:`~flowrl.policy.shared_input.SharedInput` shared by the model's FP8
+    layers; a layer that reads the tensor the previous one quantised (q / k / v) takes its codes and
+    scales instead of quantising again (eager only; bit for bit the same output).
     """
 
-    def __init__(self, linear: nn.Linear, scaling: str, *, fuse_under_compile: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        scaling: str,
+        *,
+        fuse_under_compile: bool = False,
+        shared_input: SharedInput | None = None,
+    ):
         super().__init__()
         self.scaling = scaling
         self.fuse_under_compile = fuse_under_compile
+        self.shared_input = shared_input
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = fp8_quantize(linear.weight.detach(), scaling)
         self.register_buffer("weight", weight)
@@ -79,11 +92,12 @@ class ScaledMMLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., in_features) -> (..., out_features) in x's dtype."""
-        rows = x.reshape(-1, self.in_features)
         if self.fuse_under_compile and torch.compiler.is_compiling():
-            q, scale = fp8_quantize(rows, self.scaling)  # plain operators the compiler can fuse into x's producer
-        else:
-            q, scale = fp8_quantize_op(rows, self.scaling)  # one opaque op: compiles without a graph break
+            q, scale = fp8_quantize(x.reshape(-1, self.in_features), self.scaling)  # operators the compiler can fuse
+        elif self.shared_input is None:
+            q, scale = self._quantize(x)
+        else:  # q / k / v read one tensor: quantise it once
+            q, scale = self.shared_input.get(x, ("fp8_e4m3", self.scaling), self._quantize)
         fused = self.bias is not None and x.dtype == torch.bfloat16  # out_dtype bf16 takes only a bf16 bias
         bias = self.bias.to(torch.bfloat16) if fused else None
         out = torch._scaled_mm(
@@ -92,3 +106,7 @@ class ScaledMMLinear(nn.Module):
         out = out.to(x.dtype)
         out = out if self.bias is None or fused else out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(M, K) E4M3 codes and their scales of ``x`` as rows, by the fused kernel's operator (one graph node)."""
+        return fp8_quantize_op(x.reshape(-1, self.in_features), self.scaling)

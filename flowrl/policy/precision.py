@@ -47,6 +47,7 @@ from ..kernels import Backend, nvfp4_fake_quantize
 from ..models.adapter import module_device
 from .fp8 import ScaledMMLinear, check_scaled_mm, fp8_fake_quantize
 from .lora import adapter_names
+from .shared_input import SharedInput
 
 Precision = Literal["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4")
@@ -93,6 +94,9 @@ class ExploreModel:
         backend: kernel backend of the NVFP4 quantiser.
         fuse_under_compile: fp8 on ``torch._scaled_mm`` only: its layers trace the torch quantiser
             under ``torch.compile`` (:class:`~flowrl.policy.fp8.ScaledMMLinear`), also after a refresh.
+        shared_input: where the copy quantises activations (``activations=True``, or fp8 on
+            ``torch._scaled_mm``), the memo that lets sibling layers reading one tensor (q / k / v)
+            quantise it once (:mod:`flowrl.policy.shared_input`); None otherwise or when turned off.
     """
 
     module: nn.Module
@@ -105,6 +109,7 @@ class ExploreModel:
     emulate: bool
     backend: Backend
     fuse_under_compile: bool = False
+    shared_input: SharedInput | None = None
 
 
 def build_explore(
@@ -118,6 +123,7 @@ def build_explore(
     emulate: bool | None = None,
     backend: Backend = "auto",
     fuse_under_compile: bool = False,
+    share_inputs: bool = True,
 ) -> ExploreModel:
     """Deep-copy the policy's transformer, merge one LoRA adapter (peft ``merge``) and set its precision.
 
@@ -133,6 +139,8 @@ def build_explore(
         backend: NVFP4 kernel backend ("auto": Triton on CUDA, the torch reference on CPU).
         fuse_under_compile: "fp8_e4m3" on ``torch._scaled_mm``: under ``torch.compile`` quantise
             activations with torch operators the compiler can fuse (``ScaledMMLinear``).
+        share_inputs: where activations are quantised, quantise a tensor that several layers read
+            (q / k / v) once and hand the result to each (eager calls; the same output bit for bit).
 
     Returns:
         The :class:`ExploreModel`, in eval mode.
@@ -153,8 +161,19 @@ def build_explore(
         chosen = tuple(n for n in chosen if not any(d % 16 for d in module.get_submodule(n).weight.shape))
     if precision in QUANTISED and not chosen:
         raise ValueError(f"QuantRule {rule} selects no Linear layer for precision={precision!r}; lower min_features")
+    quantises_inputs = activations or (precision == "fp8_e4m3" and not emulate)
     explore = ExploreModel(
-        module, precision, adapter, chosen, rule, activations, scaling, emulate, backend, fuse_under_compile
+        module,
+        precision,
+        adapter,
+        chosen,
+        rule,
+        activations,
+        scaling,
+        emulate,
+        backend,
+        fuse_under_compile,
+        SharedInput() if share_inputs and quantises_inputs else None,
     )
     _apply_precision(explore, io_dtype=_float_dtype(transformer))
     return explore
@@ -318,7 +337,10 @@ def _load_weight(explore: ExploreModel, name: str, weight: Tensor) -> None:
         target.weight.copy_(fp8_fake_quantize(weight, explore.scaling))
     elif explore.precision == "fp8_e4m3":
         layer = ScaledMMLinear(
-            _as_linear(target, weight), explore.scaling, fuse_under_compile=explore.fuse_under_compile
+            _as_linear(target, weight),
+            explore.scaling,
+            fuse_under_compile=explore.fuse_under_compile,
+            shared_input=explore.shared_input,
         )
         _set_submodule(explore.module, name, layer)
     elif explore.precision == "int8_dynamic":
@@ -340,11 +362,15 @@ def _as_linear(target: nn.Module, weight: Tensor) -> nn.Linear:
 
 
 def _input_quantiser(explore: ExploreModel) -> Any:
-    def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        x = args[0]
+    def quantize(x: Tensor) -> Tensor:
         if explore.precision == "nvfp4":
-            return (nvfp4_fake_quantize(x, backend=explore.backend), *args[1:])
-        return (fp8_fake_quantize(x, "tensor"), *args[1:])
+            return nvfp4_fake_quantize(x, backend=explore.backend)
+        return fp8_fake_quantize(x, "tensor")
+
+    def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        shared = explore.shared_input
+        x = quantize(args[0]) if shared is None else shared.get(args[0], explore.precision, quantize)
+        return (x, *args[1:])
 
     return hook
 

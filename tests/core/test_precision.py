@@ -239,3 +239,34 @@ def test_fuse_under_compile_reaches_every_fp8_layer_and_survives_a_refresh(tiny_
     refresh(explore, tiny_sd3)
     layers = [m for m in explore.module.modules() if isinstance(m, ScaledMMLinear)]
     assert layers and all(layer.fuse_under_compile for layer in layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs cc >= 8.9"
+)
+def test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh(tiny_sd3):
+    from flowrl.policy.fp8 import ScaledMMLinear
+
+    tiny_sd3.transformer.to("cuda")
+    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=TARGETS)
+    perturb(params, seed=2)
+    rule = QuantRule(min_features=0)
+    shared = build_explore(tiny_sd3, "fp8_e4m3", rule=rule)
+    plain = build_explore(tiny_sd3, "fp8_e4m3", rule=rule, share_inputs=False)
+    perturb(params, seed=3)
+    refresh(shared, tiny_sd3)
+    refresh(plain, tiny_sd3)
+    layers = [m for m in shared.module.modules() if isinstance(m, ScaledMMLinear)]
+    assert layers and all(layer.shared_input is shared.shared_input for layer in layers)
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(3, 4, 8, 8, generator=g).cuda(),
+        "encoder_hidden_states": torch.randn(3, 5, 32, generator=g).cuda(),
+        "pooled_projections": torch.randn(3, 32, generator=g).cuda(),
+        "timestep": torch.tensor([900.0, 500.0, 200.0], device="cuda"),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        a, b = (e.module(**inputs)[0] for e in (shared, plain))
+    assert torch.equal(a, b) and shared.shared_input.hits > 0

@@ -243,6 +243,33 @@ def test_scaled_mm_linear_matches_the_old_forward(device, scaling, dtype, bias, 
     assert ((new.float() - old.float()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("device", SCALED_MM_DEVICES)
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_fp8_layers_sharing_an_input_quantise_it_once(device, scaling, monkeypatch):
+    """q / k / v on one tensor: one quantiser call, outputs equal to unshared layers; a write in between requantises."""
+    if device == "cpu" and not cpu_scaled_mm_supports(scaling):
+        pytest.skip(f"this torch's CPU _scaled_mm has no {scaling} scaling")
+    import flowrl.policy.fp8 as fp8_module
+    from flowrl.policy.shared_input import SharedInput
+
+    calls = []
+    real = fp8_module.fp8_quantize_op
+    monkeypatch.setattr(fp8_module, "fp8_quantize_op", lambda x, s: calls.append(x.shape) or real(x, s))
+    torch.manual_seed(4)
+    linears = [nn.Linear(64, 48).bfloat16() for _ in range(3)]
+    memo = SharedInput()
+    shared = [ScaledMMLinear(lin, scaling, shared_input=memo).to(device) for lin in linears]
+    plain = [ScaledMMLinear(lin, scaling).to(device) for lin in linears]
+    x = torch.randn(2, 37, 64, device=device).bfloat16()
+    with torch.no_grad():
+        outs = [layer(x) for layer in shared]
+        assert len(calls) == 1 and (memo.hits, memo.misses) == (2, 1)
+        assert all(torch.equal(a, layer(x)) for a, layer in zip(outs, plain, strict=True))
+        calls.clear()
+        x.mul_(3.0)  # an in-place write between two readers
+        assert torch.equal(shared[0](x), plain[0](x)) and len(calls) == 2
+
+
 # --------------------------------------------------------------------------- the operator under torch.compile
 
 

@@ -41,6 +41,20 @@ def test_tiny_explore_copies_print_speed_and_rank_agreement(capsys):
         assert noise[12] == "1.000" and noise[0] == "-"  # the floor: the model's own contribution, by definition
 
 
+def test_sharing_quantised_inputs_leaves_every_candidate_as_it_was(capsys, monkeypatch):
+    """``:unshared`` as the reference: the shared copy ranks and draws the same images (agreement 1, no difference).
+
+    The NVFP4 activation quantiser runs its torch reference here (the Triton interpreter that the kernel tests
+    turn on would take minutes for these calls; the kernels match it bit for bit, tests/kernels/test_nvfp4.py).
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fp8_explore.main(["--tiny", "--seeds", "2", "--repeats", "1", "--variants", "nvfp4:act:unshared", "nvfp4:act"])
+    rows = _rows(capsys.readouterr().out)
+    for model in ("tiny SD3", "tiny FLUX"):
+        shared = rows[(model, "nvfp4:act")]
+        assert int(shared[1]) > 0 and shared[8:12] == ["1.000"] * 4 and shared[12] == "0.000"
+
+
 def test_agreement_measures_against_the_reference_and_the_noise_floor():
     images = torch.zeros(4, 3, 2, 2)
     ref = fp8_explore.Explored(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), images + 1, 0, 0, 1, 0, 0)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 # the torch reference (fp8_quantize) lives beside its kernel; imported here for the weights and the emulation
-from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_op
+from ..kernels.fp8 import FP8_MAX, fp8_quantize, fp8_quantize_op, fp8_quantize_rows, fp8_quantize_tensor
 from .shared_input import SharedInput
 
 __all__ = ["FP8_MAX", "ScaledMMLinear", "check_scaled_mm", "fp8_fake_quantize", "fp8_quantize"]
@@ -52,10 +52,11 @@ class ScaledMMLinear(nn.Module):
     """An FP8 E4M3 Linear on ``torch._scaled_mm`` (CUDA, compute capability >= 8.9).
 
     Weights are quantised once per tensor or per output row (:func:`fp8_quantize`); inputs are
-    quantised dynamically per tensor or per row by the fused kernel through the operator
-    ``torch.ops.flowrl.fp8_quantize`` (:func:`flowrl.kernels.fp8.fp8_quantize_op`, bit-identical to
-    :func:`fp8_quantize`: one read of the input instead of ~7 eager passes; ``torch.compile`` sees
-    it as one node, so the Linear compiles into one graph). Rows are not padded:
+    quantised dynamically per tensor or per row by the fused kernel (bit-identical to
+    :func:`fp8_quantize`: one read of the input instead of ~7 eager passes), called directly in eager
+    code and through the operator ``torch.ops.flowrl.fp8_quantize``
+    (:func:`flowrl.kernels.fp8.fp8_quantize_op`) when traced: ``torch.compile`` sees it as one node,
+    so the Linear compiles into one graph. Rows are not padded:
     ``torch._scaled_mm`` needs K and N (not M) divisible by 16. The product comes back in bf16;
     for bf16 inputs the bias is added in ``_scaled_mm``'s epilogue (fp32, one rounding), for other
     inputs it is cast to the input's dtype and the bias added after, as before.
@@ -108,5 +109,13 @@ class ScaledMMLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _quantize(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(M, K) E4M3 codes and their scales of ``x`` as rows, by the fused kernel's operator (one graph node)."""
-        return fp8_quantize_op(x.reshape(-1, self.in_features), self.scaling)
+        """(M, K) E4M3 codes and their scales of ``x`` as rows, by the fused kernel.
+
+        Traced, through its registered operator (one graph node, no break); eager, by direct call: the
+        operator's dispatch costs ~16 us a call on this project's CPU (28 against 45 us for a small input),
+        for the same bits.
+        """
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            return fp8_quantize_op(rows, self.scaling)
+        return fp8_quantize_rows(rows) if self.scaling == "row" else fp8_quantize_tensor(rows)

@@ -253,8 +253,9 @@ def test_fp8_layers_sharing_an_input_quantise_it_once(device, scaling, monkeypat
     from flowrl.policy.shared_input import SharedInput
 
     calls = []
-    real = fp8_module.fp8_quantize_op
-    monkeypatch.setattr(fp8_module, "fp8_quantize_op", lambda x, s: calls.append(x.shape) or real(x, s))
+    name = "fp8_quantize_rows" if scaling == "row" else "fp8_quantize_tensor"
+    real = getattr(fp8_module, name)
+    monkeypatch.setattr(fp8_module, name, lambda x: calls.append(x.shape) or real(x))
     torch.manual_seed(4)
     linears = [nn.Linear(64, 48).bfloat16() for _ in range(3)]
     memo = SharedInput()

@@ -176,6 +176,8 @@ def build_explore(
         SharedInput() if share_inputs and quantises_inputs else None,
     )
     _apply_precision(explore, io_dtype=_float_dtype(transformer))
+    if explore.shared_input is not None:  # the memo's last activation is not kept past the forward
+        module.register_forward_hook(_clear_after_forward(explore.shared_input))
     return explore
 
 
@@ -359,6 +361,14 @@ def _as_linear(target: nn.Module, weight: Tensor) -> nn.Linear:
     if bias is not None:
         linear.bias.data.copy_(bias)
     return linear.requires_grad_(False)
+
+
+def _clear_after_forward(memo: SharedInput) -> Any:
+    def hook(*_: Any) -> None:
+        if not torch.compiler.is_compiling():  # compiled code never fills the memo
+            memo.clear()
+
+    return hook
 
 
 def _input_quantiser(explore: ExploreModel) -> Any:

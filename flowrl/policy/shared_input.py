@@ -77,8 +77,13 @@ class SharedInput:
         self.hits, self.misses = state["hits"], state["misses"]
 
     def clear(self) -> None:
-        """Drop the held result (it holds one quantised activation until the next miss replaces it)."""
+        """Drop the held result (one quantised activation; an explore copy clears it when its forward returns)."""
         self._source, self._version, self._key, self._value = None, -1, None, None
+
+    @property
+    def held(self) -> Any:
+        """The result the memo holds now (None after :meth:`clear`)."""
+        return self._value
 
     def _matches(self, x: Tensor, key: Hashable) -> bool:
         source = None if self._source is None else self._source()

@@ -159,6 +159,7 @@ def test_a_w4a4_explore_copy_quantises_each_shared_input_once_with_the_same_outp
     assert not torch.equal(out_shared, out_full)  # the activations really are quantised
     memo = shared.shared_input
     assert memo.hits == hits_per_call and memo.misses == sum(1 for _ in shared.quantised) - hits_per_call
+    assert memo.held is None  # dropped when the forward returns: no activation outlives the call
 
 
 def test_only_copies_that_quantise_activations_get_a_memo(tiny_sd3):

@@ -223,15 +223,23 @@ def test_int8_needs_fp32_and_policy_needs_a_transformer(tiny_sd3):
         build_explore(object(), "fp32")
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(
+NEEDS_SCALED_MM = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs cc >= 8.9"
 )
+
+
+def lora_policy_on_cuda(model):
+    """The tiny SD3 adapter's transformer on CUDA with a fresh LoRA; returns its LoRA parameters."""
+    model.transformer.to("cuda")
+    return add_lora(model.transformer, rank=4, alpha=8, targets=TARGETS)
+
+
+@pytest.mark.cuda
+@NEEDS_SCALED_MM
 def test_fuse_under_compile_reaches_every_fp8_layer_and_survives_a_refresh(tiny_sd3):
     from flowrl.policy.fp8 import ScaledMMLinear
 
-    tiny_sd3.transformer.to("cuda")
-    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=TARGETS)
+    params = lora_policy_on_cuda(tiny_sd3)
     explore = build_explore(tiny_sd3, "fp8_e4m3", rule=QuantRule(min_features=0), fuse_under_compile=True)
     layers = [m for m in explore.module.modules() if isinstance(m, ScaledMMLinear)]
     assert layers and all(layer.fuse_under_compile for layer in layers)
@@ -242,14 +250,11 @@ def test_fuse_under_compile_reaches_every_fp8_layer_and_survives_a_refresh(tiny_
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs cc >= 8.9"
-)
+@NEEDS_SCALED_MM
 def test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh(tiny_sd3):
     from flowrl.policy.fp8 import ScaledMMLinear
 
-    tiny_sd3.transformer.to("cuda")
-    params = add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=TARGETS)
+    params = lora_policy_on_cuda(tiny_sd3)
     perturb(params, seed=2)
     rule = QuantRule(min_features=0)
     shared = build_explore(tiny_sd3, "fp8_e4m3", rule=rule)

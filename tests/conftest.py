@@ -118,6 +118,18 @@ def tiny_sd3_pipeline(
     )
 
 
+def tiny_sd3_transformer_inputs(seed: int, device: str = "cpu") -> dict:
+    """Keyword inputs of one call of :func:`tiny_sd3_pipeline`'s transformer: 3 latents (4, 8, 8), 5 text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(3, 4, 8, 8, generator=g).to(device),
+        "encoder_hidden_states": torch.randn(3, 5, 32, generator=g).to(device),
+        "pooled_projections": torch.randn(3, 32, generator=g).to(device),
+        "timestep": torch.tensor([900.0, 500.0, 200.0], device=device),
+        "return_dict": False,
+    }
+
+
 def tiny_flux_transformer(*, guidance_embeds: bool = True):
     """A real ``FluxTransformer2DModel``, random init from the current RNG: 1 double + 2 single blocks, width 16."""
     from diffusers import FluxTransformer2DModel

@@ -10,6 +10,7 @@ from fnmatch import fnmatch
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_sd3_transformer_inputs
 
 from flowrl.kernels import nvfp4_dequantize, nvfp4_fake_quantize, nvfp4_quantize
 from flowrl.policy.fp8 import fp8_fake_quantize
@@ -264,14 +265,7 @@ def test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after
     refresh(plain, tiny_sd3)
     layers = [m for m in shared.module.modules() if isinstance(m, ScaledMMLinear)]
     assert layers and all(layer.shared_input is shared.shared_input for layer in layers)
-    g = torch.Generator().manual_seed(0)
-    inputs = {
-        "hidden_states": torch.randn(3, 4, 8, 8, generator=g).cuda(),
-        "encoder_hidden_states": torch.randn(3, 5, 32, generator=g).cuda(),
-        "pooled_projections": torch.randn(3, 32, generator=g).cuda(),
-        "timestep": torch.tensor([900.0, 500.0, 200.0], device="cuda"),
-        "return_dict": False,
-    }
+    inputs = tiny_sd3_transformer_inputs(0, "cuda")
     with torch.no_grad():
         a, b = (e.module(**inputs)[0] for e in (shared, plain))
     assert torch.equal(a, b) and shared.shared_input.hits > 0

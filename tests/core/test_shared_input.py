@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import tiny_flux_transformer
+from conftest import tiny_flux_transformer, tiny_sd3_transformer_inputs
 
 from flowrl.policy.precision import QuantRule, build_explore
 from flowrl.policy.shared_input import SharedInput
@@ -107,17 +107,6 @@ def sd35_like_transformer():
     )
 
 
-def sd3_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(3, 4, 8, 8, generator=g),
-        "encoder_hidden_states": torch.randn(3, 5, 32, generator=g),
-        "pooled_projections": torch.randn(3, 32, generator=g),
-        "timestep": torch.tensor([900.0, 500.0, 200.0]),
-        "return_dict": False,
-    }
-
-
 def flux_inputs() -> dict:
     g = torch.Generator().manual_seed(2)
     return {
@@ -136,7 +125,7 @@ def flux_inputs() -> dict:
     ("build", "inputs", "hits_per_call"),
     [
         # block 0: to_k, to_v, add_k_proj, add_v_proj, attn2.to_k, attn2.to_v; block 1: the first four
-        pytest.param(sd35_like_transformer, sd3_inputs, 10, id="sd3.5"),
+        pytest.param(sd35_like_transformer, lambda: tiny_sd3_transformer_inputs(1), 10, id="sd3.5"),
         # double block: to_k, to_v, add_k_proj, add_v_proj; each single block: to_q, to_k, to_v after proj_mlp
         pytest.param(lambda: tiny_flux_transformer(), flux_inputs, 10, id="flux"),
     ],

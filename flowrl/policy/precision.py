@@ -44,7 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import Backend, nvfp4_fake_quantize
-from ..models.adapter import module_device
+from ..models.adapter import ModelAdapter, module_device
+from .build import Policy
 from .fp8 import ScaledMMLinear, check_scaled_mm, fp8_fake_quantize
 from .lora import adapter_names
 from .shared_input import SharedInput
@@ -113,7 +114,7 @@ class ExploreModel:
 
 
 def build_explore(
-    policy: Any,
+    policy: Policy | ModelAdapter | nn.Module,
     precision: Precision,
     *,
     adapter: str = "default",
@@ -128,8 +129,8 @@ def build_explore(
     """Deep-copy the policy's transformer, merge one LoRA adapter (peft ``merge``) and set its precision.
 
     Args:
-        policy: a :class:`~flowrl.policy.build.Policy`, a model adapter (anything with
-            ``.transformer``) or the transformer ``nn.Module`` itself.
+        policy: a :class:`~flowrl.policy.build.Policy`, a
+            :class:`~flowrl.models.adapter.ModelAdapter` or the transformer ``nn.Module`` itself.
         precision: one of ``PRECISIONS`` (module docstring).
         adapter: the LoRA adapter to merge; ignored when the transformer has no LoRA.
         rule: which Linear layers to quantise; ``QuantRule()`` by default.
@@ -182,7 +183,7 @@ def build_explore(
 
 
 @torch.no_grad()
-def refresh(explore: ExploreModel, policy: Any) -> None:
+def refresh(explore: ExploreModel, policy: Policy | ModelAdapter | nn.Module) -> None:
     """Re-merge the policy's current LoRA weights into ``explore`` in place (no new deep copy).
 
     Only LoRA-adapted layers are rewritten: the base weights are frozen during training
@@ -208,18 +209,19 @@ def refresh(explore: ExploreModel, policy: Any) -> None:
         _load_weight(explore, name, weight)
 
 
-def policy_transformer(policy: Any) -> nn.Module:
-    """The transformer of a Policy, of a model adapter, or the module itself.
+def policy_transformer(policy: Policy | ModelAdapter | nn.Module) -> nn.Module:
+    """The transformer of a :class:`Policy`, of a :class:`ModelAdapter`, or the module itself.
 
     Raises:
-        TypeError: no ``nn.Module`` found.
+        TypeError: ``policy`` is none of the three.
     """
     if isinstance(policy, nn.Module):
         return policy
-    transformer = getattr(getattr(policy, "model", policy), "transformer", None)
-    if not isinstance(transformer, nn.Module):
-        raise TypeError(f"expected a Policy, a model adapter or an nn.Module; got {type(policy).__name__}")
-    return transformer
+    if isinstance(policy, Policy):
+        return policy.model.transformer
+    if isinstance(policy, ModelAdapter):
+        return policy.transformer
+    raise TypeError(f"expected a Policy, a model adapter or an nn.Module; got {type(policy).__name__}")
 
 
 # --------------------------------------------------------------------------- checks and merging

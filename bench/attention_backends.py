@@ -12,7 +12,7 @@ flash, memory-efficient, cuDNN (CUDA) or the plain math one. This script pins ea
 Each row also gives the largest difference of the rollout output from the math kernel's (the
 reference: same inputs, same weights). A backend that cannot run a pass says why in its row
 (``No available kernel`` where the device has no such kernel, cuDNN's backward failure on FLUX.1
-of docs/gpu-plan.md). flowrl's training passes run under
+of docs/gpu-plan.md). A flowrl training run's passes (rollouts, training, evaluation) run under
 :func:`flowrl.policy.memory.trainable_attention` (flash, efficient, math: no cuDNN); this table is
 what that choice and ``memory.attention_backend`` are checked against. xformers is a row only where
 it is installed (``memory.attention_backend=xformers``, CUDA only); it runs after the SDPA rows and

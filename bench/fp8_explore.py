@@ -57,7 +57,7 @@ import torch
 
 from flowrl.models.adapter import Cond, model_latent_shape, select_cond
 from flowrl.models.pipeline_schedule import pipeline_sigmas
-from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser
+from flowrl.policy.memory import COMPILE_MODES, COMPILE_SCOPES, compile_denoiser, trainable_attention
 from flowrl.policy.precision import build_explore
 from flowrl.rewards import build_reward
 from flowrl.rollouts.chunked import chunked_solve
@@ -256,7 +256,7 @@ def explore(case: Case, variant: str | None, seeds: list[int], steps: int, repea
     compile_denoiser(model.module, case.compile, case.compile_scope)
 
     def run(x: torch.Tensor, c: Cond) -> torch.Tensor:
-        with torch.no_grad(), explore_transformer(adapter, model.module):
+        with torch.no_grad(), explore_transformer(adapter, model.module), trainable_attention():  # as Trainer.collect
             return chunked_solve(adapter, c, x, sigmas, solver="euler", chunk_size=case.chunk)
 
     run(noise[: case.chunk], select_cond(cond, slice(0, case.chunk)))  # warm-up: kernel choice, allocator, compile

@@ -116,7 +116,7 @@ def full_model(name: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int]
 
 def train_step(model: torch.nn.Module, x: dict, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """One micro-batch as ``Trainer.update`` runs it: autocast forward, backward into the LoRA, AdamW step."""
-    with trainable_attention(device):  # around forward and backward: a checkpointed block recomputes alike
+    with trainable_attention():  # around forward and backward: a checkpointed block recomputes alike
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(**x, return_dict=False)[0]
         out.float().square().mean().backward()

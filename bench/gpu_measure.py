@@ -176,11 +176,12 @@ def measure(
         x = inputs(b)
 
         def rollout() -> None:
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # as memory.autocast: bf16
-                model(**x, return_dict=False)
+            with torch.no_grad(), trainable_attention():  # the kernels of Trainer.collect (no cuDNN, since round 2)
+                with torch.autocast("cuda", dtype=torch.bfloat16):  # as memory.autocast: bf16
+                    model(**x, return_dict=False)
 
         def train() -> None:
-            with trainable_attention(torch.device("cuda")):  # around forward and backward, as Trainer.update: a
+            with trainable_attention():  # around forward and backward, as Trainer.update: a
                 with torch.autocast(
                     "cuda", dtype=torch.bfloat16
                 ):  # checkpointed block recomputes with the same kernels

@@ -62,10 +62,13 @@ step ceilings 30 python3 -m bench.ceilings --json "$OUT/ceilings.json"
 
 # The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check;
 # memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's
-# copy without a stream sync (new); FP8 layers sharing one quantised input (new 2026-11-29).
+# copy without a stream sync (new); FP8 layers sharing one quantised input (new 2026-11-29); bf16 rollouts on the
+# training attention kernels, first-update ratio exactly 1 (new 2026-11-29, session 20).
 step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
   tests/kernels/test_bench_kernels.py "tests/test_cuda.py::test_the_default_job_under_cudagraphs_replays_the_eager_kernels" \
   "tests/test_cuda.py::test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise" \
+  "tests/test_cuda.py::test_bf16_autocast_on_cuda_keeps_log_probs_fp32_and_the_ratio_one" \
+  "tests/test_cuda.py::test_bf16_tiny_sd3_with_sd35_head_width_keeps_the_ratio_one_on_cuda" \
   tests/kernels/test_fp8.py::test_fp8_layers_sharing_an_input_quantise_it_once \
   tests/core/test_precision.py::test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh \
   -p no:cacheprovider

@@ -201,15 +201,18 @@ class Trainer:
     def collect(self) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """Sample prompt groups, roll out, decode, score and compute advantages.
 
-        Uses :func:`flowrl.rollouts.collect.collect_rollouts`, the same path for every rollout kind.
+        Uses :func:`flowrl.rollouts.collect.collect_rollouts`, the same path for every rollout kind,
+        with the attention kernels :meth:`update` trains with (``flowrl.policy.memory.trainable_attention``),
+        so a sample's rollout and training forwards agree bit for bit.
         """
         p = self.cfg.prompts
         prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
         mine = prompts if self.owned is None else owned_prompts(prompts, self.owned)  # a rank encodes only its rows
         cond = self.prompt_cache.encode(mine.texts)  # each distinct prompt encoded once per run
-        if self.solrl is not None:
-            return self.solrl.collect(prompts, cond)
-        return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
+        with trainable_attention():
+            if self.solrl is not None:
+                return self.solrl.collect(prompts, cond)
+            return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
 
     def rollout_context(self) -> RolloutContext:
         """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""
@@ -249,7 +252,7 @@ class Trainer:
         Runs with attention kernels that have a working backward pass
         (``flowrl.policy.memory.trainable_attention``).
         """
-        with trainable_attention(self.device):
+        with trainable_attention():
             return self._update(batch)
 
     def _update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -418,7 +421,7 @@ class Trainer:
         transformer = self.model.transformer
         switch = adapters_disabled(transformer) if base else use_adapter(transformer, self.objective.eval_adapter)
         try:
-            with switch:
+            with switch, trainable_attention():  # the kernels of the rollouts and training passes
                 return sample_images(
                     self.model,
                     batch.texts,

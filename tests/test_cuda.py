@@ -149,11 +149,24 @@ def test_process_scoring_on_cuda_is_identical_to_inline():
         proc.close()
 
 
-def test_bf16_autocast_on_cuda_keeps_log_probs_fp32():
+def test_bf16_autocast_on_cuda_keeps_log_probs_fp32_and_the_ratio_one():
+    """In bf16 torch picks cuDNN SDPA for a no-grad forward on Hopper and flash for a differentiated one: the
+    rollout runs under the training kernels (trainable_attention), so the recomputed log-prob is the stored one."""
     trainer = digits_trainer("cuda", "memory.autocast=bf16")
     batch, _ = trainer.collect()
     assert batch.trajectory.log_probs.dtype == torch.float32 and torch.isfinite(batch.trajectory.log_probs).all()
-    trainer.update(batch)
+    assert trainer.update(batch)["first_ratio"] == 1.0
+
+
+def test_bf16_tiny_sd3_with_sd35_head_width_keeps_the_ratio_one_on_cuda():
+    """Heads of 64 (SD3.5-M's), 64 image + 2 text tokens, bf16 autocast: shapes cuDNN SDPA takes on an H100."""
+    cfg = load_config(None, [*SMALL, "sampler.num_steps=3", "memory.autocast=bf16", "model.device=cuda"])
+    pipe = tiny_sd3_pipeline(size=16, attention_head_dim=64, caption_projection_dim=128).to("cuda")
+    model = SD3Adapter(pipe, max_sequence_length=2, resolution=(16, 16))
+    prompts = load_prompts("digits-styles")
+    trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_reward(cfg), prompts, prompts[:2])
+    batch, _ = trainer.collect()
+    assert trainer.update(batch)["first_ratio"] == 1.0
 
 
 def test_tiny_sd3_with_true_cfg_trains_on_cuda():
@@ -227,8 +240,8 @@ def test_trainable_attention_leaves_out_cudnn_and_flux_attention_backward_runs()
 
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with trainable_attention(torch.device("cuda")):
+    with trainable_attention():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         torch.nn.functional.scaled_dot_product_attention(q, q, q).float().square().mean().backward()
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # rollouts keep the fastest forward kernel
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored for code outside a training run
     assert torch.isfinite(q.grad).all()

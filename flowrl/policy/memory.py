@@ -68,7 +68,7 @@ def set_attention_backend(transformer: nn.Module, backend: str, device: torch.de
     """Select the attention kernel of a diffusers denoiser.
 
     "sdpa" keeps diffusers' default (``torch.nn.functional.scaled_dot_product_attention``);
-    training passes run under :func:`trainable_attention`.
+    a training run's passes (rollouts, training, evaluation) run under :func:`trainable_attention`.
     "xformers" needs the xformers package and a CUDA device; models with the new attention
     dispatcher (FLUX, Wan, Qwen-Image) get ``transformer.set_attention_backend("xformers")``,
     older processors (SD3) ``enable_xformers_memory_efficient_attention()``.
@@ -99,17 +99,22 @@ def set_attention_backend(transformer: nn.Module, backend: str, device: torch.de
 
 
 @contextlib.contextmanager
-def trainable_attention(device: torch.device) -> Iterator[None]:
-    """SDPA kernels whose backward pass works, for the passes that are differentiated.
+def trainable_attention() -> Iterator[None]:
+    """The SDPA kernels of every pass a training run makes: those whose backward pass works.
 
-    On CUDA this leaves out PyTorch's cuDNN attention kernel (flash, memory-efficient and math
-    remain): measured on an H100 with torch 2.11 + cuDNN 9.19, its backward pass fails on
-    FLUX.1's attention (``mha_graph.execute ... is_good()``) at every size tried, while its
-    forward is the fastest, so no-grad rollouts keep it (docs/gpu-plan.md). A no-op elsewhere.
+    Leaves out PyTorch's cuDNN attention kernel (flash, memory-efficient and math remain): measured
+    on an H100 with torch 2.11 + cuDNN 9.19, its backward pass fails on FLUX.1's attention
+    (``mha_graph.execute ... is_good()``) at every size tried (docs/gpu-plan.md). The rollouts and
+    evaluation samples of a run (:meth:`flowrl.trainer.Trainer.collect`, ``Trainer.sample``) run under it
+    too, so a sample's no-grad rollout forward and its training forward use the same kernel and the
+    first-update ratio is exactly 1 in bf16 as well: torch's own pick for a no-grad bf16 forward on
+    Hopper is cuDNN, the training pass's is flash, and the two differ in the last bits. Measured on
+    an H100 (``bench.attention_backends``, 2026-11-27) the kernel this leaves is also the faster rollout
+    forward for SD3.5-M (flash 0.77x cuDNN at batch 4) and as fast within 3 % for FLUX.1-dev (flash
+    337 ms, cuDNN 328 ms). Off CUDA only a flag no kernel reads changes: torch's CPU attention has no
+    cuDNN kernel, so CPU results are the same bits with or without it. The flags are process-wide
+    (``torch.nn.attention.sdpa_kernel``) and restored on exit.
     """
-    if torch.device(device).type != "cuda":
-        yield
-        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

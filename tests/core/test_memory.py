@@ -245,11 +245,37 @@ def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
     assert "memory.attention_backend=xformers" in capsys.readouterr().err
 
 
-def test_trainable_attention_is_a_no_op_off_cuda():
-    """On the CPU nothing changes (the CUDA case, which leaves out cuDNN SDPA, runs in tests/test_cuda.py)."""
+def test_trainable_attention_leaves_out_cudnn_and_cpu_results_unchanged():
+    """Off CUDA only the cuDNN flag changes, which no CPU kernel reads (the CUDA case: tests/test_cuda.py)."""
     from flowrl.policy.memory import trainable_attention
 
     q = torch.randn(1, 2, 4, 8)
-    with trainable_attention(torch.device("cpu")):
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with trainable_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
         inside = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
     assert torch.equal(inside, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
+def test_every_pass_of_a_training_run_uses_the_training_attention_kernels(tiny_sd3):
+    """Rollout, training and evaluation forwards all run without cuDNN SDPA, so in bf16 on a GPU the rollout's
+    no-grad forward and the training forward of a sample use one kernel (torch would pick cuDNN for the first)."""
+    cfg = load_config(None, FAST)
+    prompts = load_prompts("digits-styles")
+    trainer = Trainer(
+        cfg, build_policy(cfg, model=tiny_sd3, trainable=True), build_multi_reward(cfg.rewards), prompts, prompts[:2]
+    )
+    seen: list[tuple[bool, bool]] = []  # (grad enabled, cuDNN SDPA enabled) at each denoiser call
+    hook = tiny_sd3.transformer.register_forward_pre_hook(
+        lambda *_: seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+    )
+    try:
+        metrics = trainer.train_step()
+        trainer.evaluate()
+    finally:
+        hook.remove()
+    assert metrics["train/first_ratio"] == 1.0
+    assert {grad for grad, _ in seen} == {False, True}  # no-grad rollouts and evaluation, differentiated training
+    assert not any(cudnn for _, cudnn in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call

@@ -149,6 +149,14 @@ def tiny_flux_transformer(*, guidance_embeds: bool = True):
 
 
 @pytest.fixture
+def keep_threads():
+    """Restore torch's thread count after a test that sets it (the benches' CPU mode runs on one thread)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_sd3():
     """A fresh SD3Adapter over a tiny random pipeline."""
     from flowrl.models.sd3 import SD3Adapter

@@ -17,13 +17,6 @@ def _rows(out: str) -> dict[str, list[str]]:
     return {r[2].strip(): [c.strip() for c in r] for r in rows}
 
 
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_cpu_table_times_the_kernels_that_exist_and_names_the_ones_that_do_not(capsys, keep_threads):
     attention_backends.main(["--cpu", "--batch", "3", "--repeats", "2"])
     rows = _rows(capsys.readouterr().out)

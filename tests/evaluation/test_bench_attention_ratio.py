@@ -10,13 +10,6 @@ from bench import attention_ratio
 SMALL = ["prompts.per_iteration=2", "prompts.group_size=4", "sampler.chunk_size=4"]
 
 
-@pytest.fixture
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_the_trainers_kernels_keep_the_ratio_one_and_a_switched_kernel_moves_it(capsys, keep_threads):
     attention_ratio.main(["--set", *SMALL])
     rows = {

@@ -143,14 +143,11 @@ def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int |
 
 def _cases(trainer) -> dict[str, Any]:
     from flowrl.policy.lora import use_adapter
-    from flowrl.prompts.batch import sample_groups
     from flowrl.rollouts.collect import sample_sde
     from flowrl.rollouts.scoring import RolloutScorer
 
-    p = trainer.cfg.prompts
     state = trainer.generator.get_state()
-    prompts = sample_groups(trainer.train_prompts, p.per_iteration, p.group_size, trainer.generator)
-    cond = trainer.prompt_cache.encode(prompts.texts)
+    prompts, cond = trainer.draw_prompts()
     rows = len(prompts.texts)
 
     def rollout() -> torch.Tensor:

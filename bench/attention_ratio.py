@@ -25,7 +25,6 @@ from flowrl.config import load_config
 from flowrl.models import load_adapter
 from flowrl.policy import build_policy
 from flowrl.policy.memory import trainable_attention
-from flowrl.prompts.batch import sample_groups
 from flowrl.prompts.sets import load_prompts
 from flowrl.recipe import build_reward
 from flowrl.rollouts.collect import collect_rollouts
@@ -45,8 +44,8 @@ CPU_KERNELS = ("trainer", "flash", "math")
 def first_ratio(device: str, dtype: str, overrides: list[str], kernel: str) -> float:
     """The first trained micro-batch's mean ratio after one rollout on ``kernel``, training on the trainer's.
 
-    Mirrors ``Trainer.collect`` for one process (draw the prompt groups, encode them, collect), with the
-    rollout under ``KERNELS[kernel]`` instead of ``trainable_attention()``.
+    ``Trainer.collect`` without Sol-RL (its prompt draw, then the rollout), with the rollout under
+    ``KERNELS[kernel]`` instead of ``trainable_attention()``.
     """
     autocast = [] if dtype == "fp32" else [f"memory.autocast={dtype}"]
     cfg = load_config(None, [*autocast, f"model.device={device}", "train.progress=false", *overrides])
@@ -54,10 +53,7 @@ def first_ratio(device: str, dtype: str, overrides: list[str], kernel: str) -> f
     model = load_adapter(cfg.model.path, device=device)
     trainer = Trainer(cfg, build_policy(cfg, model=model, trainable=True), build_reward(cfg), prompts, prompts[:1])
     try:
-        groups = sample_groups(
-            trainer.train_prompts, cfg.prompts.per_iteration, cfg.prompts.group_size, trainer.generator
-        )
-        cond = trainer.prompt_cache.encode(groups.texts)
+        groups, cond = trainer.draw_prompts()
         backends = KERNELS[kernel]
         with trainable_attention() if backends is None else sdpa_kernel(backends):
             batch, _ = collect_rollouts(trainer.rollout_context(), trainer.rollout_kind, groups, cond)

@@ -28,6 +28,7 @@ from .distributed import (
 )
 from .evaluation.heldout import HeldOutEvaluation, HeldOutResult
 from .guards import StepSnapshot, UpdateGuard, reward_fault, tensor_fault, weight_fault
+from .models.adapter import Cond
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .objectives.planning import plan_megabytes
 from .policy import Policy
@@ -205,14 +206,18 @@ class Trainer:
         with the attention kernels :meth:`update` trains with (``flowrl.policy.memory.trainable_attention``),
         so a sample's rollout and training forwards agree bit for bit.
         """
-        p = self.cfg.prompts
-        prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
-        mine = prompts if self.owned is None else owned_prompts(prompts, self.owned)  # a rank encodes only its rows
-        cond = self.prompt_cache.encode(mine.texts)  # each distinct prompt encoded once per run
+        prompts, cond = self.draw_prompts()
         with trainable_attention():
             if self.solrl is not None:
                 return self.solrl.collect(prompts, cond)
             return collect_rollouts(self.rollout_context(), self.rollout_kind, prompts, cond)
+
+    def draw_prompts(self) -> tuple[PromptBatch, Cond]:
+        """This iteration's prompt groups (from the trainer's generator) and the conditioning of this rank's rows."""
+        p = self.cfg.prompts
+        prompts = sample_groups(self.train_prompts, p.per_iteration, p.group_size, self.generator)
+        mine = prompts if self.owned is None else owned_prompts(prompts, self.owned)  # a rank encodes only its rows
+        return prompts, self.prompt_cache.encode(mine.texts)  # each distinct prompt encoded once per run
 
     def rollout_context(self) -> RolloutContext:
         """What this iteration's rollout needs: the policy, grid, generator, scorer and advantages."""

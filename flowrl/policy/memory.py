@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models.adapter import Cond, ModelAdapter, module_device, text_encoders
 from .wrapper import AdapterWrapper
@@ -43,6 +44,8 @@ A training run meets one graph per grad mode x active adapter (policy, reference
 DiffusionNFT's old and EMA adapters) x batch shape (tree rollouts' frontiers, the last chunk,
 evaluation), so torch's 8 ran out in a BranchGRPO iteration and the rest ran eager, silently."""
 OFFLOAD_DEVICE = torch.device("cpu")
+TRAINABLE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA kernels :func:`trainable_attention` allows: every one but cuDNN's."""
 
 
 def enable_gradient_checkpointing(transformer: nn.Module) -> None:
@@ -115,9 +118,7 @@ def trainable_attention() -> Iterator[None]:
     cuDNN kernel, so CPU results are the same bits with or without it. The flags are process-wide
     (``torch.nn.attention.sdpa_kernel``) and restored on exit.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    with sdpa_kernel(TRAINABLE_SDPA):
         yield
 
 

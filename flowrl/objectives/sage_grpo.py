@@ -40,6 +40,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -115,7 +116,12 @@ def equaliser_scales(g: Tensor) -> Tensor:
 
 
 def adapt_kl_weight(beta: float, kl: float, target: float, rate: float, lo: float, hi: float) -> float:
-    """``clamp(beta (1 + clip(kl / target - 1, -rate, rate)), lo, hi)``: up when kl > target."""
+    """``clamp(beta (1 + clip(kl / target - 1, -rate, rate)), lo, hi)``: up when kl > target.
+
+    A non-finite ``kl`` (a step whose KL overflowed) leaves ``beta`` unchanged.
+    """
+    if not math.isfinite(kl):
+        return beta
     error = min(max(kl / target - 1.0, -rate), rate)
     return min(max(beta * (1.0 + error), lo), hi)
 
@@ -251,6 +257,11 @@ class SageGRPO(Objective):
             raise ValueError(
                 f"objective needs 0 <= kl_min <= kl_init <= kl_max; got {self.kl_min}, {self.kl_init}, {self.kl_max}"
             )
+        if self.kl_init == 0 < self.kl_max:
+            raise ValueError(
+                f"objective.kl_init=0 with kl_max={self.kl_max}: beta adapts by factors, so it can never leave 0; "
+                "set kl_init (and kl_min) > 0, or kl_max=0 to train without the KL"
+            )
         self.beta = self.kl_init
         self.updates = 0  # optimizer updates so far
         self.refreshes = 0  # anchor refreshes so far
@@ -294,6 +305,10 @@ class SageGRPO(Objective):
             g = g / noise_scales.double()
         g = torch.where(levels > 0, g, torch.full_like(g, float("nan")))  # median over stochastic steps
         return float(equaliser_scales(g)[step])
+
+    def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
+        """Start one optimizer step's KL_eff mean afresh (a step the update guard skipped left its sum behind)."""
+        self._kl_sum, self._kl_count = 0.0, 0
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
         """Equalised clipped ratio loss plus beta times the dual-trust-region KL of one micro-batch."""

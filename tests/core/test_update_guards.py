@@ -267,3 +267,20 @@ def test_raising_max_skipped_updates_resumes_a_stopped_run(tmp_path, capsys):
     assert main([*args, "train.iterations=2", "train.max_skipped_updates=4", "--resume", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["guard/skipped_total"] == 2.0
+
+
+def test_a_skipped_sage_grpo_step_leaves_its_kl_weight_finite(tiny_sd3, monkeypatch):
+    """SAGE-GRPO's adaptive beta averages each step's KL_eff: a skipped step's NaN must not reach the next step."""
+    trainer = _trainer(tiny_sd3, None, "objective.name=sage_grpo", "objective.updates_per_iteration=2")
+    real_velocity, calls = trainer.model.velocity, {"n": 0}
+
+    def nan_once(*args, **kwargs):
+        v = real_velocity(*args, **kwargs)
+        calls["n"] += torch.is_grad_enabled()
+        return v * float("nan") if calls["n"] == 1 and torch.is_grad_enabled() else v
+
+    monkeypatch.setattr(trainer.model, "velocity", nan_once)
+    first = trainer.train_step()
+    assert first["train/skipped_updates"] == 1.0 and math.isfinite(trainer.objective.beta)
+    second = trainer.train_step()
+    assert second["train/skipped_updates"] == 0.0 and math.isfinite(trainer.objective.beta)

@@ -101,6 +101,7 @@ def test_adaptive_beta_direction_and_bounds():
     assert adapt_kl_weight(1.0, 1.0, 1.0, 0.2, 0.0, 10.0) == 1.0
     assert adapt_kl_weight(9.5, 5.0, 1.0, 0.2, 0.0, 10.0) == 10.0  # clamped to the upper bound
     assert adapt_kl_weight(0.11, 0.0, 1.0, 0.2, 0.1, 10.0) == 0.1  # and to the lower one
+    assert adapt_kl_weight(0.5, float("nan"), 1.0, 0.2, 0.0, 10.0) == 0.5  # a non-finite KL leaves beta alone
     beta = 1e-7
     for _ in range(100):  # the reference's bounds: climbs to and stays at kl_max while KL > target
         beta = adapt_kl_weight(beta, 1e-3, 1e-5, 0.2, 1e-7, 1e-5)
@@ -114,6 +115,9 @@ def test_config_validation_names_the_key():
         load_config(REPO / "configs/sage/digits.yaml", ["objective.kl_init=1.0"])
     with pytest.raises(ConfigError, match="objective.anchor_every"):
         load_config(REPO / "configs/sage/digits.yaml", ["objective.anchor_every=-1"])
+    with pytest.raises(ConfigError, match="can never leave 0"):
+        load_config(REPO / "configs/sage/digits.yaml", ["objective.kl_min=0", "objective.kl_init=0"])
+    load_config(REPO / "configs/sage/digits.yaml", ["objective.kl_min=0", "objective.kl_init=0", "objective.kl_max=0"])
     assert OBJECTIVES["sage_grpo"] is SageGRPO
 
 

@@ -92,15 +92,17 @@ def guard_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_me
         old_log_prob: (b,) the same under the rollout policy.
         mean: (b, ...) theta's transition mean.
         old_mean: (b, ...) the rollout policy's transition mean.
-        std: (b, 1, ..., 1) the step's transition std (> 0).
+        std: (b, 1, ..., 1) the step's transition std.
 
     Returns:
-        (b,) the normalised log-ratio (``exp`` of it is RatioNorm's ratio).
+        (b,) the normalised log-ratio (``exp`` of it is RatioNorm's ratio); 0 where the step is
+        deterministic (std 0, e.g. CPS's step to sigma 0), as its log-prob and KL are.
     """
     c = std.reshape(-1)
+    safe = torch.where(c > 0, c, torch.ones_like(c))
     dims = tuple(range(1, mean.ndim))
-    bias = ((mean - old_mean) ** 2).mean(dim=dims) / (2 * c**2)
-    return c * (log_prob - old_log_prob + bias)
+    bias = ((mean - old_mean) ** 2).mean(dim=dims) / (2 * safe**2)
+    return torch.where(c > 0, safe * (log_prob - old_log_prob + bias), torch.zeros_like(safe))
 
 
 def policy_terms(

@@ -83,6 +83,18 @@ def test_guard_log_ratio_matches_grpo_guard_equation():
     assert plain.abs().max() > 10 * out.abs().max()  # the plain log-ratio scales like 1 / c
 
 
+def test_guard_log_ratio_is_zero_with_a_finite_gradient_on_a_deterministic_step():
+    """CPS's step to sigma 0 has std 0 (log-prob 0, KL 0): RatioNorm's ratio is 1 there, not 0 / 0."""
+    mean_old = torch.randn(2, 4, 2, 2, dtype=D)
+    mean = (mean_old + 0.1).requires_grad_()
+    c = torch.tensor([0.0, 0.1], dtype=D).view(2, 1, 1, 1)
+    zero = torch.zeros(2, dtype=D)
+    out = guard_log_ratio(zero, zero, mean, mean_old, c)
+    assert out[0] == 0 and out[1] > 0
+    out.sum().backward()
+    assert torch.isfinite(mean.grad).all() and (mean.grad[0] == 0).all()
+
+
 def _batch(model, sde: str, steps: int = 4):
     prompts = [f"a handwritten {d}" for d in (1, 1, 2, 2)]
     cond = model.encode_prompt(prompts)

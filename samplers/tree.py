@@ -40,6 +40,16 @@ TreeVelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 tree (prompt) each row belongs to, so the caller can pick its conditioning."""
 
 
+def step_std(step_fn: SDEStepFn, sigma: Tensor, sigma_next: Tensor, level: float) -> float:
+    """The transition std of one SDE step from ``sigma`` to ``sigma_next`` (scalars), in fp64.
+
+    0 where the step is deterministic although its level is not, e.g. CPS's step to sigma 0.
+    """
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+    sigma, sigma_next = sigma.double().reshape(1), sigma_next.double().reshape(1)
+    return float(step_fn(zero, zero, sigma, sigma_next, level, noise=zero).std)
+
+
 class TreeRollout(NamedTuple):
     """A batch of ``num_trees`` sampled trees of identical shape.
 
@@ -228,6 +238,12 @@ def tree_rollout(
     if split_noise_scale <= 0:
         raise ValueError(f"sampler.tree.split_noise_scale must be > 0; got {split_noise_scale}")
     step_fn = get_sde_step(sde)
+    for t in torch.nonzero(factors > 1).flatten().tolist():
+        if step_std(step_fn, sigmas[t], sigmas[t + 1], float(noise_levels[t])) == 0:
+            raise ValueError(
+                f"the split at step {t} has transition std 0 under sampler.sde={sde} (sigma {float(sigmas[t]):.4g} "
+                f"-> {float(sigmas[t + 1]):.4g}), so its children would be identical; move the split to an earlier step"
+            )
     scales = torch.where(factors > 1, split_noise_scale, 1.0).double()
     x = roots.float()
     num_trees = x.shape[0]

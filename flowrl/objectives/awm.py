@@ -50,8 +50,17 @@ def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> 
 
 
 def _stratum_range(num_steps: int, fraction: float, skip_first: bool) -> tuple[int, int]:
-    """The first and last step index (inclusive) :func:`stratified_steps` draws from."""
+    """The first and last step index (inclusive) :func:`stratified_steps` draws from.
+
+    Raises:
+        ValueError: no step is left to train on (one rollout step, and index 0 skipped).
+    """
     lo = 1 if skip_first else 0
+    if lo > num_steps - 1:
+        raise ValueError(
+            f"AWM trains at rollout steps {lo}..{num_steps - 1}: none with sampler.num_steps={num_steps}; "
+            "set sampler.num_steps >= 2 or objective.skip_first=false"
+        )
     return lo, max(lo, min(num_steps - 1, int(num_steps * fraction)))
 
 
@@ -93,6 +102,8 @@ class AWM(Objective):
         ema_decay_rate, ema_decay_max: ``d = min(rate * iteration, max)`` (0.001, 0.3).
         updates_per_iteration: optimizer steps per iteration (1, as the reference: strictly
             on-policy); more splits the shuffled micro-batches into that many steps.
+        skip_first: never train at step index 0 (sigma 1, pure noise): the reference's
+            ``time_type='discrete_wo_init'`` (True); False is its ``discrete`` (the PickScore preset).
     """
 
     power: float | None = 0.25
@@ -104,6 +115,7 @@ class AWM(Objective):
     ema_decay_rate: float = 0.001
     ema_decay_max: float = 0.3
     updates_per_iteration: int = 1
+    skip_first: bool = True
     name: str = "awm"
     rollout = "solver"
 
@@ -129,7 +141,7 @@ class AWM(Objective):
 
     def noise_per_row(self, num_steps: int) -> int:
         """At most ``num_timesteps`` training sigmas per sample (fewer when the usable steps are fewer)."""
-        lo, hi = _stratum_range(num_steps, self.timestep_fraction, skip_first=True)
+        lo, hi = _stratum_range(num_steps, self.timestep_fraction, self.skip_first)
         return min(self.num_timesteps, hi - lo + 1)
 
     def plan(self, batch: RolloutBatch, generator: torch.Generator) -> list[list[Microbatch]]:
@@ -137,7 +149,9 @@ class AWM(Objective):
 
         With ``updates_per_iteration`` > 1, that many steps over the shuffled micro-batches instead.
         """
-        steps = stratified_steps(len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator)
+        steps = stratified_steps(
+            len(batch.sigmas) - 1, self.num_timesteps, self.timestep_fraction, generator, self.skip_first
+        )
         mbs = []
         for idx in kept_chunks(batch):
             for j in steps:

@@ -1,5 +1,7 @@
 """DiffusionNFT and AWM: float64 identities of their losses and schedules."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -95,6 +97,20 @@ def test_stratified_steps_cover_strata():
     steps = stratified_steps(14, 6, 0.9, gen)
     assert steps == sorted(steps) and len(steps) == 6 and min(steps) >= 1 and max(steps) <= 12
     assert stratified_steps(10, 3, 0.9, gen, skip_first=False)[0] >= 0
+    # the PickScore preset's "discrete": strata over [0, 12], so step 0 (sigma 1) can be drawn
+    assert any(stratified_steps(14, 6, 0.9, torch.Generator().manual_seed(s), False)[0] == 0 for s in range(20))
+    assert stratified_steps(1, 6, 0.9, gen, skip_first=False) == [0]
+    with pytest.raises(ValueError, match="none with sampler.num_steps=1; set sampler.num_steps >= 2"):
+        stratified_steps(1, 6, 0.9, gen)  # step 1 would be sigma 0, where the loss has no gradient
+    assert AWM(skip_first=False).noise_per_row(14) == 6 and AWM().noise_per_row(2) == 1
+
+
+def test_awm_configs_follow_the_reference_time_type():
+    from flowrl.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    assert load_config(repo / "configs/awm/sd3.5m_pickscore.yaml").objective["skip_first"] is False  # discrete
+    assert load_config(repo / "configs/awm/digits.yaml").objective["skip_first"] is True  # discrete_wo_init
 
 
 def test_decay_schedules():
@@ -161,6 +177,10 @@ def test_awm_updates_per_iteration_split_the_same_microbatches():
 def test_noise_per_row_bounds_what_the_plan_draws(objective, steps):
     """The memory estimate's count (``noise_per_row``) against the plan's fresh noise latents per sample."""
     batch = _plan_batch(steps=steps)
+    if isinstance(objective, AWM) and steps == 1:  # its one step is index 0, which AWM skips: refused, not sigma 0
+        with pytest.raises(ValueError, match="objective.skip_first=false"):
+            objective.plan(batch, torch.Generator().manual_seed(0))
+        return
     drawn = []
     for seed in range(8):
         plan = objective.plan(batch, torch.Generator().manual_seed(seed))

@@ -175,11 +175,13 @@ class SolRL:
         rhos = [spearman_rho(a, b) for a, b in zip(explored, regenerated)] if k >= 2 else []
         overlap = [extreme_overlap(a, b, k // 2) for a, b in zip(explored, regenerated)] if k >= 2 else []
         candidates = stage1.rewards.numel()
+        pooled = explored.numel() >= 2  # one prompt with one kept seed has no ranking to agree on
+        a, b = explored.reshape(-1), regenerated.reshape(-1)
         out = {
             "solrl/kendall_tau": nan_mean(taus),
             "solrl/spearman_rho": nan_mean(rhos),
-            "solrl/pooled_kendall_tau": kendall_tau(explored.reshape(-1), regenerated.reshape(-1)),
-            "solrl/pooled_spearman_rho": spearman_rho(explored.reshape(-1), regenerated.reshape(-1)),
+            "solrl/pooled_kendall_tau": kendall_tau(a, b) if pooled else math.nan,
+            "solrl/pooled_spearman_rho": spearman_rho(a, b) if pooled else math.nan,
             "solrl/extreme_overlap": nan_mean(overlap),
             "solrl/explore_reward_mean": float(stage1.rewards.mean()),
             "solrl/selected_explore_reward_mean": float(explored.mean()),

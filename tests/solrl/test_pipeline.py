@@ -102,3 +102,13 @@ def test_the_explore_copy_is_refreshed_from_the_trained_weights_every_iteration(
     now = weights()
     assert all(torch.equal(now[k], v) for k, v in fresh_before_update.items())
     assert not any(p.requires_grad for p in explore.module.parameters())
+
+
+def test_diagnostics_of_one_kept_seed_are_nan_not_an_error():
+    """One prompt with one kept seed (advantage.method=per_prompt allows it): no ranking, so NaN agreement."""
+    stage1 = pipeline.Stage1(torch.arange(8).reshape(1, 8), torch.rand(1, 8, dtype=torch.float64), 1.0)
+    out = pipeline.SolRL.diagnostics(None, stage1, stage1.rewards[:, :1], stage1.rewards[:, :1] + 0.01, 1.0)
+    assert torch.isnan(out["solrl/pooled_kendall_tau"]) and torch.isnan(out["solrl/kendall_tau"])
+    assert float(out["solrl/regenerate_candidates_per_s"]) == 1.0
+    two = pipeline.SolRL.diagnostics(None, stage1, stage1.rewards[:, :2], stage1.rewards[:, :2], 1.0)
+    assert float(two["solrl/pooled_kendall_tau"]) == 1.0

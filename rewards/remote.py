@@ -38,6 +38,8 @@ from .server import TOKEN_ENV
 from .wire import JSON, SAFETENSORS, WireError, decode_scores, decode_scores_json, encode_batch, encode_batch_png
 
 MAX_BACKOFF_S = 30.0
+MAX_REPLY_BYTES = 16 * 2**20
+"""The largest reply the client reads: scores are 4 bytes an image, so anything near this is not a reply of scores."""
 _RETRY_STATUS = (502, 503, 504)
 FORMATS = ("safetensors", "png")
 
@@ -232,9 +234,7 @@ def _exchange(
         timer.start()
         conn.request(method, path or "/", body=body, headers=headers)
         reply = conn.getresponse()
-        data = reply.read()
-        if fired.is_set():  # the cut may end a read early without an error: never trust that reply
-            raise _Deadline()
+        data = _read_bounded(reply, fired)
         return reply.status, data, reply.getheader("Content-Type", "")
     except (OSError, http.client.HTTPException):
         if fired.is_set() or time.monotonic() >= deadline:
@@ -243,6 +243,32 @@ def _exchange(
     finally:
         timer.cancel()
         conn.close()
+
+
+def _read_bounded(reply: http.client.HTTPResponse, fired: threading.Event) -> bytes:
+    """The reply's body in chunks, at most :data:`MAX_REPLY_BYTES`, given up when the deadline fires.
+
+    A server that streams without end would otherwise be read past the deadline (a shut-down socket
+    still returns what is queued) and into the trainer's memory.
+
+    Raises:
+        WireError: the reply is (or says it is) larger than :data:`MAX_REPLY_BYTES`.
+        _Deadline: the deadline passed while reading.
+    """
+    declared = reply.getheader("Content-Length", "")
+    if declared.strip().isdigit() and int(declared) > MAX_REPLY_BYTES:
+        raise WireError(f"reply declares {int(declared)} bytes, over the {MAX_REPLY_BYTES} a reply of scores can need")
+    chunks, total = [], 0
+    while chunk := reply.read(65536):
+        if fired.is_set():  # the cut may end a read early without an error: never trust that reply
+            raise _Deadline()
+        total += len(chunk)
+        if total > MAX_REPLY_BYTES:
+            raise WireError(f"reply longer than {MAX_REPLY_BYTES} bytes, more than a reply of scores can need")
+        chunks.append(chunk)
+    if fired.is_set():
+        raise _Deadline()
+    return b"".join(chunks)
 
 
 def _error_detail(body: bytes, status: int) -> str:

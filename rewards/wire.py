@@ -59,12 +59,17 @@ class PixelLimits(NamedTuple):
     per_request: int | None = None
 
 
-def check_pixels(sizes: Sequence[tuple[int, int]], limits: PixelLimits | None) -> None:
+def check_pixels(sizes: Sequence[tuple[int, int]], limits: PixelLimits | None, count: int = 1) -> None:
     """Refuse a request whose declared image sizes exceed ``limits``, before anything is decoded.
 
+    Arithmetic on the declared sizes only: a header that declares 10^12 images costs no more to refuse
+    than one that declares one.
+
     Args:
-        sizes: (height, width) of every image (every frame of every clip) in the request.
+        sizes: (height, width) of every image (every frame of every clip) in the request, or of
+            every ``count`` of them (a safetensors batch declares one size for all its images).
         limits: the server's limits (None: no limit).
+        count: how many images each entry of ``sizes`` stands for.
 
     Raises:
         TooLarge: an image, or the request as a whole, holds too many pixels.
@@ -75,13 +80,13 @@ def check_pixels(sizes: Sequence[tuple[int, int]], limits: PixelLimits | None) -
         for i, (h, w) in enumerate(sizes):
             if h * w > limits.per_image:
                 raise TooLarge(
-                    f"image {i} is {w}x{h} ({h * w} pixels), over the server's limit of {limits.per_image} "
+                    f"image {i * count} is {w}x{h} ({h * w} pixels), over the server's limit of {limits.per_image} "
                     "per image (--max-image-pixels); send smaller images"
                 )
-    total = sum(h * w for h, w in sizes)
+    total = count * sum(h * w for h, w in sizes)
     if limits.per_request is not None and total > limits.per_request:
         raise TooLarge(
-            f"request holds {len(sizes)} images of {total} pixels in all, over the server's limit of "
+            f"request holds {count * len(sizes)} images of {total} pixels in all, over the server's limit of "
             f"{limits.per_request} per request (--max-request-pixels); send smaller batches (batch_size)"
         )
 
@@ -123,8 +128,8 @@ def _header(body: bytes) -> dict[str, Any]:
     return header
 
 
-def _declared_sizes(header: dict[str, Any]) -> list[tuple[int, int]]:
-    """(height, width) of every image and frame that the header's ``images`` tensor declares."""
+def _declared_sizes(header: dict[str, Any]) -> tuple[int, tuple[int, int]]:
+    """How many images and frames the header's ``images`` tensor declares, and their (height, width)."""
     entry = header.get("images")
     if not isinstance(entry, dict):
         raise WireError(f"request holds tensors {sorted(k for k in header if k != '__metadata__')}; expected 'images'")
@@ -134,7 +139,7 @@ def _declared_sizes(header: dict[str, Any]) -> list[tuple[int, int]]:
     ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     if not ok or len(shape) not in (4, 5) or shape[-3] != 3:
         raise WireError(f"images must have shape (B, 3, H, W) or (B, F, 3, H, W); got {shape!r}")
-    return [(shape[-2], shape[-1])] * math.prod(shape[:-3])
+    return math.prod(shape[:-3]), (shape[-2], shape[-1])
 
 
 def _load(body: bytes, limits: PixelLimits | None = None) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -142,7 +147,8 @@ def _load(body: bytes, limits: PixelLimits | None = None) -> tuple[dict[str, Ten
 
     header = _header(body)
     if limits is not None:
-        check_pixels(_declared_sizes(header), limits)
+        count, size = _declared_sizes(header)
+        check_pixels([size], limits, count)
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
         raise WireError("the safetensors __metadata__ must be an object of strings")

@@ -308,3 +308,42 @@ def test_a_slow_but_steady_reply_within_the_deadline_is_accepted(serve):
     server = serve(slowish, "slowish")
     x = images()
     assert torch.equal(RemoteReward(server.url, timeout_s=5, retries=0)(x, PROMPTS), x.mean(dim=(1, 2, 3)))
+
+
+def _raw_server(head: bytes, body_chunk: bytes, attempts: int) -> tuple[str, threading.Thread]:
+    """A socket server answering each of ``attempts`` requests with ``head``, then ``body_chunk`` until hung up."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer():
+        with listener:
+            for _ in range(attempts):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    try:
+                        conn.sendall(head)
+                        while body_chunk:
+                            conn.sendall(body_chunk)
+                    except OSError:  # the client gave up: what the test wants
+                        pass
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+@pytest.mark.parametrize(
+    "head, chunk, fragment",
+    [
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"\0" * 2**20, "reply longer than 16777216 bytes"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100000000000\r\n\r\n", b"", "reply declares 100000000000 bytes"),
+    ],
+)
+def test_a_flooding_server_is_refused_before_it_fills_the_trainer_s_memory(head, chunk, fragment):
+    url, thread = _raw_server(head, chunk, attempts=2)
+    start = time.perf_counter()
+    err = score_through_trainer_path(url, retries=1, timeout_s=30)
+    thread.join(timeout=5)
+    assert f"after 2 attempts: {fragment}" in str(err) and time.perf_counter() - start < 20

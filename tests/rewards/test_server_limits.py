@@ -160,10 +160,26 @@ def test_the_server_still_scores_after_hostile_requests(server):
     assert post(server, encode_batch(x, ["a"] * 3), SAFETENSORS)[0] == 200
 
 
+@pytest.mark.parametrize("batch, status", [(60_000_000, 400), (10**12, 413)])
+def test_a_header_declaring_a_huge_batch_is_refused_at_once(server, batch, status):
+    """A ~150-byte header declaring 10^12 images of 1x1: refused by arithmetic, not a list per image."""
+    header = {
+        "__metadata__": {"prompts": "[]"},
+        "images": {"dtype": "U8", "shape": [batch, 3, 1, 1], "data_offsets": [0, 0]},
+    }
+    text = json.dumps(header).encode()
+    start = time.perf_counter()
+    code, error = post(server, struct.pack("<Q", len(text)) + text, SAFETENSORS)
+    assert code == status and time.perf_counter() - start < 2.0
+    assert ("request holds 1000000000000 images" in error) if status == 413 else ("not a valid safetensors" in error)
+
+
 def test_check_pixels():
     check_pixels([(10, 10)] * 3, None)
     check_pixels([(10, 10)] * 3, PixelLimits(100, 300))
     with pytest.raises(TooLarge, match="image 1 is 11x10"):
         check_pixels([(10, 10), (10, 11)], PixelLimits(100, None))
+    with pytest.raises(TooLarge, match="request holds 300 images of 30000 pixels"):
+        check_pixels([(10, 10)], PixelLimits(100, 20_000), count=300)
     with pytest.raises(ValueError, match="--max-image-pixels must be a whole number of pixels >= 1; got 0"):
         RewardServer(ink("bold"), "ink", port=0, max_image_pixels=0)

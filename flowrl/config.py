@@ -435,9 +435,14 @@ def validate_sections(cfg: Config, where: str) -> None:
 
 
 def _check_path_string(value: str | None, key: str, where: str) -> None:
-    """Refuse a path no filesystem takes: a NUL byte, or a name longer than 255 bytes (the usual NAME_MAX)."""
+    """Refuse a path no filesystem takes (a NUL byte, a name over 255 bytes, the usual NAME_MAX) or an empty one.
+
+    An empty path would silently mean the current folder (``output.dir=`` with ``--overwrite`` would empty it).
+    """
     if value is None:
         return
+    if not value.strip():
+        raise ConfigError(f"{where}: '{key}' is empty; set it to a path")
     if "\x00" in value:
         raise ConfigError(f"{where}: '{key}' holds a NUL character; remove it")
     if any(len(part.encode()) > 255 for part in Path(value).parts):

@@ -62,9 +62,33 @@ def check_run_dir_free(path: str | Path, overwrite: bool, resume: str | None = N
         FileExistsError: the folder holds files and neither ``overwrite`` nor ``resume`` is given.
     """
     path = Path(path)
-    if path.is_dir() and any(path.iterdir()) and not overwrite and resume is None:
+    if path.is_dir() and any(path.iterdir()) and resume is None:
+        if not overwrite:
+            raise FileExistsError(
+                f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
+            )
+        check_overwritable(path)
+
+
+def check_overwritable(path: Path) -> None:
+    """Refuse to let ``--overwrite`` delete a folder that is not a run's.
+
+    Refused: the current folder or one above it, and any folder without a run's files
+    (``config.yaml``, ``metrics.jsonl``, ``summary.json`` or ``checkpoints/``).
+
+    Raises:
+        FileExistsError: ``path`` holds files that are not a run's.
+    """
+    here, target = Path.cwd().resolve(), path.resolve()
+    if target == here or target in here.parents:
         raise FileExistsError(
-            f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
+            f"output.dir {path} is the current folder or one above it; --overwrite would delete it; "
+            "set output.dir=<a run folder>"
+        )
+    if not (path / "checkpoints").is_dir() and not any((path / name).exists() for name in RUN_MARKERS):
+        raise FileExistsError(
+            f"output folder {path} holds files but no run (no {', '.join(RUN_MARKERS)}); --overwrite deletes only "
+            "run folders: set output.dir=<new folder> or empty it yourself"
         )
 
 
@@ -72,7 +96,8 @@ def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
     """Create the run folder, refusing one that already holds a run unless ``overwrite``.
 
     Raises:
-        FileExistsError: the folder holds a run and overwrite is False.
+        FileExistsError: the folder holds files and overwrite is False, or it is not a run folder
+            (:func:`check_overwritable`).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -82,6 +107,7 @@ def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
             raise FileExistsError(
                 f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
             )
+        check_overwritable(path)
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     return path

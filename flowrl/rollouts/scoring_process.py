@@ -95,16 +95,21 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _set_running(running: Any, index: int | None = None, name: str = "") -> None:
-    """Write the reward the worker is calling now into shared memory (visible at once, even if it then crashes)."""
-    text = json.dumps([index, name, time.monotonic()]).encode() if index is not None else b""
-    running.value = text[: len(running) - 1]
+def _set_running(running: Any, index: int | None = None, position: int = 0) -> None:
+    """Write the reward the worker is calling now into shared memory (visible at once, even if it then crashes).
+
+    The reward is written as its position in ``MultiReward.rewards`` (a name can be longer than the buffer).
+    """
+    running.value = json.dumps([index, position, time.monotonic()]).encode() if index is not None else b""
 
 
-def _get_running(running: Any) -> tuple[int, str, float] | None:
+def _get_running(running: Any, names: Sequence[str]) -> tuple[int, str, float] | None:
     """(batch index, reward name, start time) of the reward the worker is calling now, or None."""
     raw = running.value
-    return tuple(json.loads(raw)) if raw else None  # type: ignore[return-value]
+    if not raw:
+        return None
+    index, position, started = json.loads(raw)
+    return index, names[position], started
 
 
 def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, results: Any, running: Any) -> None:
@@ -113,6 +118,7 @@ def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, r
     The reward being called is kept in ``running`` (shared memory, see :func:`_set_running`).
     """
     faulthandler.enable()  # a segfault in a reward leaves its Python stack on stderr
+    at = {name: i for i, name in enumerate(reward.rewards)}
     torch.set_num_threads(threads)
     results.put((None, True, "ready"))
     parent = mp.parent_process()
@@ -129,7 +135,7 @@ def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, r
         key, latents, prompts, metadata, index = job
         try:
             out = score_chunk(
-                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, index, name)
+                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, index, at[name])
             )
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
             _set_running(running)
@@ -176,6 +182,7 @@ class ScoringProcess:
         self._next_key = 0
         self._closed = False
         self._timeouts = dict(reward.timeouts)
+        self._names = list(reward.rewards)
         self._running = ctx.Array("c", 512)  # the reward the worker is calling now (_set_running)
         self._receiver: threading.Thread | None = None  # started once the worker is ready
         self._proc = ctx.Process(
@@ -208,15 +215,29 @@ class ScoringProcess:
                 waited += POLL_S
                 if not self._proc.is_alive():
                     self._closed = True
-                    raise RuntimeError(
+                    raise ScoringProcessDied(
                         f"scoring process died ({_how_it_ended(self._proc.exitcode)}) while starting "
                         "(it could not load the reward); run with train.rewards_async=false to see the error"
                     )
         self.close()
-        raise RuntimeError(f"scoring process did not start within {timeout_s:.0f} s; use train.rewards_async=thread")
+        raise ScoringProcessDied(
+            f"scoring process did not start within {timeout_s:.0f} s; use train.rewards_async=thread"
+        )
 
     def _receive(self) -> None:
-        """Resolve futures as results arrive; fail them all if the worker dies or a reward overruns its deadline."""
+        """Resolve futures as results arrive; fail them all if the worker dies or a reward overruns its deadline.
+
+        Nothing ends this thread with a future unresolved: an unexpected error fails every pending one.
+        """
+        try:
+            self._receive_until_done()
+        except BaseException as exc:  # noqa: BLE001 - a silent end here would leave the trainer waiting forever
+            self._fail_pending(
+                ScoringProcessDied(f"scoring results could not be received ({type(exc).__name__}: {exc})")
+            )
+            raise
+
+    def _receive_until_done(self) -> None:
         while True:
             try:
                 key, ok, payload = self._results.get(timeout=POLL_S)
@@ -235,7 +256,7 @@ class ScoringProcess:
 
     def _where(self) -> str:
         """``" in reward 'x' (batch 6)"`` for the reward the worker is running, or ``""``."""
-        running = _get_running(self._running)
+        running = _get_running(self._running, self._names)
         if running is None:
             return ""
         index, name, _ = running
@@ -250,7 +271,7 @@ class ScoringProcess:
                 ScoringProcessDied(f"scoring process died ({_how_it_ended(code)}){self._where()}; {hint}")
             )
             return True
-        running = _get_running(self._running)
+        running = _get_running(self._running, self._names)
         if running is None:
             return False
         index, name, started = running
@@ -289,7 +310,7 @@ class ScoringProcess:
     def submit(self, latents: Tensor, prompts: Sequence[str], metadata: dict[str, Any], index: int) -> Future:
         """Queue one chunk; the Future resolves to ``score_chunk``'s (images, parts)."""
         if self._closed or not self._proc.is_alive():
-            raise RuntimeError(
+            raise ScoringProcessDied(
                 f"scoring process is not running ({_how_it_ended(self._proc.exitcode)}); "
                 "rerun with train.rewards_async=thread or false"
             )

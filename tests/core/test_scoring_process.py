@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 import threading
 import time
 
@@ -183,13 +184,14 @@ def test_failing_reward_in_the_worker_names_reward_and_batch():
         t.close()
 
 
-def test_dead_worker_fails_fast_with_one_line():
-    t = trainer("process", MultiReward({"quitter": (Exits(), 1.0)}))
+@pytest.mark.parametrize("name", ["quitter", "quitter " + "\u00e9\U0001f600" * 200])  # a name longer than any buffer
+def test_dead_worker_fails_fast_with_one_line(name):
+    t = trainer("process", MultiReward({name: (Exits(), 1.0)}))
     start = time.perf_counter()
     try:
         with pytest.raises(
             RewardError,
-            match=r"^scoring process died \(exit code 3\) in reward 'quitter' \(batch 0\); "
+            match=rf"^scoring process died \(exit code 3\) in reward {re.escape(repr(name))} \(batch 0\); "
             r"rerun with train.rewards_async=thread",
         ):
             t.collect()
@@ -231,8 +233,8 @@ def test_rollout_scorer_with_a_worker_gathers_chunks(tmp_path):
         worker.close()
     # the receiver (which unpickles tensors) has ended: no daemon thread that ran torch code outlives close()
     assert not any(t.name == "flowrl-scoring-receiver" and t.is_alive() for t in threading.enumerate())
-    with pytest.raises(RuntimeError, match="scoring process is not running"):
-        worker.submit(x, ["p"], {}, 0)
+    with pytest.raises(RewardError, match="^scoring process is not running .*rerun with train.rewards_async=thread"):
+        worker.submit(x, ["p"], {}, 0)  # a RewardError: the CLI prints it as one line
 
 
 def test_config_modes():

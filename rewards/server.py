@@ -44,6 +44,7 @@ from .wire import (
     PixelLimits,
     TooLarge,
     WireError,
+    check_batch_metadata,
     decode_batch,
     decode_batch_png,
     encode_scores,
@@ -204,6 +205,7 @@ class RewardServer:
             raise WireError(str(err)) from None
         if len(prompts) != images.shape[0]:
             raise WireError(f"got {len(prompts)} prompts for {images.shape[0]} images; send one prompt per image")
+        check_batch_metadata(metadata, len(prompts))
         while not self._score_lock.acquire(timeout=0.05):  # waiting in line: give way to a shutdown
             if self._draining:
                 raise ShuttingDown()

@@ -229,6 +229,20 @@ def _check_metadata(metadata: Any) -> dict[str, Any]:
     return metadata
 
 
+def check_batch_metadata(metadata: dict[str, Any], batch: int) -> None:
+    """Refuse request metadata a reward cannot be called with: the contract's per-sample lists of ``batch`` values.
+
+    Raises:
+        WireError: a key that is one of the reward's own arguments, or a value that is not a list of ``batch``.
+    """
+    for key, value in metadata.items():
+        if key in ("images", "prompts"):
+            raise WireError(f"request metadata may not be named {key!r} (the reward's own argument); rename it")
+        if not isinstance(value, list) or len(value) != batch:
+            got = f"{len(value)} values" if isinstance(value, list) else f"a value of type {type(value).__name__}"
+            raise WireError(f"request metadata {key!r} must be a list of one value per image ({batch}); got {got}")
+
+
 def encode_scores(scores: Tensor, allows_nan: bool) -> bytes:
     """A reply: scores (B,) float32 as safetensors, with ``allows_nan`` in the metadata."""
     from safetensors.torch import save

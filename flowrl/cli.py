@@ -29,8 +29,8 @@ def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
     ``key=value`` positionals are overrides applied last.
     """
     configs, overrides = [], []
-    for arg in args:
-        (overrides if "=" in arg else configs).append(arg)
+    for arg in args:  # a file that exists is a config even when its path holds "=" (runs/lr=0.1/config.yaml)
+        (overrides if "=" in arg and not Path(arg).is_file() else configs).append(arg)
     return configs or None, overrides
 
 
@@ -119,10 +119,14 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 
     Returns:
         The exit code, 0.
+
+    Raises:
+        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder.
     """
     import torch
 
     from .config import load_config
+    from .export import run_config_file
     from .outputs import image_grid, save_png
     from .policy import build_policy
     from .prompts.sets import load_prompts
@@ -130,7 +134,13 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .rollouts.chunked import sample_images
     from .runtime import configure_threads
 
+    if ns.seeds < 1 or (ns.steps is not None and ns.steps < 1):
+        raise ValueError(f"--seeds and --steps must be >= 1; got {ns.seeds} and {ns.steps}")
+    if Path(ns.out).is_dir():
+        raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {Path(ns.out) / 'samples.png'}")
     config, overrides = _split_config_args(ns.args)
+    if config is None and ns.lora is not None and run_config_file(ns.lora) is not None:
+        config = [str(run_config_file(ns.lora))]  # the run's own model, guidance and sigma grid; overrides on top
     cfg = load_config(config, overrides)
     check_machine(cfg, training=False)
     configure_threads(cfg.train.threads)
@@ -138,7 +148,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    sigmas = policy.sigmas(ns.steps or cfg.sampler.num_steps)
+    sigmas = policy.sigmas(ns.steps if ns.steps is not None else cfg.sampler.num_steps)
     with torch.no_grad():
         images = sample_images(
             policy.model, prompts, seeds, sigmas, resolution=policy.resolution, frames=cfg.model.num_frames
@@ -303,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = sub.add_parser("sample", help="sample an image grid (optionally with a trained LoRA)")
     sample.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
-    sample.add_argument("--lora", help="a run folder or a folder with pytorch_lora_weights.safetensors")
+    sample.add_argument(
+        "--lora", help="a run folder (its config.yaml is the base config unless one is given) or its lora/ folder"
+    )
     sample.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's eval prompts")
     sample.add_argument("--seeds", type=int, default=4, help="samples per prompt")
     sample.add_argument("--seed", type=int, default=0, help="first seed")

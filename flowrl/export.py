@@ -16,15 +16,23 @@ from pathlib import Path
 import yaml
 
 from .models import EMBEDDED, load_adapter
-from .policy.lora import find_lora
+from .outputs import check_overwritable
+from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
 
-DENOISERS = ("transformer", "transformer_2")  # diffusers pipeline components that may hold a LoRA
+
+def run_config_file(source: str | Path) -> Path | None:
+    """The resolved ``config.yaml`` of the run that ``source`` (a run folder or its ``lora/``) belongs to, or None."""
+    path = Path(source)
+    for folder in (path, path.parent) if path.name == "lora" else (path,):
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    return None
 
 
 def run_model_settings(source: str | Path) -> dict[str, str]:
     """``model.path`` and ``model.dtype`` from a run folder's resolved ``config.yaml`` (empty if none)."""
-    config = Path(source) / "config.yaml"
-    if not config.is_file():
+    config = run_config_file(source)
+    if config is None:
         return {}
     model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
     return {k: model[k] for k in ("path", "dtype") if isinstance(model.get(k), str)}
@@ -63,13 +71,14 @@ def export_merged(
     base = base or settings.get("path") or EMBEDDED
     dtype = dtype or settings.get("dtype") or "float32"
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
+        check_overwritable(out, ("model_index.json",), "diffusers model", "--out")
     model = load_adapter(base, dtype=dtype, device="cpu")
     pipe = model.pipe
-    model.load_lora(lora)  # diffusers' loader; Wan2.2 loads one file per expert
-    adapted = [c for c in DENOISERS if getattr(getattr(pipe, c, None), "peft_config", None)]
-    pipe.fuse_lora(components=adapted, lora_scale=1.0)
+    load_saved_lora(model, lora)  # diffusers' loader; Wan2.2 loads one file per expert
+    pipe.fuse_lora(components=adapted_denoisers(pipe), lora_scale=1.0)
     pipe.unload_lora_weights()
     if out.exists():
         shutil.rmtree(out)

@@ -70,25 +70,33 @@ def check_run_dir_free(path: str | Path, overwrite: bool, resume: str | None = N
         check_overwritable(path)
 
 
-def check_overwritable(path: Path) -> None:
-    """Refuse to let ``--overwrite`` delete a folder that is not a run's.
+def check_overwritable(
+    path: Path, markers: tuple[str, ...] = (*RUN_MARKERS, "checkpoints"), kind: str = "run", key: str = "output.dir"
+) -> None:
+    """Refuse to let ``--overwrite`` delete a folder that is not one flowrl wrote.
 
-    Refused: the current folder or one above it, and any folder without a run's files
-    (``config.yaml``, ``metrics.jsonl``, ``summary.json`` or ``checkpoints/``).
+    Refused: the current folder or one above it, and any folder holding none of ``markers`` (a run's
+    ``config.yaml``, ``metrics.jsonl``, ``summary.json`` or ``checkpoints/`` by default).
+
+    Args:
+        path: the folder ``--overwrite`` would replace.
+        markers: names of which at least one marks a folder of this ``kind``.
+        kind: what the folder should be, for the message ("run", "diffusers model").
+        key: the option that named the folder, for the message.
 
     Raises:
-        FileExistsError: ``path`` holds files that are not a run's.
+        FileExistsError: ``path`` is not a folder of this kind.
     """
     here, target = Path.cwd().resolve(), path.resolve()
     if target == here or target in here.parents:
         raise FileExistsError(
-            f"output.dir {path} is the current folder or one above it; --overwrite would delete it; "
-            "set output.dir=<a run folder>"
+            f"{key} {path} is the current folder or one above it; --overwrite would delete it; "
+            f"set {key} to a {kind} folder"
         )
-    if not (path / "checkpoints").is_dir() and not any((path / name).exists() for name in RUN_MARKERS):
+    if not any((path / name).exists() for name in markers):
         raise FileExistsError(
-            f"output folder {path} holds files but no run (no {', '.join(RUN_MARKERS)}); --overwrite deletes only "
-            "run folders: set output.dir=<new folder> or empty it yourself"
+            f"folder {path} holds files but no {kind} (none of {', '.join(markers)}); --overwrite deletes only "
+            f"{kind} folders: set {key} to a new folder or empty it yourself"
         )
 
 

@@ -198,3 +198,13 @@ def test_overrides_are_accepted_anywhere_on_the_command_line():
     assert ns.args == ["sampler.num_steps=3"] and ns.seeds == 2
     with pytest.raises(SystemExit):
         parse_command_line(build_parser(), ["train", "--output", "runs/x", "--no-such-flag"])
+
+
+def test_a_config_file_whose_path_holds_an_equals_sign_is_a_config(tmp_path):
+    from flowrl.cli import _split_config_args
+
+    config = tmp_path / "lr=0.1" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("train:\n  iterations: 3\n")
+    assert _split_config_args([str(config), "optim.lr=0.1"]) == ([str(config)], ["optim.lr=0.1"])
+    assert _split_config_args(["a.yaml", "x=1"]) == (["a.yaml"], ["x=1"])

@@ -113,3 +113,54 @@ def test_merged_export_of_a_two_expert_wan_lora(tmp_path):
         base_v = load_adapter(str(base)).velocity(x, sigma, cond)
     assert (expected - base_v).abs().amax(dim=tuple(range(1, x.ndim))).min() > 1e-4  # both experts changed
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_lora_file_that_is_not_one_is_one_line_everywhere(tmp_path, capsys):
+    """A corrupt file, a file of another model's keys, or a checkpoint's peft-keyed file: refused, never base images."""
+    from safetensors.torch import save_file
+
+    from flowrl.policy.lora import lora_state_dict
+
+    model, lora_dir = _random_lora_run(tmp_path)
+    cases = {"corrupt": None, "foreign": {"transformer.foo.lora_A.weight": torch.zeros(2, 2)}}
+    cases["peft keys"] = {k.removeprefix("transformer."): v for k, v in lora_state_dict(model.transformer).items()}
+    for name, tensors in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        file = folder / "pytorch_lora_weights.safetensors"
+        file.write_bytes(b"garbage") if tensors is None else save_file(tensors, str(file))
+        for argv in (
+            ["sample", "--lora", str(folder), "--prompt", "a 3", "--seeds", "1", "--out", str(tmp_path / "s.png")],
+            ["export", "--merge", str(folder), "--out", str(tmp_path / "m")],
+        ):
+            assert main(argv) == 2, (name, argv[0])
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"LoRA {folder}: " in err and "pass a run folder" in err, (name, err)
+    assert not (tmp_path / "s.png").exists() and not (tmp_path / "m").exists()
+
+
+def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, capsys):
+    _, lora_dir = _random_lora_run(tmp_path)
+    run = lora_dir.parent
+    (run / "config.yaml").write_text(f"model:\n  path: {tmp_path / 'gone'}\n")  # the run's base model, moved away
+    out = ["--prompt", "a 3", "--seeds", "1", "--out", str(tmp_path / "s.png")]
+    assert main(["sample", "--lora", str(run), *out]) == 2
+    assert str(tmp_path / "gone") in capsys.readouterr().err  # it looked for the run's model, not the embedded one
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out]) == 0
+    for bad, fragment in (("--seeds=0", "--seeds and --steps must be >= 1"), ("--steps=0", "got 1 and 0")):
+        assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out, bad]) == 2
+        assert fragment in capsys.readouterr().err
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], str(tmp_path)]) == 2
+    assert "is a folder; name a PNG file" in capsys.readouterr().err
+
+
+def test_export_overwrites_only_a_diffusers_folder(tmp_path, capsys, monkeypatch):
+    _, lora_dir = _random_lora_run(tmp_path)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.md").write_text("x")
+    assert main(["export", "--merge", str(lora_dir), "--out", str(notes), "--overwrite"]) == 2
+    assert "no diffusers model (none of model_index.json)" in capsys.readouterr().err and (notes / "todo.md").is_file()
+    monkeypatch.chdir(notes)
+    assert main(["export", "--merge", str(lora_dir), "--out", ".", "--overwrite"]) == 2
+    assert "is the current folder or one above it" in capsys.readouterr().err and (notes / "todo.md").is_file()

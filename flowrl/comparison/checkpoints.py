@@ -203,12 +203,12 @@ class CheckpointBank:
         return self._adapters[checkpoint]
 
     def _attach(self, checkpoint: Checkpoint) -> str:
-        from ..policy.lora import adapter_names, find_lora
+        from ..policy.lora import adapter_names, load_saved_lora
 
         model = self.model(checkpoint)
         before = set(adapter_names(model.transformer))
         if checkpoint.kind == "final":
-            model.load_lora(find_lora(checkpoint.run_dir))  # the diffusers loader, as `flowrl sample` loads it
+            load_saved_lora(model, checkpoint.run_dir)  # the diffusers loader, as `flowrl sample` loads it
             added = [n for n in adapter_names(model.transformer) if n not in before]
             if len(added) != 1:
                 raise ValueError(f"loading {checkpoint.run_dir}/lora added {len(added)} adapters; expected one")

@@ -19,7 +19,7 @@ from ..models.adapter import ModelAdapter, model_latent_shape, output_resolution
 from ..models.pipeline_schedule import run_sigmas
 from .counting import CountingAdapter
 from .guidance import apply_guidance
-from .lora import add_lora, find_lora
+from .lora import add_lora, load_saved_lora
 from .memory import apply_memory_settings
 from .wrapper import AdapterWrapper
 
@@ -105,7 +105,7 @@ def build_policy(
         m = cfg.model
         model = load_adapter(m.path, dtype=m.dtype, device=m.device, distilled_guidance=m.distilled_guidance)
     if lora is not None:
-        model.load_lora(find_lora(lora))
+        load_saved_lora(model, lora)
     guided = apply_guidance(model, cfg.sampler.guidance_scale, cfg.prompts.negative)  # unchanged when the scale is 1
     stack = counter(apply_memory_settings(guided, cfg.memory))
     resolution = output_resolution(cfg.model.resolution, stack)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ..models.adapter import ModelAdapter
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_FILES = (LORA_FILE, "pytorch_lora_weights_transformer_2.safetensors")  # Wan2.2 writes one file per expert
@@ -33,6 +36,42 @@ def find_lora(source: str | Path) -> Path:
     if path.is_file() and path.suffix == ".safetensors":
         return path
     raise FileNotFoundError(f"no LoRA at {source}; pass a run folder, its lora/ folder or a {LORA_FILE} file")
+
+
+DENOISERS = ("transformer", "transformer_2")  # diffusers pipeline components that may hold a LoRA
+
+
+def adapted_denoisers(pipe: Any) -> list[str]:
+    """The pipeline's denoiser components that hold a LoRA (``transformer``, Wan2.2's ``transformer_2``)."""
+    return [c for c in DENOISERS if getattr(getattr(pipe, c, None), "peft_config", None)]
+
+
+def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
+    """Load a saved LoRA (see :func:`find_lora`) into ``model`` (a ``ModelAdapter``) and check that it took.
+
+    diffusers' loader passes over a file whose keys name no module of this denoiser (e.g. a training
+    checkpoint's ``lora.safetensors``, keyed for peft rather than the pipeline), which would leave the base
+    model in place without a word.
+
+    Returns:
+        The LoRA folder or file loaded.
+
+    Raises:
+        FileNotFoundError: nothing LoRA-like at ``source``.
+        ValueError: the file is unreadable, not a LoRA of this model, or loaded no weights (one line).
+    """
+    path = find_lora(source)
+    fix = "pass a run folder, its lora/ folder or a pytorch_lora_weights.safetensors that flowrl wrote for this model"
+    try:
+        model.load_lora(path)
+    except FileNotFoundError:
+        raise
+    except (OSError, IndexError, KeyError, ValueError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"LoRA {path}: not a LoRA this model can load ({detail}); {fix}") from None
+    if not adapted_denoisers(model.pipe):
+        raise ValueError(f"LoRA {path}: none of its weights name a layer of this model's denoiser; {fix}")
+    return path
 
 
 def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequence[str]) -> list[nn.Parameter]:

@@ -423,6 +423,9 @@ def validate_sections(cfg: Config, where: str) -> None:
         ConfigError: the first bad combination, naming its keys and the fix.
     """
     check_device_string(cfg.model.device, "model.device", where)
+    resolution = cfg.model.resolution
+    if isinstance(resolution, list) and len(resolution) != 2:
+        raise ConfigError(f"{where}: 'model.resolution' must be one int (square) or [height, width]; got {resolution}")
     paths = {"model.path": cfg.model.path, "prompts.train": cfg.prompts.train, "prompts.eval": cfg.prompts.eval}
     paths.update({"prompts.cache_dir": cfg.prompts.cache_dir, "output.dir": cfg.output.dir})
     for key, value in paths.items():
@@ -460,6 +463,17 @@ def _check_sampler(s: SamplerConfig, where: str) -> None:
         raise ConfigError(
             f"{where}: 'sampler.window_size' ({s.window_size}) must be <= sampler.num_steps ({s.num_steps}); "
             "lower window_size or raise num_steps"
+        )
+    if s.window == "fixed" and s.window_start + s.window_size > s.num_steps:
+        raise ConfigError(
+            f"{where}: 'sampler.window_start' ({s.window_start}) + window_size ({s.window_size}) must be <= "
+            f"sampler.num_steps ({s.num_steps}); set window_start <= {s.num_steps - s.window_size}"
+        )
+    lo, hi = s.window_range
+    if s.window == "random" and (hi > s.num_steps or hi - lo < s.window_size):
+        raise ConfigError(
+            f"{where}: 'sampler.window_range' [{lo}, {hi}) must lie in [0, sampler.num_steps={s.num_steps}] and hold "
+            f"window_size={s.window_size} steps; e.g. sampler.window_range=[0,{s.num_steps}]"
         )
 
 
@@ -544,7 +558,7 @@ def validate_objective(section: dict[str, Any], where: str) -> dict[str, Any]:
     from .objectives import OBJECTIVES
 
     name = section.get("name", "flow_grpo")
-    if name not in OBJECTIVES:
+    if not isinstance(name, str) or name not in OBJECTIVES:
         raise ConfigError(f"{where}: 'objective.name' must be one of {', '.join(map(repr, OBJECTIVES))}; got {name!r}")
     try:
         built = build_section(OBJECTIVES[name], {**section, "name": name}, "objective.", where)

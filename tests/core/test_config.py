@@ -41,6 +41,11 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["optim.beta1=1.5"], "'optim.beta1' must be >= 0 and <= 1"),
         (["sampler"], "must look like key=value"),
         (["sampler=3"], "'sampler' must be a mapping"),
+        (["model.resolution=[8,8,8]"], "'model.resolution' must be one int (square) or [height, width]"),
+        (["objective.name=[]"], "'objective.name' must be one of 'flow_grpo'"),
+        (["sampler.window=fixed", "sampler.window_start=50"], "'sampler.window_start' (50) + window_size (2)"),
+        (["sampler.window=random", "sampler.num_steps=5"], "'sampler.window_range' [0, 9) must lie in [0, sampler"),
+        (["output.dir="], "'output.dir' is empty; set it to a path"),
     ],
 )
 def test_bad_values_give_one_line_errors(override, fragment):
@@ -63,6 +68,10 @@ def test_yaml_file_errors_name_the_file(tmp_path):
         load_config(broken)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"train:\n  iterations: 2\n  # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text \(byte 30\); re-save it as UTF-8"):
+        load_config(latin1)
 
 
 def test_a_files_rewards_replace_the_defaults(tmp_path):

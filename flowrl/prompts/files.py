@@ -51,7 +51,7 @@ def _check_text(path: Path, number: int, line: str) -> None:
 def read_txt(path: Path) -> list[Prompt]:
     """One prompt per non-empty line; quoted text becomes ``ocr_text`` metadata."""
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         _check_text(path, number, line)
         text = line.strip()
         if text:
@@ -73,7 +73,7 @@ def _row_prompt(row: Any, where: str) -> Prompt:
 def read_jsonl(path: Path) -> list[Prompt]:
     """One JSON object per line with a ``"prompt"`` field plus metadata."""
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         _check_text(path, number, line)
         if not line.strip():
             continue
@@ -91,7 +91,7 @@ def read_jsonl(path: Path) -> list[Prompt]:
 
 def read_csv(path: Path) -> list[Prompt]:
     """CSV with a header row holding a ``prompt`` column; other columns become string metadata."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     if "\x00" in text:
         raise ValueError(f"{path}: contains a NUL byte; prompt files must be UTF-8 text")
     reader = csv.reader(io.StringIO(text))
@@ -120,7 +120,7 @@ def read_csv(path: Path) -> list[Prompt]:
 def read_json(path: Path) -> list[Prompt]:
     """A JSON list of prompt strings or of objects with a ``"prompt"`` field."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
     if isinstance(data, dict) and isinstance(data.get("prompts"), list):

@@ -103,3 +103,14 @@ def test_run_prompts_from_a_folder_or_a_held_out_fraction():
     cfg = load_config(None, [f"prompts.train={DATA / 'geneval' / 'train_metadata.jsonl'}", "prompts.test_fraction=0.5"])
     train, test = load_run_prompts(cfg)
     assert len(train) + len(test) == 5 and {p.text for p in train}.isdisjoint({p.text for p in test})
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [("p.txt", "a bold 3\n"), ("p.jsonl", '{"prompt": "a bold 3"}\n'), ("p.csv", "prompt,x\na bold 3,1\n")],
+)
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name, content):
+    """Windows editors start UTF-8 files with a BOM: it must not reach the tokenizer or the CSV header."""
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + content.encode())
+    assert [p.text for p in load_prompts(str(path), split="test")] == ["a bold 3"]

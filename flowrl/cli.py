@@ -81,8 +81,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         processes = resolve_processes(cfg, parse_processes(ns.processes))
     if ns.check:
+        from .local_launch import check_split
         from .resources import check_report
 
+        if processes is not None and processes > 1:
+            check_split(cfg, processes)  # as the launch checks before it starts anything
         print(check_report(cfg, processes))
         return 0
     run_dir = resume_run_dir(ns.resume) if ns.resume else None

@@ -95,6 +95,8 @@ def test_what_every_rank_would_refuse_is_refused_before_any_process_starts(capsy
     line = one_line_error(capsys, "train", "--processes", "2", "prompts.per_iteration=3", f"output.dir={tmp_path}/b")
     assert "prompts.per_iteration=3 does not split into whole groups over 2 processes" in line
     assert not (tmp_path / "b").exists()
+    line = one_line_error(capsys, "train", "--check", "--processes", "3")  # --check refuses what the launch would
+    assert "prompts.per_iteration=20 does not split into whole groups over 3 processes" in line
 
 
 def test_check_with_auto_estimates_the_resolved_count(capsys):

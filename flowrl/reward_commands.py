@@ -85,10 +85,9 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
             log=ns.log,
             idle_exit_s=ns.idle_exit,
         )
-    except OSError as err:
-        raise ValueError(
-            f"cannot serve on {ns.host}:{ns.port} ({err.strerror or err}); pick another --port or --host"
-        ) from None
+    except (OSError, OverflowError) as err:  # OverflowError: a port outside 0-65535
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ValueError(f"cannot serve on {ns.host}:{ns.port} ({reason}); pick another --port or --host") from None
     print(
         f"serving reward {ns.name!r} at {server.url} (POST /score, GET /health, GET /info; "
         f"token {'required' if token else 'off'}); Ctrl-C stops",

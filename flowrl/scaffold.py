@@ -7,6 +7,7 @@ shows in ``flowrl rewards list``. Its test runs the conformance kit.
 
 from __future__ import annotations
 
+import keyword
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ dependencies = ["torch"]  # add the libraries your scorer needs; flowrl itself i
 packages = ["{package}"]
 """
 
+TEMPLATE_NAMES = ("torch", "annotations", "check_reward")  # module-level names the template files use
 REWARD = '''"""The {name} reward for flowrl.
 
 Contract: ``reward(images (B, 3, H, W) in [0, 1], prompts, **metadata) -> Tensor (B,) float32``.
@@ -104,6 +106,10 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
     """
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"reward name {name!r} must be a lowercase identifier like 'my_reward' (letters, digits, _)")
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in TEMPLATE_NAMES:
+        raise ValueError(
+            f"reward name {name!r} is a Python keyword or a name the plugin's module uses; choose e.g. '{name}_reward'"
+        )
     dash, package = name.replace("_", "-"), f"flowrl_reward_{name}"
     root = Path(directory) / f"flowrl-reward-{dash}"
     if root.exists():

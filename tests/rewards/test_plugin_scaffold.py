@@ -69,6 +69,9 @@ def test_scaffold_install_list_and_train(tmp_path):
 def test_bad_names_and_existing_folder(tmp_path):
     with pytest.raises(ValueError, match="lowercase identifier"):
         scaffold_reward("My-Reward", tmp_path)
+    for name in ("pass", "match", "torch", "check_reward"):  # would write a plugin that does not import
+        with pytest.raises(ValueError, match=f"'{name}' is a Python keyword or a name the plugin's module uses"):
+            scaffold_reward(name, tmp_path)
     scaffold_reward("ok", tmp_path)
     with pytest.raises(FileExistsError, match="already exists"):
         scaffold_reward("ok", tmp_path)

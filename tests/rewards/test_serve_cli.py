@@ -99,6 +99,7 @@ def test_serve_reward_stops_itself_when_idle(server_process):
         ),
         (["no_such_reward", "--port", "0"], "unknown reward 'no_such_reward'"),
         (["ink", "target=huge", "--port", "0"], "reward 'ink' could not be built"),
+        (["ink", "--port", "99999"], "cannot serve on 127.0.0.1:99999 (bind(): port must be 0-65535.)"),
     ],
 )
 def test_serve_reward_one_line_errors(args, fragment):

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from .outputs import DISK_FULL_ERRNOS, disk_full_error
+from .outputs import DISK_FULL_ERRNOS, disk_full_error, resume_run_dir
 
 FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json")
 MANIFEST = "manifest.json"
@@ -359,13 +359,3 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     }
 
 
-def resume_run_dir(path: str | Path) -> Path | None:
-    """The run folder a ``--resume`` path belongs to (the path itself, or above ``checkpoints/``), if any."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        return path
-    if path.name == "checkpoints":
-        return path.parent
-    if path.parent.name == "checkpoints":
-        return path.parent.parent
-    return None

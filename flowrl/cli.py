@@ -68,8 +68,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     Returns:
         The exit code: 0, or a launch's.
     """
-    from .checkpoint import resume_run_dir
     from .config import load_config, read_yaml
+    from .outputs import resume_run_dir
     from .recipe import Run
 
     _check_single_process()

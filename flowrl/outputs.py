@@ -59,15 +59,38 @@ def check_run_dir_free(path: str | Path, overwrite: bool, resume: str | None = N
     """Refuse a run folder that already holds files, before anything is built or launched.
 
     Raises:
-        FileExistsError: the folder holds files and neither ``overwrite`` nor ``resume`` is given.
+        FileExistsError: the folder holds files and ``overwrite`` is not given, or it is not a run
+            (:func:`check_overwritable`); with ``resume``, it holds files and is not the resumed run's folder.
     """
     path = Path(path)
-    if path.is_dir() and any(path.iterdir()) and resume is None:
-        if not overwrite:
-            raise FileExistsError(
-                f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
-            )
-        check_overwritable(path)
+    if not (path.is_dir() and any(path.iterdir())):
+        return
+    if resume is not None:  # a resume continues in its own run folder; any other folder's files are another run's
+        run = resume_run_dir(resume)
+        if run is not None and run.resolve() == path.resolve():
+            return
+        where = f"leave output.dir out to continue in {run}, or " if run is not None else ""
+        raise FileExistsError(
+            f"output folder {path} already holds files and is not the run of --resume {resume}; "
+            f"{where}set output.dir=<new folder>"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"output folder {path} already holds files; pass --overwrite or set output.dir=<new folder>"
+        )
+    check_overwritable(path)
+
+
+def resume_run_dir(path: str | Path) -> Path | None:
+    """The run folder a ``--resume`` path belongs to (the path itself, or above ``checkpoints/``), if any."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return path
+    if path.name == "checkpoints":
+        return path.parent
+    if path.parent.name == "checkpoints":
+        return path.parent.parent
+    return None
 
 
 def check_overwritable(

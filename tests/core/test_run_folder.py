@@ -48,3 +48,16 @@ def test_overwrite_replaces_a_run_folder(precious):
 def test_an_empty_path_is_refused(key):
     with pytest.raises(ConfigError, match=f"'{key}' is empty; set it to a path"):
         load_config(None, [f"{key}="])
+
+
+def test_a_resume_writes_only_into_its_own_run_folder(precious):
+    run, other = precious / "a", precious / "b"
+    for folder in (run, other):
+        (folder / "checkpoints" / "iter-000001").mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("{}\n")
+    check_run_dir_free(run, False, str(run / "checkpoints" / "iter-000001"))  # its own run: continues there
+    check_run_dir_free(run, False, str(run))
+    check_run_dir_free(precious / "new", False, str(run))  # a new folder is fine
+    for overwrite in (False, True):  # another run's folder is never written over by a resume
+        with pytest.raises(FileExistsError, match="is not the run of --resume .*leave output.dir out to continue in"):
+            check_run_dir_free(other, overwrite, str(run / "checkpoints" / "iter-000001"))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .checkpoint import MANIFEST, CheckpointError, load_checkpoint
-from .outputs import RUN_MARKERS
+from .outputs import RUN_MARKERS, read_metrics
 
 CHECKPOINT_NAME = re.compile(r"iter-(\d+)")
 
@@ -71,6 +71,10 @@ def checkpoint_folders(run_dir: str | Path) -> list[Path]:
 def latest_good_checkpoint(run_dir: str | Path) -> Resume:
     """The newest checkpoint of a run that verifies, falling back over the ones that do not.
 
+    A checkpoint past the last step in the run's ``metrics.jsonl`` is skipped: a resume from an earlier
+    checkpoint cut the metrics back to it and stopped before it replaced that checkpoint, so continuing
+    from it would leave a gap in the metrics.
+
     Args:
         run_dir: a run folder (its ``checkpoints/iter-N`` folders are tried newest first).
 
@@ -86,7 +90,15 @@ def latest_good_checkpoint(run_dir: str | Path) -> Resume:
     if not folders:
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoints/iter-N folder there; start a new run")
     warnings: list[str] = []
+    logged = [step for step, _ in read_metrics(Path(run_dir) / "metrics.jsonl")]
+    last = max(logged) if logged else None  # every checkpoint's step is logged before the checkpoint is written
     for folder in folders:
+        if last is not None and int(folder.name.removeprefix("iter-")) > last:
+            warnings.append(
+                f"checkpoint {folder}: past the run's last logged step {last} (left by a resume from an earlier "
+                "checkpoint that stopped before it got there); trying the previous one"
+            )
+            continue
         try:
             return Resume(folder, load_checkpoint(folder), warnings)
         except CheckpointError as err:

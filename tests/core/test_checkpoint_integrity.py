@@ -197,6 +197,17 @@ def test_latest_good_checkpoint_falls_back_with_a_warning(tmp_path):
     assert "iter-000003" in warning and "rng.safetensors" in warning and "\n" not in warning
 
 
+def test_a_checkpoint_past_the_last_logged_step_is_skipped(tmp_path):
+    """A resume from iter-2 cut the metrics to step 2 and was killed before it replaced iter-3 and iter-4."""
+    run = _run_with(tmp_path, 4)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(3)))
+    found = latest_good_checkpoint(run)
+    assert found.path.name == "iter-000002" and len(found.warnings) == 2
+    assert "iter-000004: past the run's last logged step 2 (left by a resume from an earlier" in found.warnings[0]
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(5)))
+    assert latest_good_checkpoint(run).path.name == "iter-000004"  # a run that got there: its newest
+
+
 def test_no_checkpoint_verifies(tmp_path):
     run = _run_with(tmp_path, 2)
     for folder in (run / "checkpoints").iterdir():

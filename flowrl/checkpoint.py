@@ -357,5 +357,3 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         "heldout": meta.get("heldout", {}),
         "config": meta.get("config"),
     }
-
-

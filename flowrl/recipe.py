@@ -132,6 +132,11 @@ class Run:
         reward = build_reward(cfg)
         policy = build_policy(cfg, trainable=True)
         self.trainer = Trainer(cfg, policy, reward, train_prompts, eval_prompts, collective=self.collective)
+        if self.resume is not None:  # a LoRA that does not fit fails before the run folder is touched
+            try:
+                self.trainer.check_state_dict(self.resume.state)
+            except ValueError as err:
+                raise ValueError(f"--resume {self.resume.path}: {err}") from None
         self.eval_report = EVAL_REPORTS.get(cfg.model.path)  # model-specific figures, e.g. the embedded style report
         self.heldout: HeldOutResult | None = None  # the last held-out evaluation, recorded once the row is logged
         self.stop_reason: str | None = None  # a guard with on_trip: stop tripped

@@ -32,7 +32,7 @@ from .models.adapter import Cond
 from .objectives import OBJECTIVES, Objective, RolloutBatch
 from .objectives.planning import plan_megabytes
 from .policy import Policy
-from .policy.lora import adapter_names, adapters_disabled, load_lora_state, use_adapter
+from .policy.lora import adapter_names, adapters_disabled, check_lora_state, load_lora_state, use_adapter
 from .policy.memory import trainable_attention
 from .prompts.batch import PromptBatch, collate, sample_groups
 from .prompts.cache import PromptCache
@@ -487,6 +487,20 @@ class Trainer:
             return self.zero.optimizer_state()
         state = copy.deepcopy(self.optimizer.state_dict())
         return state if self.lockstep is None else full_tensors(state)
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Check, without loading, that a checkpoint's LoRA adapters fit this model (keys and shapes).
+
+        Whole adapters only; sharded ones (FSDP2, ZeRO-3) are checked by :meth:`load_state_dict`.
+
+        Raises:
+            ValueError: a LoRA that does not fit (one line).
+        """
+        if self.lockstep is not None or self.zero is not None:
+            return
+        check_lora_state(self.model.transformer, state["lora"])
+        for name, weights in state.get("adapters", {}).items():
+            check_lora_state(self.model.transformer, weights, name)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""

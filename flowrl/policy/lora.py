@@ -127,11 +127,41 @@ def load_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: s
     """
     from peft.utils import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(transformer, state, adapter_name=adapter)
+    try:
+        result = set_peft_model_state_dict(transformer, state, adapter_name=adapter)
+    except RuntimeError as err:  # torch's size-mismatch report: one line per tensor
+        if "size mismatch" not in str(err):
+            raise
+        raise ValueError(
+            "LoRA checkpoint does not match the model (tensor sizes differ); use the same lora.rank/targets as the "
+            "run that wrote it"
+        ) from None
     # with several adapters attached, peft lists the *other* adapters' weights as missing too
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{adapter}." in k]
     if missing or getattr(result, "unexpected_keys", []):
         raise lora_mismatch(len(missing), len(result.unexpected_keys))
+
+
+def check_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: str = "default") -> None:
+    """Check, without loading, that ``state`` (a :func:`lora_state_dict`) fits the attached adapter: keys and shapes.
+
+    For whole (unsharded) adapters; a resume calls it before it touches the run folder.
+
+    Raises:
+        ValueError: a key missing or unexpected, or a tensor of another shape (one line, naming it).
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    current = get_peft_model_state_dict(transformer, adapter_name=adapter)
+    missing, unexpected = [k for k in current if k not in state], [k for k in state if k not in current]
+    if missing or unexpected:
+        raise lora_mismatch(len(missing), len(unexpected))
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(current[key].shape):
+            raise ValueError(
+                f"LoRA checkpoint does not match the model ({key}: {tuple(tensor.shape)} in the checkpoint, "
+                f"{tuple(current[key].shape)} here); use the same lora.rank/targets as the run that wrote it"
+            )
 
 
 def lora_mismatch(missing: int, unexpected: int) -> ValueError:

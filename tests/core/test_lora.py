@@ -55,6 +55,23 @@ def test_state_round_trip_and_mismatch_error(tiny_sd3):
         raise AssertionError("expected ValueError")
 
 
+def test_another_rank_is_one_line_at_check_and_at_load(tiny_sd3):
+    from flowrl.policy.lora import check_lora_state
+
+    add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    state = lora_state_dict(tiny_sd3.transformer)
+    check_lora_state(tiny_sd3.transformer, state)
+    other = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    add_lora(other.transformer, rank=2, alpha=8, targets=tiny_sd3.lora_target_modules)
+    with pytest.raises(
+        ValueError, match=r"lora_A.weight: \(4, \d+\) in the checkpoint, \(2, \d+\) here\); use the same"
+    ):
+        check_lora_state(other.transformer, state)
+    with pytest.raises(ValueError, match=r"^LoRA checkpoint does not match the model \(tensor sizes differ\)") as info:
+        load_lora_state(other.transformer, state)
+    assert "\n" not in str(info.value)
+
+
 def _lora_with_old(model):
     """A random LoRA "default" on ``model`` and its frozen copy "old"; returns the default's parameters."""
     from flowrl.policy.lora import add_frozen_copy

@@ -41,6 +41,10 @@ RESUMABLE_KEYS = (
     "guards.*.tolerance",  # a guard's verdict, not what it measures ("*": any guard's name)
     "guards.*.relative",
     "guards.*.on_trip",
+    "rewards.*.timeout_s",  # how long a reward call may take (the deadline error says to raise it)
+    "rewards.*.retries",  # a remote reward's client: how it talks to the server, not what it scores
+    "rewards.*.backoff_s",
+    "rewards.*.url",
 )
 
 

@@ -240,6 +240,10 @@ def test_config_fingerprint():
     added = to_dict(load_config(None, ["optim.lr=0.003", "rewards.jpeg_compressibility.weight=1.0"]))
     with pytest.raises(ValueError, match=r"rewards.jpeg_compressibility.weight changed from \(absent\) to 1.0"):
         check_resume_config(saved, added)
+    # the reward-deadline error says "raise rewards.<name>.timeout_s": a resume may do that
+    check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "rewards.ink_band.timeout_s=1200"])))
+    with pytest.raises(ValueError, match=r"rewards.ink_band.weight changed from 1.0 to 2.0"):
+        check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "rewards.ink_band.weight=2.0"])))
 
 
 def test_keep_checkpoints_is_validated():

@@ -165,10 +165,12 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
             devices, memory), in one line naming the fix.
         FileExistsError: an occupied output folder.
     """
+    from .config import to_dict
     from .models import EMBEDDED, pipeline_folder
     from .models.hub import is_hub_id
     from .outputs import check_run_dir_free
     from .resources import check_machine
+    from .resume import check_resume_config, find_resume
     from .supervisor import hand_over, launch_message, wait_forwarding
 
     if launch_world_size() > 1:
@@ -180,6 +182,8 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
         pipeline_folder(cfg.model.path)  # missing weights: one line before any process starts
     check_machine(cfg, processes=processes)
     check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
+    if ns.resume:  # a checkpoint that does not verify or a refused config change: one line, not one per rank
+        check_resume_config(find_resume(ns.resume).state.get("config"), to_dict(cfg))
     cmd, env = launch_command(cfg, processes, train_argv(ns), free_port())
     where = "CPU processes (gloo)" if env.get("ACCELERATE_USE_CPU") else "processes, one GPU each"
     print(f"flowrl: training on {processes} {where} (accelerate launch --num_processes {processes})", flush=True)

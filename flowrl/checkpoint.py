@@ -269,6 +269,11 @@ def _trainer_meta(folder: Path, data: bytes) -> dict[str, Any]:
         raise CheckpointError(folder, "trainer.json has no 'optimizer' entry with 'param_groups'")
     _counter(folder, meta, "iteration")
     _counter(folder, meta, "samples_seen")
+    if "nfe" in meta:
+        _counter(folder, meta, "nfe")
+    for key in ("objective", "advantage", "guard", "heldout", "config"):
+        if key in meta and not isinstance(meta[key], dict) and not (key == "config" and meta[key] is None):
+            raise CheckpointError(folder, f"trainer.json '{key}' must be a mapping (got {type(meta[key]).__name__})")
     return meta
 
 
@@ -301,9 +306,13 @@ def _check_lora(folder: Path, name: str, weights: dict[str, torch.Tensor], dtype
 
 def _rng(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
     rng = _tensors(folder, "rng.safetensors", data)
+    size = torch.Generator().get_state().numel()  # a CPU generator's state, as both are
     for key in ("generator", "torch_rng"):
         if key not in rng or rng[key].dtype != torch.uint8:
             raise CheckpointError(folder, f"rng.safetensors has no uint8 '{key}' state")
+        if rng[key].shape != (size,):
+            shape = tuple(rng[key].shape)
+            raise CheckpointError(folder, f"rng.safetensors '{key}' has shape {shape}; a CPU generator's is ({size},)")
     return rng
 
 

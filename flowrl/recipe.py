@@ -194,7 +194,14 @@ class Run:
             logger, before, start_eval = self._start() if self.is_main else (None, None, {})
             self._meet()  # a sharded model: the other ranks made rank 0's start evaluation with it
             if self.resume is not None:
-                trainer.load_state_dict(self.resume.state)
+                try:
+                    trainer.load_state_dict(self.resume.state)
+                except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as err:
+                    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    raise ValueError(
+                        f"--resume {self.resume.path}: its state does not load into this run ({detail}); "
+                        "resume from another checkpoint or start a new run"
+                    ) from None
             t0 = time.perf_counter()
             failed = True
             try:

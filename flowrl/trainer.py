@@ -489,7 +489,7 @@ class Trainer:
         return state if self.lockstep is None else full_tensors(state)
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
-        """Check, without loading, that a checkpoint's LoRA adapters fit this model (keys and shapes).
+        """Check, without loading, that a checkpoint's LoRA adapters and AdamW moments fit this run (keys and shapes).
 
         Whole adapters only; sharded ones (FSDP2, ZeRO-3) are checked by :meth:`load_state_dict`.
 
@@ -501,6 +501,17 @@ class Trainer:
         check_lora_state(self.model.transformer, state["lora"])
         for name, weights in state.get("adapters", {}).items():
             check_lora_state(self.model.transformer, weights, name)
+        optimizer = state["optimizer"]
+        if len(optimizer["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"the optimizer state has {len(optimizer['param_groups'])} parameter groups; this run has "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        for pid, entry in optimizer["state"].items():
+            shape = tuple(self.params[pid].shape) if 0 <= pid < len(self.params) else None
+            bad = [k for k in ("exp_avg", "exp_avg_sq") if tuple(entry[k].shape) != shape]
+            if bad or entry["step"].numel() != 1:
+                raise ValueError(f"the optimizer state of parameter {pid} does not fit this run's LoRA ({shape})")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""

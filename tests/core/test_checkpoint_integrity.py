@@ -131,6 +131,23 @@ def test_negative_counter_is_named(tmp_path):
     _one_line_error(save_checkpoint(_state(iteration=-1), tmp_path / "ck"), "trainer.json", "'iteration'")
 
 
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        ({"generator": torch.zeros(10, dtype=torch.uint8)}, "'generator' has shape (10,); a CPU generator's is"),
+        ({"torch_rng": torch.zeros(10, dtype=torch.uint8)}, "'torch_rng' has shape (10,)"),
+        ({"guard": [1, 2]}, "trainer.json 'guard' must be a mapping (got list)"),
+        ({"heldout": 3}, "trainer.json 'heldout' must be a mapping (got int)"),
+        ({"config": [1]}, "trainer.json 'config' must be a mapping (got list)"),
+        ({"nfe": "x"}, "trainer.json 'nfe' must be a non-negative integer"),
+    ],
+)
+def test_a_signed_but_inconsistent_state_is_named(tmp_path, edit, fragment):
+    """A checkpoint whose manifest was recomputed after an edit (checksums pass) is still checked after parsing."""
+    folder = save_checkpoint({**_state(), **edit}, tmp_path / "iter-000007")
+    _one_line_error(folder, fragment)
+
+
 def test_stale_partial_is_cleaned_and_failed_save_leaves_nothing(tmp_path, monkeypatch):
     target = tmp_path / "iter-000001"
     (tmp_path / "iter-000001.partial").mkdir()

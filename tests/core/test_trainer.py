@@ -74,6 +74,17 @@ def test_state_dict_restores_exactly(tiny_sd3):
         assert torch.equal(a, b), n
 
 
+def test_check_state_dict_refuses_moments_that_do_not_fit(tiny_sd3):
+    trainer = _trainer(tiny_sd3)
+    trainer.train_step()
+    state = trainer.state_dict()
+    trainer.check_state_dict(state)  # its own state fits
+    moments = state["optimizer"]["state"][0]
+    moments["exp_avg"] = moments["exp_avg"][:1]
+    with pytest.raises(ValueError, match="the optimizer state of parameter 0 does not fit this run's LoRA"):
+        trainer.check_state_dict(state)
+
+
 def test_nan_reward_is_named(tiny_sd3):
     from flowrl.rewards.combine import MultiReward
 

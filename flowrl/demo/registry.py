@@ -89,7 +89,11 @@ class RunRegistry:
             raise ValueError(
                 f"run folder {text!r} is outside the folders this demo was started with ({allowed}); refused"
             )
-        if not find_runs(real):
+        try:
+            runs = find_runs(real)
+        except OSError as err:  # e.g. a name longer than the filesystem allows
+            raise ValueError(f"run folder {text[:80]!r}: not a readable path ({err.strerror or err})") from None
+        if not runs:
             raise ValueError(f"run folder {text!r} holds no finished run (config.yaml and lora/)")
         return real
 

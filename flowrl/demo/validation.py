@@ -16,7 +16,7 @@ MAX_SEED = 2**31 - 1
 MAX_STEPS = 100
 MAX_GUIDANCE = 30.0
 MAX_NOISE_LEVEL = 2.0
-_SEED_ITEM = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+_SEED_ITEM = re.compile(r"^(\d{1,12})(?:\s*-\s*(\d{1,12}))?$")  # 12 digits: past MAX_SEED, below int()'s limit
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,8 @@ def validate_request(
         raise ValueError(f"prompt: at most {MAX_PROMPT_CHARS} characters; got {len(text)}")
     if "\x00" in text:
         raise ValueError("prompt: holds a NUL character; remove it")
+    if not all(c.isprintable() or c.isspace() for c in text):  # control characters, lone surrogates (JSON API)
+        raise ValueError("prompt: holds characters that are not text (a control character or lone surrogate)")
     parsed_seeds = parse_seeds(str(seeds or ""))
     if sampler not in samplers():
         raise ValueError(f"sampler must be one of {', '.join(samplers())}; got {sampler!r}")

@@ -63,6 +63,13 @@ def test_paths_outside_the_start_folders_are_refused(runs, path):
     assert registry.labels == ["base", "run-a"]
 
 
+@pytest.mark.parametrize("path", ["a" * 300, "run-a/" + "b" * 5000])
+def test_a_path_no_filesystem_takes_is_one_line(runs, path):
+    registry = RunRegistry([runs])
+    with pytest.raises(ValueError, match="not a readable path"):
+        registry.add(path)
+
+
 def test_a_symlink_out_of_the_start_folder_is_refused(runs, tmp_path):
     inside = tmp_path / "start"
     inside.mkdir()

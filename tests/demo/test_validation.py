@@ -30,6 +30,9 @@ def test_a_good_request_is_parsed():
         (dict(seeds=f"0-{MAX_SEEDS}"), f"at most {MAX_SEEDS} seeds"),
         (dict(seeds=str(MAX_SEED + 1)), "out of range"),
         (dict(seeds="5-2"), "runs backwards"),
+        (dict(seeds="9" * 5000), "is not a seed"),  # past int()'s digit limit: still this field's message
+        (dict(prompt="a \udcff 3"), "prompt: holds characters that are not text"),  # a lone surrogate (JSON API)
+        (dict(prompt="a \x07 3"), "prompt: holds characters that are not text"),
         (dict(steps=0), f"between 1 and {MAX_STEPS}"),
         (dict(steps=MAX_STEPS + 1), f"between 1 and {MAX_STEPS}"),
         (dict(steps=2.5), "integer"),

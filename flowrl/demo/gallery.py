@@ -80,12 +80,19 @@ def algorithm_comparison(path: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    results: dict[str, list[dict[str, Any]]] = json.loads(Path(path).read_text())
+    wrong = f"{path} is not a bench.convergence result (algorithm -> list of eval points); pass the file it wrote"
+    try:
+        results: dict[str, list[dict[str, Any]]] = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{wrong} ({str(err).splitlines()[0]})") from None
     if not isinstance(results, dict) or not all(isinstance(v, list) for v in results.values()):
-        raise ValueError(f"{path} is not a bench.convergence result (algorithm -> list of eval points)")
+        raise ValueError(wrong)
     every = [p for v in results.values() for p in v]
-    x_compute = "compute" if all("compute" in p for p in every) else "nfe"
-    read = all("reader" in p for p in every)
+    x_compute = "compute" if every and all("compute" in p for p in every if isinstance(p, dict)) else "nfe"
+    read = all(isinstance(p, dict) and "reader" in p for p in every)
+    need = ("eval/reward_mean", x_compute, "reader" if read else "wall_s")
+    if not every or not all(isinstance(p, dict) and all(k in p for k in need) for p in every):
+        raise ValueError(f"{wrong}: every point needs {', '.join(need)}")
     fig = Figure(figsize=(9, 3.2), dpi=80)
     axes = [fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)]
     for name, points in results.items():

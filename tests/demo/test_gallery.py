@@ -37,6 +37,12 @@ def test_gallery_command_and_errors(tmp_path, capsys):
     assert (tmp_path / "g" / "algorithms-convergence.png").is_file()
     assert main(["gallery", "--out", str(tmp_path / "g"), "--benchmarks", str(tmp_path / "missing.json")]) == 2
     assert "no benchmark file" in capsys.readouterr().err
+    for text in ('{"a": [{}]}', '{"a": [1]}', "{bad", "[]", '{"a": []}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert main(["gallery", "--out", str(tmp_path / "g"), "--benchmarks", str(bad)]) == 2, text
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{bad} is not a bench.convergence result" in err, (text, err)
 
 
 @pytest.mark.slow

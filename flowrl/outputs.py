@@ -421,8 +421,12 @@ def save_png(image: Tensor, path: Path) -> None:
 
     array = (image.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
     tmp = path.with_name(path.name + ".tmp.png")
-    Image.fromarray(array).save(tmp)
-    os.replace(tmp, path)
+    try:
+        Image.fromarray(array).save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed save (full disk, path a folder) leaves nothing behind
+        raise
 
 
 def save_before_after(before: Tensor, after: Tensor, rows: int, path: Path, scale: int = 1) -> None:

@@ -100,23 +100,14 @@ def test_uneven_factors_and_bad_schedules():
             torch.zeros(3, dtype=torch.float64),
             split_factors(3, [1], [2]),
         )
+    def cps_tree(split: int):
+        levels = torch.full((3,), 0.5, dtype=torch.float64)
+        factors = split_factors(3, [split], [2])
+        return tree_rollout(_tree_velocity(), torch.randn(1, 2, 4, 4), linear_sigmas(3), levels, factors, sde="cps")
+
     with pytest.raises(ValueError, match="split at step 2 has transition std 0 under sampler.sde=cps"):
-        tree_rollout(  # CPS's std is sigma_next sin(a pi / 2): 0 on the step to sigma 0 whatever its level
-            _tree_velocity(),
-            torch.randn(1, 2, 4, 4),
-            linear_sigmas(3),
-            torch.full((3,), 0.5, dtype=torch.float64),
-            split_factors(3, [2], [2]),
-            sde="cps",
-        )
-    tree = tree_rollout(
-        _tree_velocity(),
-        torch.randn(1, 2, 4, 4),
-        linear_sigmas(3),
-        torch.full((3,), 0.5, dtype=torch.float64),
-        split_factors(3, [1], [2]),
-        sde="cps",
-    )
+        cps_tree(2)  # CPS's std is sigma_next sin(a pi / 2): 0 on the step to sigma 0 whatever its level
+    tree = cps_tree(1)
     assert not torch.equal(tree.leaves[0], tree.leaves[1])
 
 

@@ -100,6 +100,7 @@ def test_uneven_factors_and_bad_schedules():
             torch.zeros(3, dtype=torch.float64),
             split_factors(3, [1], [2]),
         )
+
     def cps_tree(split: int):
         levels = torch.full((3,), 0.5, dtype=torch.float64)
         factors = split_factors(3, [split], [2])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .cps import cps_step
@@ -67,3 +68,36 @@ def get_sde_step(name: str) -> SDEStepFn:
         return SDE_STEPS[name]
     except KeyError:
         raise ValueError(f"unknown SDE {name!r}; set sampler.sde to one of {', '.join(SDE_STEPS)}") from None
+
+
+def step_std(step_fn: SDEStepFn, sigma: Tensor, sigma_next: Tensor, level: float) -> float:
+    """The transition std of one SDE step from ``sigma`` to ``sigma_next`` (scalars), in fp64.
+
+    0 where the step is deterministic although its level is not, e.g. CPS's step to sigma 0
+    (``sigma_next sin(level pi / 2)``): such a step has no density to train on.
+    """
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+    sigma, sigma_next = sigma.double().reshape(1), sigma_next.double().reshape(1)
+    return float(step_fn(zero, zero, sigma, sigma_next, level, noise=zero).std)
+
+
+def has_density(sde: str, sigmas: Tensor, levels: Tensor) -> Tensor:
+    """(T,) bool: the steps of a grid whose transitions have a density to train on.
+
+    A step with noise level 0 is the Euler ODE step; a step whose std is 0 at a level above 0 (CPS's
+    step to sigma 0) is deterministic too. Neither has a log-prob gradient or a KL, so the objectives'
+    plans leave both out.
+
+    Args:
+        sde: the step's name in :data:`SDE_STEPS`.
+        sigmas: (T + 1,) grid.
+        levels: (T,) noise levels.
+    """
+    step_fn = get_sde_step(sde)
+    return torch.tensor(
+        [
+            float(levels[t]) > 0 and step_std(step_fn, sigmas[t], sigmas[t + 1], float(levels[t])) > 0
+            for t in range(len(levels))
+        ],
+        dtype=torch.bool,
+    )

@@ -32,22 +32,12 @@ from torch import Tensor
 
 from .broadcast import standard_normal
 from .gaussian import Reduction, gaussian_log_prob
-from .sde_steps import SDEStepFn, get_sde_step
+from .sde_steps import SDEStepFn, get_sde_step, step_std
 from .types import SDEStep
 
 TreeVelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``velocity_fn(x (M, ...), sigma (M,), tree (M,) long) -> v (M, ...)``; ``tree`` says which
 tree (prompt) each row belongs to, so the caller can pick its conditioning."""
-
-
-def step_std(step_fn: SDEStepFn, sigma: Tensor, sigma_next: Tensor, level: float) -> float:
-    """The transition std of one SDE step from ``sigma`` to ``sigma_next`` (scalars), in fp64.
-
-    0 where the step is deterministic although its level is not, e.g. CPS's step to sigma 0.
-    """
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
-    sigma, sigma_next = sigma.double().reshape(1), sigma_next.double().reshape(1)
-    return float(step_fn(zero, zero, sigma, sigma_next, level, noise=zero).std)
 
 
 class TreeRollout(NamedTuple):

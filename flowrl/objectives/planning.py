@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from ..samplers.sde_steps import has_density
 from .base import Microbatch, RolloutBatch, chunk_indices, split_even
 
 if TYPE_CHECKING:  # the tree batch type only, as in .base
@@ -88,11 +89,14 @@ def plan_megabytes(plan: list[list[Microbatch]]) -> float:
 def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
     """Every (chunk, stochastic step) pair of the stored trajectories once (Flow-GRPO).
 
+    A stochastic step is one with a density (:func:`~flowrl.samplers.sde_steps.has_density`): noise
+    level above 0 and a transition std above 0 (CPS's step to sigma 0 has none).
+
     Chunks and steps are in random order, split evenly into ``updates`` optimizer steps.
     Chunks whose samples are all dropped (``keep`` False) are skipped.
     """
-    levels = batch.trajectory.noise_levels
-    steps = [j for j in range(len(levels)) if levels[j] > 0]
+    traj = batch.trajectory
+    steps = torch.nonzero(has_density(traj.sde, traj.sigmas, traj.noise_levels)).flatten().tolist()
     chunks = kept_chunks(batch)
     order = torch.randperm(len(chunks), generator=generator).tolist()
     mbs = []

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..config import Config, ConfigError, TreeConfig
 from ..models.adapter import Cond, ModelAdapter, select_cond
+from ..samplers.sde_steps import has_density
 from ..samplers.tree import TreeRollout, split_factors, tree_rollout, tree_widths
 from .advantages import depthwise_advantages, fuse_rewards
 from .pruning import train_masks
@@ -186,8 +187,7 @@ def edge_advantages(
     n = tree.num_trees
     node_rewards = fuse_rewards(rewards.double(), tree_widths(spec.factors), tree.log_probs, n, tree_cfg.fusion)
     advantages = depthwise_advantages(node_rewards, n, clip=clip)
-    masks = train_masks(
-        advantages, spec.factors, tree.noise_levels, n, iteration=iteration, **pruning_options(tree_cfg)
-    )
+    trained_levels = torch.where(has_density(tree.sde, tree.sigmas, tree.noise_levels), tree.noise_levels, 0.0)
+    masks = train_masks(advantages, spec.factors, trained_levels, n, iteration=iteration, **pruning_options(tree_cfg))
     masks = [m.cpu() for m in masks]  # index bookkeeping stays on the CPU (CUDA tensors take CPU indices)
     return TreeBatch(tree, advantages, masks, node_rewards, cond, chunk_size)

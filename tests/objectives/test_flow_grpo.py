@@ -110,3 +110,16 @@ def test_plan_splits_into_optimizer_steps(tiny_sd3):
     dropped = batch._replace(keep=torch.tensor([False] * 3 + [True] * 3))
     plan = FlowGRPO().plan(dropped, torch.Generator().manual_seed(0))
     assert all(mb.index.tolist() == [3, 4, 5] for g in plan for mb in g)
+
+
+def test_a_step_without_a_density_is_not_planned(tiny_sd3):
+    """CPS's step to sigma 0 has std 0 at any level: no log-prob gradient, no KL; training it is wasted work."""
+    from flowrl.samplers.sde_steps import has_density
+
+    batch = _rollout_batch(tiny_sd3, sde="cps")
+    traj = batch.trajectory._replace(noise_levels=torch.full((4,), 0.7, dtype=torch.float64))
+    assert has_density("cps", traj.sigmas, traj.noise_levels).tolist() == [True, True, True, False]
+    assert has_density("flow", traj.sigmas, traj.noise_levels).all()
+    assert not has_density("cps", traj.sigmas, torch.zeros(4, dtype=torch.float64)).any()
+    plan = FlowGRPO().plan(batch._replace(trajectory=traj), torch.Generator().manual_seed(0))
+    assert sorted({mb.step for g in plan for mb in g}) == [0, 1, 2]

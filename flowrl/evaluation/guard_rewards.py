@@ -62,7 +62,8 @@ class GuardTracker:
     def __init__(self, specs: list[GuardSpec]):
         self.specs = {s.name: s for s in specs}
         self.best: dict[str, _Best] = {}
-        self.tripped: set[str] = set()  # guards past their tolerance at the last evaluation
+        self.fallen: set[str] = set()  # guards past their tolerance at the last evaluation
+        self.tripped: set[str] = set()  # fallen guards that tripped since they last were within tolerance
         self.trips: list[Trip] = []  # every trip so far (a guard trips again only after it recovers)
         self.kept_iteration: int | None = None  # newest evaluation with every guard within tolerance
 
@@ -87,14 +88,16 @@ class GuardTracker:
                 best = self.best[name] = _Best(value, iteration, reward)
             fallen = best.value - value > spec.allowed_fall(best.value)
             healthy = healthy and not fallen
-            if fallen and reward > best.reward:
-                if name not in self.tripped:
-                    trip = Trip(name, best.value, best.iteration, value, iteration, spec.on_trip)
-                    new.append(trip)
-                    self.trips.append(trip)
-                self.tripped.add(name)
-            else:
+            if not fallen:  # recovered: a later fall may trip again
+                self.fallen.discard(name)
                 self.tripped.discard(name)
+                continue
+            self.fallen.add(name)
+            if reward > best.reward and name not in self.tripped:  # fell while the trained reward rose
+                trip = Trip(name, best.value, best.iteration, value, iteration, spec.on_trip)
+                new.append(trip)
+                self.trips.append(trip)
+                self.tripped.add(name)
         if healthy:
             self.kept_iteration = iteration
         return new, healthy
@@ -102,7 +105,7 @@ class GuardTracker:
     def metrics(self) -> dict[str, float]:
         """``guard/<name>_best`` of every guard seen and ``guard/tripped`` (guards past tolerance now)."""
         out = {f"guard/{name}_best": b.value for name, b in self.best.items()}
-        out["guard/tripped"] = float(len(self.tripped))
+        out["guard/tripped"] = float(len(self.fallen))
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -117,6 +120,7 @@ class GuardTracker:
         """Everything a resumed run needs to go on tracking (plain numbers and strings)."""
         return {
             "best": {n: [b.value, b.iteration, b.reward] for n, b in self.best.items()},
+            "fallen": sorted(self.fallen),
             "tripped": sorted(self.tripped),
             "trips": [asdict(t) for t in self.trips],
             "kept_iteration": self.kept_iteration,
@@ -126,6 +130,7 @@ class GuardTracker:
         """Restore a :meth:`state_dict` (guards it does not know start fresh)."""
         self.best = {n: _Best(float(v), int(i), float(r)) for n, (v, i, r) in state.get("best", {}).items()}
         self.tripped = set(state.get("tripped", []))
+        self.fallen = set(state.get("fallen", self.tripped))  # older checkpoints: their tripped guards had fallen
         self.trips = [Trip(**t) for t in state.get("trips", [])]
         kept = state.get("kept_iteration")
         self.kept_iteration = None if kept is None else int(kept)

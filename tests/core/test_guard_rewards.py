@@ -28,6 +28,16 @@ def test_trips_only_when_guard_falls_past_tolerance_while_reward_rises():
     assert tracker.kept_iteration == 50 and len(tracker.trips) == 2
 
 
+def test_a_fallen_guard_warns_once_until_it_recovers_and_is_counted_while_fallen():
+    """The trained reward dipping while the guard stays fallen is not a recovery."""
+    tracker = GuardTracker([GuardSpec("g", tolerance=0.05)])
+    seen = []
+    for iteration, value, reward in [(0, 1.0, 1.0), (1, 0.8, 1.2), (2, 0.8, 0.9), (3, 0.8, 1.3), (4, 0.99, 1.3)]:
+        trips, _ = tracker.update(iteration, {"g": value}, reward)
+        seen.append((len(trips), tracker.metrics()["guard/tripped"]))
+    assert seen == [(0, 0.0), (1, 1.0), (0, 1.0), (0, 1.0), (0, 0.0)] and len(tracker.trips) == 1
+
+
 def test_relative_tolerance_and_nan_skipped():
     spec = GuardSpec("d", tolerance=0.2, relative=True)
     assert spec.allowed_fall(0.5) == pytest.approx(0.1)

@@ -85,8 +85,11 @@ def score(reward: Any, images: Tensor, prompts: Sequence[Prompt]) -> tuple[Tenso
     from ..prompts.batch import collate
 
     batch = collate(list(prompts))
-    out = reward(images, batch.texts, **batch.metadata)
-    return out.total.float(), {k: v.float() for k, v in out.components.items()}
+    parts = {k: v.float() for k, v in reward.score_parts(images, batch.texts, batch.metadata).items()}
+    total = torch.zeros(images.shape[0], dtype=torch.float32, device=images.device)
+    for name, weight in reward.weights.items():  # a reward NaN on every sample (none of its prompts): "n/a", 0 here
+        total = total + weight * torch.nan_to_num(parts[name].to(total.device), nan=0.0)
+    return total, parts
 
 
 def checkpoints_of(run_dirs: Sequence[Path]) -> list[Checkpoint]:
@@ -100,12 +103,18 @@ def checkpoints_of(run_dirs: Sequence[Path]) -> list[Checkpoint]:
     return [*bases.values(), *runs]
 
 
+def checkpoint_steps(bank: CheckpointBank, checkpoint: Checkpoint, steps: int | None) -> int:
+    """The ODE steps a checkpoint is sampled with: ``steps``, else its run's evaluation steps."""
+    cfg = bank.config(checkpoint)
+    return steps or cfg.train.eval_steps or cfg.sampler.num_steps
+
+
 def sample_checkpoint(
     bank: CheckpointBank, checkpoint: Checkpoint, texts: list[str], seeds: list[int], steps: int | None
 ):
     """Deterministic ODE samples of one checkpoint (steps: the run's evaluation steps when None)."""
     cfg = bank.config(checkpoint)
-    n = steps or cfg.train.eval_steps or cfg.sampler.num_steps
+    n = checkpoint_steps(bank, checkpoint, steps)
     with bank.activated(checkpoint) as policy:
         return generate(policy, texts, seeds, steps=n, sampler="ode", frames=cfg.model.num_frames)
 
@@ -139,15 +148,24 @@ def evaluate_checkpoints(
     texts = [p.text for p in rows_prompts]
     seeds = [settings.first_seed + j for _ in prompts for j in range(settings.seeds)]
     ids = torch.arange(len(prompts)).repeat_interleave(settings.seeds)
-    base_images: dict[str, Tensor] = {}
+    bases = {c.model_path: c for c in checkpoints if c.kind == "base"}
+    base_images: dict[tuple[str, int], Tensor] = {}  # drift compares samples of the same model and step count
+
+    def base_samples(model_path: str, n: int) -> Tensor | None:
+        if (model_path, n) not in base_images and model_path in bases:
+            base_images[(model_path, n)] = sample_checkpoint(bank, bases[model_path], texts, seeds, n)
+        return base_images.get((model_path, n))
+
     rows = []
     for checkpoint in checkpoints:
-        images = sample_checkpoint(bank, checkpoint, texts, seeds, settings.steps)
+        n = checkpoint_steps(bank, checkpoint, settings.steps)
         if checkpoint.kind == "base":
-            base_images.setdefault(checkpoint.model_path, images)
+            images = base_samples(checkpoint.model_path, n)
+        else:
+            images = sample_checkpoint(bank, checkpoint, texts, seeds, n)
         total, parts = score(reward, images, rows_prompts)
         guard_parts = score(guard, images, rows_prompts)[1] if guard is not None else {}
-        base = None if checkpoint.kind == "base" else base_images.get(checkpoint.model_path)
+        base = None if checkpoint.kind == "base" else base_samples(checkpoint.model_path, n)
         rows.append(
             checkpoint_figures(
                 checkpoint.label,

@@ -85,3 +85,26 @@ def test_eval_command_with_chosen_rewards_and_a_bad_run(run, tmp_path, capsys):
     assert set(json.loads((out / "eval.json").read_text())["checkpoints"][0]["rewards"]) == {"jpeg_compressibility"}
     assert main(["eval", str(tmp_path), "--prompts", str(prompts)]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_runs_with_other_evaluation_steps_are_compared_with_the_base_at_their_steps(tmp_path):
+    """Drift is measured against the base sampled on each run's own step count (a no-op LoRA drifts by 0)."""
+    runs = [
+        make_run(tmp_path / name, seed=i, scale=0.0, overrides=[f"train.eval_steps={steps}"])
+        for i, (name, steps) in enumerate([("a", 4), ("b", 3)])
+    ]
+    prompts = [Prompt("a bold handwritten 3", {}), Prompt("a thin handwritten 8", {})]
+    rows = evaluate_checkpoints(
+        CheckpointBank(), checkpoints_of(runs), prompts, reward_spec(runs), {}, EvalSettings(seeds=2)
+    )
+    assert [r.label for r in rows] == ["base", "a", "b"]
+    assert rows[1].drift.mean == 0 and rows[2].drift.mean == 0
+
+
+def test_a_reward_that_applies_to_no_prompt_reads_n_a_not_an_error():
+    from flowrl.comparison.evaluate import build_rewards, score
+
+    prompts = [Prompt("a handwritten 3", {}), Prompt("a handwritten 8", {})]  # no style: ink_band does not apply
+    total, parts = score(build_rewards({"ink_band": {}, "jpeg_compressibility": {}}), torch.rand(2, 3, 8, 8), prompts)
+    assert torch.isnan(parts["ink_band"]).all() and torch.isfinite(total).all()
+    assert torch.equal(total, parts["jpeg_compressibility"])  # the NaN component counts 0 in the total, as in training

@@ -86,12 +86,12 @@ def reader_figures(images: torch.Tensor, metadata: dict[str, list]) -> dict[str,
         metadata: the eval batch's metadata with ``digit`` and ``style`` per sample (N each).
     """
     from flowrl.models.digits.evaluation import ink
-    from flowrl.models.digits.reader import reader_probabilities
+    from flowrl.models.digits.reader import reader_probabilities, readings
 
     labels = torch.tensor(metadata["digit"])
     bold = torch.tensor([s == "bold" for s in metadata["style"]])
     probs = reader_probabilities(images)  # read once: the reading and its confidence
-    right = (probs.argmax(dim=1) == labels).float()
+    right = (readings(probs) == labels).float()
     amount = ink(images)
     figures = {
         "reader": float(right.mean()),

@@ -73,6 +73,8 @@ def test_unreadable_images_are_not_read_with_confidence() -> None:
         top = reader_probabilities(images).max(dim=1).values
         limit = 0.1 + 1e-6 if name in ("blank", "uniform gray", "all white") else 0.5
         assert (top <= limit).all(), (name, top)
+        if name in ("blank", "uniform gray", "all white"):  # no digit at all: never counted as a zero
+            assert (read_digits(images) == -1).all() and reader_accuracy(images, [0] * len(images)) == 0.0
 
 
 def test_dimmed_digit_is_still_read(test_digits) -> None:

@@ -96,9 +96,19 @@ def reader_probabilities(images: Tensor, weights: str | Path | None = None) -> T
     return legible * probs + (1 - legible) * 0.1
 
 
+def readings(probs: Tensor) -> Tensor:
+    """The digit (B,) int64 read from :func:`reader_probabilities`; -1 (never a label) for a blank.
+
+    An image with no contrast gets exactly uniform probabilities, whose argmax would be 0: a blank
+    must read as no digit, not as a zero.
+    """
+    uniform = probs.amax(dim=1) == probs.amin(dim=1)
+    return torch.where(uniform, torch.full_like(probs[:, 0], -1, dtype=torch.int64), probs.argmax(dim=1))
+
+
 def read_digits(images: Tensor, weights: str | Path | None = None) -> Tensor:
-    """The digit (B,) int64 the reader sees in each image (B, 3 or 1, H, W) in [0, 1]."""
-    return reader_probabilities(images, weights).argmax(dim=1)
+    """The digit (B,) int64 the reader sees in each image (B, 3 or 1, H, W) in [0, 1]; -1 for a blank."""
+    return readings(reader_probabilities(images, weights))
 
 
 def reader_accuracy(images: Tensor, labels: Tensor | Sequence[int], weights: str | Path | None = None) -> float:

@@ -42,10 +42,10 @@ class Judges:
         self.reward = digit_correctness()
 
     def reader(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        from flowrl.models.digits.reader import reader_probabilities
+        from flowrl.models.digits.reader import reader_probabilities, readings
 
         probs = reader_probabilities(images)
-        return probs.argmax(dim=1), probs.max(dim=1).values
+        return readings(probs), probs.max(dim=1).values
 
     def reward_classifier(self, images: Tensor) -> tuple[Tensor, Tensor]:
         rgb = _rgb(images)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .adapter import AdapterBase, Cond, freeze_modules, lora_metadata, select_cond
 from .sd3 import card_resolution, read_model_card
@@ -116,6 +116,22 @@ class WanAdapter(AdapterBase):
         self.default_shift = float(shift or sched.get("flow_shift") or sched.get("shift") or DEFAULT_SHIFT)
         self.latent_shape(*self.default_resolution)  # validates the defaults
         freeze_modules(pipe.transformer, self.experts["low"], pipe.vae, pipe.text_encoder, self.transformer)
+
+    @property
+    def transformer(self) -> nn.Module:
+        """The trained module: the ``lora_expert`` expert, or both experts in a :class:`WanExperts`."""
+        return self._transformer
+
+    @transformer.setter
+    def transformer(self, module: nn.Module) -> None:
+        """Swap the trained module (e.g. Sol-RL's explore copy); :meth:`velocity` runs the experts it holds."""
+        if isinstance(module, WanExperts):
+            self.experts = {"high": module.high, "low": module.low}
+        elif self.lora_expert == "both":
+            raise TypeError(f"a two-expert Wan model's transformer is a WanExperts; got {type(module).__name__}")
+        else:
+            self.experts = {**self.experts, self.lora_expert: module}
+        self._transformer = module
 
     @classmethod
     def from_pretrained(

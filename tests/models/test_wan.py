@@ -437,3 +437,35 @@ def test_non_square_resolution_from_the_config():
     trainer = _two_expert_trainer(model, "model.resolution=[32, 16]")
     assert trainer.resolution == (32, 16) and trainer.latent_shape == (16, 2, 4, 2)
     assert trainer.sample(trainer.eval_prompts, [1, 2]).shape == (2, 5, 3, 32, 16)
+
+
+@pytest.mark.parametrize("two_experts", [False, True])
+def test_sol_rl_s_explore_copy_runs_in_place_of_the_trained_experts(two_experts):
+    """Sol-RL swaps ``adapter.transformer`` for its explore copy; Wan's velocity must run the copy's experts."""
+    from flowrl.policy.precision import build_explore
+    from flowrl.solrl.explore import explore_transformer
+
+    adapter = tiny_wan_adapter(two_experts=two_experts, boundary_ratio=0.5) if two_experts else tiny_wan_adapter()
+    add_lora(adapter.transformer, rank=2, alpha=2, targets=adapter.lora_target_modules)
+    explore = build_explore(adapter, "fp32")
+    calls = {"explore": 0, "trained": 0}
+
+    def counter(key):
+        def hook(*_):
+            calls[key] += 1
+
+        return hook
+
+    for key, module in (("explore", explore.module), ("trained", adapter.transformer)):
+        for expert in (module.high, module.low) if two_experts else (module,):
+            expert.register_forward_pre_hook(counter(key))
+    x, sigma = torch.randn(2, 16, 2, 2, 2), torch.tensor([0.95, 0.3])  # one sample per expert
+    cond = adapter.encode_prompt(["a cat", "a dog"])
+    with explore_transformer(adapter, explore.module):
+        adapter.velocity(x, sigma, cond)
+    assert calls == {"explore": 2 if two_experts else 1, "trained": 0}
+    adapter.velocity(x, sigma, cond)  # restored
+    assert calls["trained"] == calls["explore"]
+    if two_experts:
+        with pytest.raises(TypeError, match="a two-expert Wan model's transformer is a WanExperts"):
+            adapter.transformer = explore.module.high

@@ -42,9 +42,9 @@ def fp8_fake_quantize(x: Tensor, scaling: Literal["tensor", "row"] = "tensor") -
     Raises:
         ValueError: ``x`` holds NaN or inf.
     """
-    q, scale = fp8_quantize(x, scaling)
-    if not bool(torch.isfinite(scale).all()):
+    if not bool(torch.isfinite(x).all()):  # a NaN amax would fall back to scale 1 and pass unseen
         raise ValueError("fp8_e4m3 input holds NaN or inf; check the tensor before quantising")
+    q, scale = fp8_quantize(x, scaling)
     return (q.float() * scale).to(x.dtype)
 
 

@@ -269,3 +269,12 @@ def test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after
     with torch.no_grad():
         a, b = (e.module(**inputs)[0] for e in (shared, plain))
     assert torch.equal(a, b) and shared.shared_input.hits > 0
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp8_fake_quantize_refuses_nan_and_inf(scaling, bad):
+    """A NaN amax falls back to scale 1 in the scale rule: the input itself is checked."""
+    x = torch.tensor([[bad, 1.0], [2.0, 3.0]])
+    with pytest.raises(ValueError, match="fp8_e4m3 input holds NaN or inf"):
+        fp8_fake_quantize(x, scaling)

@@ -357,11 +357,20 @@ class Config:
     solrl: SolRLConfig = field(default_factory=SolRLConfig)  # Sol-RL two-stage / corrected rollouts
 
 
+RESERVED_REWARD_LABELS = ("reward_mean", "reward_ci95", "drift", "diversity", "diversity_base", "diversity_ratio", "n")
+"""Figures the held-out evaluation and the eval table name themselves; a reward labelled so would overwrite one."""
+
+
 def validate_rewards(rewards: dict[str, Any], where: str) -> None:
     """Each reward entry must be a mapping with a finite numeric weight."""
     if not rewards:
         raise ConfigError(f"{where}: 'rewards' is empty; name at least one reward (see `flowrl rewards list`)")
     for name, opts in rewards.items():
+        if name in RESERVED_REWARD_LABELS:
+            raise ConfigError(
+                f"{where}: 'rewards.{name}' is named like an evaluation figure (eval/{name}); give it another label "
+                f"and the reward as an option: rewards: {{my_{name}: {{reward: {name}}}}}"
+            )
         if not isinstance(opts, dict):
             raise ConfigError(f"{where}: 'rewards.{name}' must be a mapping like {{weight: 1.0}}; got {opts!r}")
         if "weight" in opts:

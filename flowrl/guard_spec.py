@@ -7,6 +7,7 @@ the config can check the section without importing the evaluation package.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -44,6 +45,15 @@ class GuardSpec:
         return self.tolerance * abs(best) if self.relative else self.tolerance
 
 
+def _scorer(label: Any, options: Any) -> tuple[str, str]:
+    """What a ``rewards:`` / ``guards:`` entry scores: its factory name and its options (weight, deadline aside)."""
+    opts = dict(options) if isinstance(options, Mapping) else {}
+    factory = str(opts.pop("reward", label))
+    for key in ("weight", "timeout_s"):
+        opts.pop(key, None)
+    return factory, json.dumps(opts, sort_keys=True, default=str)
+
+
 def parse_guards(section: Mapping[str, Any], rewards: Mapping[str, Any] = ()) -> list[GuardSpec]:
     """Check the ``guards:`` section and split each entry into guard keys and reward options.
 
@@ -58,6 +68,7 @@ def parse_guards(section: Mapping[str, Any], rewards: Mapping[str, Any] = ()) ->
         ValueError: one line naming the guard key and what is allowed.
     """
     specs = []
+    trained = {_scorer(label, opts): label for label, opts in rewards.items()} if isinstance(rewards, Mapping) else {}
     for name, entry in section.items():
         entry = {} if entry is None else entry
         if not isinstance(entry, Mapping):
@@ -66,6 +77,12 @@ def parse_guards(section: Mapping[str, Any], rewards: Mapping[str, Any] = ()) ->
             raise ValueError(
                 f"'guards.{name}' is also a trained reward (rewards.{name}); a guard is never trained on: "
                 "remove it from one of the two sections"
+            )
+        same = trained.get(_scorer(name, {k: v for k, v in entry.items() if k not in GUARD_KEYS}))
+        if same is not None and name not in MONITORS:
+            raise ValueError(
+                f"'guards.{name}' scores what the trained reward rewards.{same} scores (same reward and options); "
+                "a guard is never trained on: remove it from one of the two sections"
             )
         options = dict(entry)
         if "weight" in options:

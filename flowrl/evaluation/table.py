@@ -116,18 +116,23 @@ def format_ci(ci: MeanCI | None, digits: int = 4) -> str:
     return f"{ci.mean:.{digits}f} ± {ci.half_width:.{digits}f}"
 
 
-def table_columns(rows: Sequence[CheckpointFigures]) -> list[str]:
-    """Column headers: checkpoint, total, each reward, each guard, diversity, drift, samples."""
+def _names(rows: Sequence[CheckpointFigures]) -> tuple[list[str], list[str]]:
+    """The rewards and the guards of the rows, in first-seen order."""
     rewards = list(dict.fromkeys(k for r in rows for k in r.rewards))
     guards = list(dict.fromkeys(k for r in rows for k in r.guards))
+    return rewards, guards
+
+
+def table_columns(rows: Sequence[CheckpointFigures]) -> list[str]:
+    """Column headers: checkpoint, total, each reward, each guard, diversity, drift, samples."""
+    rewards, guards = _names(rows)
     return ["checkpoint", "reward total", *rewards, *(f"guard: {g}" for g in guards), "diversity", "drift", "n"]
 
 
 def table_cells(rows: Sequence[CheckpointFigures], digits: int = 4) -> tuple[list[str], list[list[str]]]:
     """The table as headers and rows of strings (what the demo's checkpoint table and markdown show)."""
     headers = table_columns(rows)
-    rewards = [h for h in headers[2:] if not h.startswith("guard: ") and h not in ("diversity", "drift", "n")]
-    guards = [h.removeprefix("guard: ") for h in headers if h.startswith("guard: ")]
+    rewards, guards = _names(rows)  # the same lists as the headers: a reward may be labelled "drift" or "n"
     cells = []
     for r in rows:
         cells.append(

@@ -46,6 +46,7 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["sampler.window=fixed", "sampler.window_start=50"], "'sampler.window_start' (50) + window_size (2)"),
         (["sampler.window=random", "sampler.num_steps=5"], "'sampler.window_range' [0, 9) must lie in [0, sampler"),
         (["output.dir="], "'output.dir' is empty; set it to a path"),
+        (["rewards.drift.weight=1"], "'rewards.drift' is named like an evaluation figure (eval/drift)"),
     ],
 )
 def test_bad_values_give_one_line_errors(override, fragment):

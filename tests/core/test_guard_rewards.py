@@ -74,6 +74,7 @@ def test_parse_guards_splits_guard_keys_from_reward_options():
     ("override", "message"),
     [
         ("guards.ink.tolerance=0.1", "'guards.ink' is also a trained reward"),
+        ("guards.legible.reward=digit_correctness", "'guards.legible' scores what the trained reward rewards.digit"),
         ("guards.g.tolerance=-1", "'guards.g.tolerance' must be >= 0"),
         ("guards.g.on_trip=halt", "'guards.g.on_trip' must be one of 'warn', 'stop'"),
         ("guards.g.weight=1", "'guards.g.weight' has no meaning"),

@@ -38,6 +38,9 @@ def test_table_figures_match_the_metrics():
     headers, cells = table_cells([row])
     assert headers == ["checkpoint", "reward total", "r", "nan", "diversity", "drift", "n"]
     assert cells[0][1] == f"{2.5:.4f} ± {row.total.half_width:.4f}" and cells[0][3] == "n/a"
+    clash = checkpoint_figures("z", images, ids, total, {"drift": total, "n": total}, base_images=base)
+    headers, cells = table_cells([clash])  # rewards labelled like the fixed columns keep their own cells
+    assert len(cells[0]) == len(headers) == 7 and cells[0][2] == cells[0][3] == cells[0][1]
     one_seed = checkpoint_figures("y", images[:2], torch.tensor([0, 1]), total[:2], {})
     assert one_seed.diversity is None and one_seed.drift is None
 

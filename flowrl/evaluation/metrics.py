@@ -70,7 +70,7 @@ def sample_drift(images: Tensor, base_images: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class MeanCI:
-    """A mean and its two-sided confidence interval (normal approximation)."""
+    """A mean and its two-sided confidence interval (Student t)."""
 
     mean: float
     low: float
@@ -84,10 +84,11 @@ class MeanCI:
 
 
 def mean_ci(values: Tensor | Sequence[float], level: float = 0.95) -> MeanCI:
-    """Mean of finite values with a normal-approximation confidence interval.
+    """Mean of finite values with a Student-t confidence interval.
 
-    ``mean ± z * s / sqrt(n)`` with the sample standard deviation ``s`` (n - 1) and ``z`` the
-    two-sided quantile of ``level``; NaNs (a reward that does not apply) are left out.
+    ``mean ± t * s / sqrt(n)`` with the sample standard deviation ``s`` (n - 1) and ``t`` the
+    two-sided quantile of ``level`` of Student's t with n - 1 degrees of freedom (a normal quantile
+    covers only ~80 % at n = 3 for a nominal 95 %); NaNs (a reward that does not apply) are left out.
 
     Args:
         values: (N,) numbers.
@@ -106,6 +107,8 @@ def mean_ci(values: Tensor | Sequence[float], level: float = 0.95) -> MeanCI:
     mean = float(x.mean())
     if n == 1:
         return MeanCI(mean, mean, mean, 1)
-    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + level / 2, dtype=torch.float64)))
-    half = z * float(x.std(unbiased=True)) / math.sqrt(n)
+    from scipy.stats import t as student_t
+
+    quantile = float(student_t.ppf(0.5 + level / 2, n - 1))
+    half = quantile * float(x.std(unbiased=True)) / math.sqrt(n)
     return MeanCI(mean, mean - half, mean + half, n)

@@ -150,12 +150,12 @@ def table_cells(rows: Sequence[CheckpointFigures], digits: int = 4) -> tuple[lis
 
 
 def markdown_table(rows: Sequence[CheckpointFigures], level: float = 0.95, digits: int = 4) -> str:
-    """A markdown table of the rows (``mean ± half-width`` of the ``level`` normal CI)."""
+    """A markdown table of the rows (``mean ± half-width`` of the ``level`` Student-t CI)."""
     headers, cells = table_cells(rows, digits)
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     note = (
-        f"\nMeans ± half-width of the {level:.0%} normal-approximation interval over samples (diversity: over "
+        f"\nMeans ± half-width of the {level:.0%} Student-t interval over samples (diversity: over "
         "prompts). Diversity: mean pairwise RMS pixel distance between the seeds of one prompt. Drift: RMS pixel "
         "distance from the base model's sample of the same prompt and seed.\n"
     )

@@ -41,13 +41,21 @@ def test_drift():
         sample_drift(a, b[:1])
 
 
-def test_mean_ci_normal_quantile_and_nan():
+def test_mean_ci_student_t_quantile_and_nan():
     values = [1.0, 2.0, 3.0, 4.0, float("nan")]
     ci = mean_ci(values)
-    half = 1.959963984540054 * math.sqrt(5.0 / 3.0) / 2.0
+    half = 3.182446305284263 * math.sqrt(5.0 / 3.0) / 2.0  # t(0.975, 3 degrees of freedom), by hand: s^2 = 5/3
     assert (ci.mean, ci.n) == (2.5, 4)
     assert ci.low == pytest.approx(2.5 - half, abs=1e-9) and ci.high == pytest.approx(2.5 + half, abs=1e-9)
     assert mean_ci([7.0]).low == 7.0
     assert math.isnan(mean_ci([]).mean)
     with pytest.raises(ValueError, match="level"):
         mean_ci([1.0], level=1.0)
+
+
+def test_mean_ci_covers_its_level_at_small_n():
+    """A 95 % interval over 3 normal draws covers the mean 95 % of the time (a z quantile gives ~80 %)."""
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.randn(20_000, 3, generator=gen, dtype=torch.float64)
+    covered = sum(ci.low <= 0.0 <= ci.high for ci in map(mean_ci, draws))
+    assert 0.94 < covered / len(draws) < 0.96

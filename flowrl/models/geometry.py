@@ -153,6 +153,9 @@ def _vae_geometry(vae: dict[str, Any], family: str) -> tuple[int, int, tuple[int
         mult = vae.get("dim_mult") if isinstance(vae.get("dim_mult"), list) else [1, 2, 4, 4]
         widths = tuple(base * int(m) for m in mult if isinstance(m, int))
         t = 2 ** sum(bool(x) for x in temporal) if family == "WanPipeline" else 1
+        if family == "WanPipeline":  # as WanPipeline reads them: Wan2.2-TI2V-5B's VAE is 16x spatially, not 8x
+            t = _int(vae, "scale_factor_temporal", t)
+            return _int(vae, "scale_factor_spatial", 2 ** len(temporal)), t, widths or (base,)
         return 2 ** len(temporal), t, widths or (base,)
     return 8, 1, (128, 256, 512, 512)
 

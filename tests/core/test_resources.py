@@ -280,3 +280,36 @@ def test_the_estimate_counts_the_plans_training_noise_per_rank(name, extra, sigm
         (part,) = parts
         assert part.nbytes == 40 // processes * sigmas * latent * 4
         assert f"x {sigmas} sigmas" in part.name and f"training sigmas of {name}" in part.fix
+
+
+def test_wan_geometry_reads_the_vae_s_own_scale_factors(tmp_path):
+    """Wan2.2-TI2V-5B's VAE patchifies 2x2 on 3 downsamplings: WanPipeline reads 16 from its config, not 2**3."""
+    configs = {
+        "model_index.json": {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]},
+        "transformer/config.json": {
+            "_class_name": "WanTransformer3DModel",
+            "patch_size": [1, 2, 2],
+            "num_attention_heads": 24,
+            "attention_head_dim": 128,
+            "in_channels": 48,
+            "out_channels": 48,
+            "num_layers": 30,
+        },
+        "vae/config.json": {  # as published for Wan2.2-TI2V-5B-Diffusers
+            "_class_name": "AutoencoderKLWan",
+            "base_dim": 160,
+            "z_dim": 48,
+            "dim_mult": [1, 2, 4, 4],
+            "temperal_downsample": [False, True, True],
+            "patch_size": 2,
+            "scale_factor_spatial": 16,
+            "scale_factor_temporal": 4,
+        },
+    }
+    for name, data in configs.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(data))
+    g = read_geometry(tmp_path, None)
+    assert (g.vae_factor, g.temporal_factor) == (16, 4)
+    cfg = load_config(None, [f"model.path={tmp_path}", "model.resolution=[704,1280]", "model.num_frames=121"])
+    assert sample_sizes(cfg, g).latent == 48 * 31 * (704 // 16) * (1280 // 16)  # WanAdapter.latent_shape's count

@@ -141,6 +141,17 @@ def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def called_denoisers(transformer: nn.Module) -> list[nn.Module]:
+    """The modules a model's velocity calls: Wan2.2's two experts for a :class:`WanExperts`, else the module itself.
+
+    ``WanAdapter.velocity`` calls each expert directly, never the container's ``forward``: compiling
+    the container would compile nothing that runs.
+    """
+    from ..models.wan_experts import WanExperts
+
+    return [transformer.high, transformer.low] if isinstance(transformer, WanExperts) else [transformer]
+
+
 def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") -> None:
     """Compile the denoiser's call in place with ``torch.compile`` (``nn.Module.compile``); "none" leaves it eager.
 
@@ -178,7 +189,8 @@ def compile_denoiser(transformer: nn.Module, mode: str, scope: str = "model") ->
         return
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS)
-    targets = [transformer] if scope == "model" else repeated_blocks(transformer)
+    units = called_denoisers(transformer)
+    targets = units if scope == "model" else [block for unit in units for block in repeated_blocks(unit)]
     if not targets:
         raise ValueError(
             f"memory.compile_scope=blocks: {type(transformer).__name__} has no list of repeated blocks; "

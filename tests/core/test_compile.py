@@ -146,6 +146,19 @@ def test_block_scope_compiles_each_repeated_block_and_leaves_the_rest_eager():
     assert linear._compiled_call_impl is None
 
 
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_both_wan_experts_are_compiled(scope):
+    """WanAdapter.velocity calls each expert itself, never WanExperts.forward: the experts are what gets compiled."""
+    from tiny_wan import tiny_wan_adapter
+
+    experts = tiny_wan_adapter(two_experts=True).transformer
+    compile_denoiser(experts, "default", scope)
+    assert experts._compiled_call_impl is None
+    for expert in (experts.high, experts.low):
+        parts = [expert] if scope == "model" else repeated_blocks(expert)
+        assert parts and all(part._compiled_call_impl is not None for part in parts)
+
+
 @pytest.mark.slow
 def test_compiled_blocks_share_one_graph_and_match_eager():
     """Four SD3 blocks, two graphs: three joint blocks share one, the last (``context_pre_only``) has its own."""

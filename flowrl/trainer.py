@@ -376,10 +376,12 @@ class Trainer:
         bad, or per optimizer step when a loss, the gradient norm or the new weights are.
         """
         start, nfe = time.perf_counter(), self.model.nfe
+        history = self.advantage.state_dict()  # per-prompt reward history before this batch
         batch, info = self.collect()
         t_sample = time.perf_counter() - start
         fault = self._batch_fault(batch, info)
         if fault is not None:
+            self.advantage.load_state_dict(history)  # a skipped batch leaves no trace in later advantages
             self.guard.skip(fault, self.iteration + 1)
             stats = {"skipped_updates": 1.0}
         elif not bool(batch.global_keep.any()):

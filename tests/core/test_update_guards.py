@@ -284,3 +284,21 @@ def test_a_skipped_sage_grpo_step_leaves_its_kl_weight_finite(tiny_sd3, monkeypa
     assert first["train/skipped_updates"] == 1.0 and math.isfinite(trainer.objective.beta)
     second = trainer.train_step()
     assert second["train/skipped_updates"] == 0.0 and math.isfinite(trainer.objective.beta)
+
+
+def test_a_skipped_iteration_leaves_no_trace_in_the_per_prompt_history(tiny_sd3):
+    """advantage.method=per_prompt: the skipped batch's rewards must not normalise later advantages."""
+    calls = {"n": 0}
+
+    def flaky(images, prompts, **_):
+        calls["n"] += 1
+        scores = torch.linspace(0, 1, images.shape[0])
+        return scores * 1e9 if calls["n"] == 1 else scores
+
+    reward = MultiReward({"flaky": (flaky, 1.0)})
+    trainer = _trainer(tiny_sd3, reward, "advantage.method=per_prompt", "advantage.min_count=2")
+    before = trainer.advantage.state_dict()
+    assert trainer.train_step()["train/skipped_updates"] == 1.0
+    assert trainer.advantage.state_dict() == before  # as if the batch had never been scored
+    assert trainer.train_step()["train/skipped_updates"] == 0.0
+    assert all(max(abs(r) for r in h) <= 1.0 for h in trainer.advantage.state_dict()["history"].values())

@@ -295,8 +295,10 @@ class Run:
             logger.log(trainer.iteration, metrics)
             if evaluated:
                 self._record_eval(logger)
-            # one process stops at the evaluation that tripped; several ranks stop together at the next iteration
-            done = done or (self.stop_reason is not None and self.collective.world_size == 1)
+            # one process stops at the evaluation that tripped, or whose time ran past the budget (that
+            # evaluation is the final one); several ranks stop together at the next iteration's check
+            spent = evaluated and budget is not None and time.perf_counter() - t0 >= budget
+            done = done or ((self.stop_reason is not None or spent) and self.collective.world_size == 1)
             if trainer.iteration % cfg.train.save_every == 0 or done:
                 self._save_checkpoint()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", s_per_it=f"{metrics['time/iteration_s']:.2f}")

@@ -102,3 +102,23 @@ def test_metrics_logger_cuts_back_to_the_checkpoint(tmp_path):
     logger.close()
     assert (tmp_path / "metrics.jsonl").read_text().splitlines()[:4] == lines[:4]
     assert [r["reward_mean"] for r in _rows(tmp_path)] == [0.0, 1.0, 2.0, 3.0, 40.0]
+
+
+def test_a_time_budget_spent_during_an_evaluation_ends_the_run_there(tmp_path, monkeypatch):
+    """The budget is checked after the evaluation too: that evaluation is the final one, no iteration follows."""
+    import time
+
+    evaluate, evaluated = recipe.Run._evaluate, []
+
+    def slow(self):
+        evaluated.append(self.trainer.iteration)
+        metrics = evaluate(self)
+        if self.trainer.iteration > 0:
+            time.sleep(2.0)  # an evaluation slower than the whole budget
+        return metrics
+
+    monkeypatch.setattr(recipe.Run, "_evaluate", slow)
+    overrides = ["train.iterations=20", "train.time_budget_s=1.0", "train.save_every=100"]
+    assert main(["train", *SMALL, *overrides, f"output.dir={tmp_path / 'run'}"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == 1 and evaluated == [0, 1]

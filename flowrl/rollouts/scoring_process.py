@@ -37,6 +37,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from ..policy.memory import trainable_attention
 from ..rewards import MultiReward, RewardError
 from ..rewards.contract import RewardTimeout, timeout_message
 from ..supervisor import signal_name
@@ -112,6 +113,11 @@ def _get_running(running: Any, names: Sequence[str]) -> tuple[int, str, float] |
     return index, names[position], started
 
 
+def _starts(running: Any, index: int, at: dict[str, int]) -> Callable[[str], None]:
+    """The ``on_start`` of one chunk: write each reward the worker calls into ``running`` (:func:`_set_running`)."""
+    return lambda name: _set_running(running, index, at[name])
+
+
 def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, results: Any, running: Any) -> None:
     """Worker loop: ``(key, latents, prompts, metadata, index)`` in, ``(key, ok, payload)`` out; None stops.
 
@@ -122,27 +128,28 @@ def _worker_main(reward: MultiReward, decode: Decode, threads: int, jobs: Any, r
     torch.set_num_threads(threads)
     results.put((None, True, "ready"))
     parent = mp.parent_process()
-    while True:
-        try:
-            job = jobs.get(timeout=POLL_S)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():  # the trainer died: never outlive it
-                results.cancel_join_thread()
+    # the attention kernels inline scoring runs under (Trainer.collect), so every mode scores the same bits on a
+    # GPU too; the flags are process-wide, and this process only scores
+    with trainable_attention():
+        while True:
+            try:
+                job = jobs.get(timeout=POLL_S)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():  # the trainer died: never outlive it
+                    results.cancel_join_thread()
+                    return
+                continue
+            if job is None:
                 return
-            continue
-        if job is None:
-            return
-        key, latents, prompts, metadata, index = job
-        try:
-            out = score_chunk(
-                reward, decode, latents, prompts, metadata, index, lambda name: _set_running(running, index, at[name])
-            )
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
-            _set_running(running)
-            results.put((key, False, _portable(exc)))
-        else:
-            _set_running(running)
-            results.put((key, True, out))
+            key, latents, prompts, metadata, index = job
+            try:
+                out = score_chunk(reward, decode, latents, prompts, metadata, index, _starts(running, index, at))
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the trainer
+                _set_running(running)
+                results.put((key, False, _portable(exc)))
+            else:
+                _set_running(running)
+                results.put((key, True, out))
 
 
 def _unpicklable_part(reward: MultiReward, decode: Decode) -> str | None:

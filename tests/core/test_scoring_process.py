@@ -173,6 +173,28 @@ def test_chunks_are_scored_in_the_worker_while_sampling(tmp_path):
     assert overlapped  # the trainer evaluated the model while the worker was scoring a chunk
 
 
+class CudnnFlag:
+    """Scores 1 where torch would let SDPA pick its cuDNN kernel in this process, 0 where it is off (picklable)."""
+
+    def __call__(self, images, prompts, **metadata):
+        return torch.full((images.shape[0],), float(torch.backends.cuda.cudnn_sdp_enabled()))
+
+
+def test_the_worker_scores_under_the_training_attention_kernels():
+    """Inline scoring runs inside Trainer.collect's trainable_attention; the worker process must too (same bits)."""
+    reward = MultiReward({"flag": (CudnnFlag(), 1.0)})
+    worker = ScoringProcess(reward, torch.nn.Identity())
+    try:
+        scorer = RolloutScorer(reward, torch.nn.Identity(), ["p"] * 3, worker=worker)
+        x = torch.rand(3, 3, 4, 4)
+        with scorer:
+            scorer.submit(slice(0, 3), x)
+            _, out = scorer.result(x)
+    finally:
+        worker.close()
+    assert torch.backends.cuda.cudnn_sdp_enabled() and out.total.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_failing_reward_in_the_worker_names_reward_and_batch():
     t = trainer("process", MultiReward({"judge": (Broken(), 1.0)}))
     t.iteration = 2  # 12 samples in chunks of 5, 5, 2: this iteration's first batch index is 6

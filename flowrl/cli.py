@@ -30,8 +30,16 @@ def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
     """
     configs, overrides = [], []
     for arg in args:  # a file that exists is a config even when its path holds "=" (runs/lr=0.1/config.yaml)
-        (overrides if "=" in arg and not Path(arg).is_file() else configs).append(arg)
+        (overrides if "=" in arg and not _is_file(arg) else configs).append(arg)
     return configs or None, overrides
+
+
+def _is_file(arg: str) -> bool:
+    """Whether ``arg`` names an existing file; False for text no filesystem takes as a path (too long, NUL)."""
+    try:
+        return Path(arg).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _check_single_process() -> None:
@@ -507,6 +515,12 @@ def _run(argv: list[str]) -> int:
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         stderr_line(f"flowrl: error: {message}")
+        return 2
+    except OSError as err:  # a path the filesystem refuses (too long, no permission, read-only): name it
+        if os.environ.get("FLOWRL_DEBUG") or err.errno is None:
+            raise
+        where = f" ({str(err.filename)[:120]})" if err.filename else ""
+        stderr_line(f"flowrl: error: {err.strerror or err}{where}; check the path, or set FLOWRL_DEBUG=1 for a trace")
         return 2
     except KeyboardInterrupt:
         stderr_line("flowrl: interrupted; checkpoints written so far are kept")

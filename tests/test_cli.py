@@ -208,3 +208,14 @@ def test_a_config_file_whose_path_holds_an_equals_sign_is_a_config(tmp_path):
     config.write_text("train:\n  iterations: 3\n")
     assert _split_config_args([str(config), "optim.lr=0.1"]) == ([str(config)], ["optim.lr=0.1"])
     assert _split_config_args(["a.yaml", "x=1"]) == (["a.yaml"], ["x=1"])
+
+
+def test_a_path_the_filesystem_refuses_is_one_line(tmp_path, capsys):
+    from flowrl.cli import main
+
+    too_long = str(tmp_path / ("x" * 300)) + ".png"
+    assert main(["sample", "--prompt", "a 3", "--seeds", "1", "--out", too_long]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flowrl: error: File name too long (")
+    assert main(["train", "--check", "x" * 300 + "=1"]) == 2  # not a file: an override, named as one
+    assert "unknown key" in capsys.readouterr().err

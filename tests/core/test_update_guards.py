@@ -96,6 +96,18 @@ def test_guard_stops_after_k_consecutive_and_names_the_first_fault():
 # -- the trainer ----------------------------------------------------------------------------
 
 
+def flaky_once():
+    """A reward whose first call returns scores of 1e9 (past train.max_abs_reward), then ordinary ones."""
+    calls = {"n": 0}
+
+    def flaky(images, prompts, **_):
+        calls["n"] += 1
+        scores = torch.linspace(0, 1, images.shape[0])
+        return scores * 1e9 if calls["n"] == 1 else scores
+
+    return flaky
+
+
 def test_exploding_learning_rate_is_undone_and_stops_the_run(tiny_sd3):
     trainer = _trainer(tiny_sd3, None, "train.max_skipped_updates=2")
     trainer.optimizer.param_groups[0]["lr"] = 1e10  # past the config bound (optim.lr <= 1), as a bug could set it
@@ -132,14 +144,7 @@ def test_huge_reward_skips_the_update(tiny_sd3):
 
 
 def test_one_bad_iteration_is_skipped_and_training_goes_on(tiny_sd3):
-    calls = {"n": 0}
-
-    def flaky(images, prompts, **_):
-        calls["n"] += 1
-        scores = torch.linspace(0, 1, images.shape[0])
-        return scores * 1e9 if calls["n"] == 1 else scores
-
-    reward = MultiReward({"flaky": (flaky, 1.0)})
+    reward = MultiReward({"flaky": (flaky_once(), 1.0)})
     trainer = _trainer(tiny_sd3, reward, "train.max_skipped_updates=2")
     before = _lora(trainer)
     assert trainer.train_step()["train/skipped_updates"] == 1.0
@@ -288,14 +293,7 @@ def test_a_skipped_sage_grpo_step_leaves_its_kl_weight_finite(tiny_sd3, monkeypa
 
 def test_a_skipped_iteration_leaves_no_trace_in_the_per_prompt_history(tiny_sd3):
     """advantage.method=per_prompt: the skipped batch's rewards must not normalise later advantages."""
-    calls = {"n": 0}
-
-    def flaky(images, prompts, **_):
-        calls["n"] += 1
-        scores = torch.linspace(0, 1, images.shape[0])
-        return scores * 1e9 if calls["n"] == 1 else scores
-
-    reward = MultiReward({"flaky": (flaky, 1.0)})
+    reward = MultiReward({"flaky": (flaky_once(), 1.0)})
     trainer = _trainer(tiny_sd3, reward, "advantage.method=per_prompt", "advantage.min_count=2")
     before = trainer.advantage.state_dict()
     assert trainer.train_step()["train/skipped_updates"] == 1.0

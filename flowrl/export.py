@@ -21,9 +21,13 @@ from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
 
 
 def run_config_file(source: str | Path) -> Path | None:
-    """The resolved ``config.yaml`` of the run that ``source`` (a run folder or its ``lora/``) belongs to, or None."""
+    """The resolved ``config.yaml`` of the run ``source`` belongs to, or None.
+
+    ``source``: a run folder, its ``lora/``, or a LoRA folder under its ``checkpoints/`` (``best-guard``).
+    """
     path = Path(source)
-    for folder in (path, path.parent) if path.name == "lora" else (path,):
+    run = path.parent if path.name == "lora" else path.parent.parent if path.parent.name == "checkpoints" else path
+    for folder in dict.fromkeys((path, run)):
         if (folder / "config.yaml").is_file():
             return folder / "config.yaml"
     return None

@@ -164,3 +164,14 @@ def test_export_overwrites_only_a_diffusers_folder(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(notes)
     assert main(["export", "--merge", str(lora_dir), "--out", ".", "--overwrite"]) == 2
     assert "is the current folder or one above it" in capsys.readouterr().err and (notes / "todo.md").is_file()
+
+
+def test_the_run_config_of_a_lora_folder(tmp_path):
+    from flowrl.export import run_config_file
+
+    (tmp_path / "checkpoints" / "best-guard").mkdir(parents=True)
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "config.yaml").write_text("{}\n")
+    for source in (tmp_path, tmp_path / "lora", tmp_path / "checkpoints" / "best-guard"):
+        assert run_config_file(source) == tmp_path / "config.yaml", source
+    assert run_config_file(tmp_path / "checkpoints") is None and run_config_file(tmp_path / "elsewhere") is None

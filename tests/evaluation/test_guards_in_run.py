@@ -121,8 +121,8 @@ def test_guard_tolerance_may_change_on_resume(pipeline, tmp_path):
     config = pipeline.parent / "thin.yaml"
     saved = to_dict(load_config(config, HACKING))
     check_resume_config(saved, to_dict(load_config(config, [*HACKING, "guards.bright.tolerance=0.5"])))
-    with pytest.raises(ValueError, match="guards.bright.target changed"):
-        check_resume_config(saved, to_dict(load_config(config, [*HACKING, "guards.bright.target=thin"])))
+    with pytest.raises(ValueError, match="guards.bright.target changed"):  # (target=thin would be the trained reward)
+        check_resume_config(saved, to_dict(load_config(config, [*HACKING, "guards.bright.target=prompt"])))
 
 
 def test_wandb_enabled_but_missing_is_one_line(pipeline, tmp_path, capsys, monkeypatch):

@@ -150,8 +150,9 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     if Path(ns.out).is_dir():
         raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {Path(ns.out) / 'samples.png'}")
     config, overrides = _split_config_args(ns.args)
-    if config is None and ns.lora is not None and run_config_file(ns.lora) is not None:
-        config = [str(run_config_file(ns.lora))]  # the run's own model, guidance and sigma grid; overrides on top
+    run_config = run_config_file(ns.lora) if config is None and ns.lora is not None else None
+    if run_config is not None:
+        config = [str(run_config)]  # the run's own model, guidance and sigma grid; overrides on top
     cfg = load_config(config, overrides)
     check_machine(cfg, training=False)
     configure_threads(cfg.train.threads)

@@ -165,24 +165,37 @@ class MultiReward:
             )
         return scores
 
-    def combine(self, components: Mapping[str, Tensor], *, batch_index: int | str | None = None) -> RewardOutput:
+    def combine(
+        self,
+        components: Mapping[str, Tensor],
+        *,
+        batch_index: int | str | None = None,
+        allow_all_nan: bool = False,
+    ) -> RewardOutput:
         """Weighted total of component scores of a whole batch.
 
         Args:
             components: reward name -> (B,) float32 raw scores (every configured reward).
             batch_index: optional batch index named in error messages.
+            allow_all_nan: accept a component NaN for every sample (a reward that applies to none of
+                the batch's prompts, e.g. an evaluation table's "n/a" column).
 
         Returns:
             :class:`RewardOutput`; NaN components count 0 in the total.
 
         Raises:
-            RewardError: a component is NaN for every sample of the batch.
+            RewardError: a component is NaN for every sample of the batch (unless ``allow_all_nan``).
         """
         first = components[next(iter(self.rewards))]
         total = torch.zeros(first.shape[0], dtype=torch.float32, device=first.device)
         for name, (_, weight) in self.rewards.items():
             scores = check_reward_output(
-                name, components[name], total.shape[0], allow_nan=True, batch_index=batch_index
+                name,
+                components[name],
+                total.shape[0],
+                allow_nan=True,
+                batch_index=batch_index,
+                allow_all_nan=allow_all_nan,
             )
             total = total + weight * torch.nan_to_num(scores.to(total.device), nan=0.0)
         return RewardOutput(total, {name: components[name] for name in self.rewards})

@@ -70,14 +70,14 @@ def get_sde_step(name: str) -> SDEStepFn:
         raise ValueError(f"unknown SDE {name!r}; set sampler.sde to one of {', '.join(SDE_STEPS)}") from None
 
 
-def step_std(step_fn: SDEStepFn, sigma: Tensor, sigma_next: Tensor, level: float) -> float:
-    """The transition std of one SDE step from ``sigma`` to ``sigma_next`` (scalars), in fp64.
+def _step_std(step_fn: SDEStepFn, sigma: Tensor, sigma_next: Tensor, level: float) -> float:
+    """The transition std of one SDE step from ``sigma`` to ``sigma_next`` (scalars), in fp64 on the CPU.
 
     0 where the step is deterministic although its level is not, e.g. CPS's step to sigma 0
     (``sigma_next sin(level pi / 2)``): such a step has no density to train on.
     """
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
-    sigma, sigma_next = sigma.double().reshape(1), sigma_next.double().reshape(1)
+    sigma, sigma_next = sigma.detach().cpu().double().reshape(1), sigma_next.detach().cpu().double().reshape(1)
     return float(step_fn(zero, zero, sigma, sigma_next, level, noise=zero).std)
 
 
@@ -96,7 +96,7 @@ def has_density(sde: str, sigmas: Tensor, levels: Tensor) -> Tensor:
     step_fn = get_sde_step(sde)
     return torch.tensor(
         [
-            float(levels[t]) > 0 and step_std(step_fn, sigmas[t], sigmas[t + 1], float(levels[t])) > 0
+            float(levels[t]) > 0 and _step_std(step_fn, sigmas[t], sigmas[t + 1], float(levels[t])) > 0
             for t in range(len(levels))
         ],
         dtype=torch.bool,

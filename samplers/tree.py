@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .broadcast import standard_normal
 from .gaussian import Reduction, gaussian_log_prob
-from .sde_steps import SDEStepFn, get_sde_step, step_std
+from .sde_steps import SDEStepFn, get_sde_step, has_density
 from .types import SDEStep
 
 TreeVelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -228,12 +228,13 @@ def tree_rollout(
     if split_noise_scale <= 0:
         raise ValueError(f"sampler.tree.split_noise_scale must be > 0; got {split_noise_scale}")
     step_fn = get_sde_step(sde)
-    for t in torch.nonzero(factors > 1).flatten().tolist():
-        if step_std(step_fn, sigmas[t], sigmas[t + 1], float(noise_levels[t])) == 0:
-            raise ValueError(
-                f"the split at step {t} has transition std 0 under sampler.sde={sde} (sigma {float(sigmas[t]):.4g} "
-                f"-> {float(sigmas[t + 1]):.4g}), so its children would be identical; move the split to an earlier step"
-            )
+    no_density = torch.nonzero((factors.cpu() > 1) & ~has_density(sde, sigmas, noise_levels)).flatten().tolist()
+    if no_density:  # the level is above 0 (checked above) but the step's std is not, e.g. CPS's step to sigma 0
+        t = no_density[0]
+        raise ValueError(
+            f"the split at step {t} has transition std 0 under sampler.sde={sde} (sigma {float(sigmas[t]):.4g} "
+            f"-> {float(sigmas[t + 1]):.4g}), so its children would be identical; move the split to an earlier step"
+        )
     scales = torch.where(factors > 1, split_noise_scale, 1.0).double()
     x = roots.float()
     num_trees = x.shape[0]

@@ -85,11 +85,9 @@ def score(reward: Any, images: Tensor, prompts: Sequence[Prompt]) -> tuple[Tenso
     from ..prompts.batch import collate
 
     batch = collate(list(prompts))
-    parts = {k: v.float() for k, v in reward.score_parts(images, batch.texts, batch.metadata).items()}
-    total = torch.zeros(images.shape[0], dtype=torch.float32, device=images.device)
-    for name, weight in reward.weights.items():  # a reward NaN on every sample (none of its prompts): "n/a", 0 here
-        total = total + weight * torch.nan_to_num(parts[name].to(total.device), nan=0.0)
-    return total, parts
+    parts = reward.score_parts(images, batch.texts, batch.metadata)
+    out = reward.combine(parts, allow_all_nan=True)  # a reward that applies to none of the prompts reads "n/a"
+    return out.total.float(), {k: v.float() for k, v in out.components.items()}
 
 
 def checkpoints_of(run_dirs: Sequence[Path]) -> list[Checkpoint]:

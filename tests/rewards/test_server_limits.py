@@ -188,7 +188,7 @@ def test_a_header_declaring_a_huge_batch_is_refused_at_once(server, batch, statu
     text = json.dumps(header).encode()
     start = time.perf_counter()
     code, error = post(server, struct.pack("<Q", len(text)) + text, SAFETENSORS)
-    assert code == status and time.perf_counter() - start < 2.0
+    assert code == status and time.perf_counter() - start < 10.0  # was 13.7 s quiet; ms now
     assert ("request holds 1000000000000 images" in error) if status == 413 else ("not a valid safetensors" in error)
 
 

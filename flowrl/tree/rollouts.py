@@ -183,11 +183,18 @@ def edge_advantages(
         clip: ``advantage.clip``.
         iteration: the iteration (sliding depth pruning).
         chunk_size: the frontier chunk the rollout used.
+
+    A non-finite leaf reward (a weighted total that overflowed) gives NaN advantages instead of an error, so
+    the update guards skip the iteration as they do for flat rollouts (``train.max_abs_reward``).
     """
     n = tree.num_trees
-    node_rewards = fuse_rewards(rewards.double(), tree_widths(spec.factors), tree.log_probs, n, tree_cfg.fusion)
+    finite = bool(torch.isfinite(rewards).all())
+    leaf_rewards = rewards.double() if finite else torch.zeros_like(rewards, dtype=torch.float64)
+    node_rewards = fuse_rewards(leaf_rewards, tree_widths(spec.factors), tree.log_probs, n, tree_cfg.fusion)
     advantages = depthwise_advantages(node_rewards, n, clip=clip)
     trained_levels = torch.where(has_density(tree.sde, tree.sigmas, tree.noise_levels), tree.noise_levels, 0.0)
     masks = train_masks(advantages, spec.factors, trained_levels, n, iteration=iteration, **pruning_options(tree_cfg))
     masks = [m.cpu() for m in masks]  # index bookkeeping stays on the CPU (CUDA tensors take CPU indices)
+    if not finite:  # nothing to train on: the guards see the rewards and these advantages and skip the update
+        advantages = [torch.full_like(a, float("nan")) for a in advantages]
     return TreeBatch(tree, advantages, masks, node_rewards, cond, chunk_size)

@@ -183,3 +183,31 @@ def test_mixed_ode_sde_tree_trains_only_window_and_split_edges():
             assert torch.equal(batch.tree.rollout.log_probs[t], torch.zeros_like(batch.tree.rollout.log_probs[t]))
     stats = trainer.update(batch)
     assert stats["first_ratio"] == 1.0 and all(math.isfinite(v) for v in stats.values())
+
+
+def test_an_overflowing_leaf_reward_is_skipped_by_the_update_guard():
+    """A weighted total that overflows to inf: the guard skips the tree iteration (as for flat rollouts), no crash."""
+    from flowrl.rewards.combine import MultiReward
+    from flowrl.tree.rollouts import edge_advantages
+
+    trainer = _trainer("sampler.num_steps=3", "sampler.tree.split_steps=[0]", "prompts.group_size=2")
+
+    def huge(images, prompts, **_):
+        return torch.full((images.shape[0],), 3e38)
+
+    trainer.reward = MultiReward({"a": (huge, 1.0), "b": (huge, 1.0)})  # 6e38 > float32 max: total inf
+    before = [p.detach().clone() for p in trainer.params]
+    assert trainer.train_step()["train/skipped_updates"] == 1.0
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, before))
+    batch, _ = trainer.collect()
+    tb = edge_advantages(
+        batch.tree.rollout,
+        torch.tensor([1.0, float("inf")]),
+        batch.tree.cond,
+        trainer.tree,
+        trainer.cfg.sampler.tree,
+        clip=5.0,
+        iteration=0,
+        chunk_size=8,
+    )
+    assert all(bool(a.isnan().all()) for a in tb.advantages)

@@ -265,24 +265,30 @@ class WanAdapter(AdapterBase):
     def load_lora(self, directory: str | Path) -> None:
         """Load LoRA files written by :meth:`save_lora` into the pipeline's experts (diffusers' loader).
 
-        A single ``.safetensors`` file goes to ``pipe.load_lora_weights`` as is (the high expert).
+        A single ``.safetensors`` file goes to the expert its name says: the low-noise expert for
+        ``pytorch_lora_weights_transformer_2.safetensors``, the high-noise expert for any other name.
 
         Raises:
-            FileNotFoundError: no LoRA file for this model's experts in ``directory``.
+            FileNotFoundError: no LoRA file for this model's experts in ``directory``, or a low-noise-expert
+                LoRA for a pipeline without ``transformer_2``.
         """
-        if Path(directory).is_file():
-            super().load_lora(directory)
+        path = Path(directory)
+        if path.is_file():
+            expert = "low" if path.name == LORA_FILES["low"] else "high"
+            self._load_expert_lora(path.parent, path.name, expert)
             return
-        found = [e for e, name in LORA_FILES.items() if (Path(directory) / name).is_file()]
+        found = [e for e, name in LORA_FILES.items() if (path / name).is_file()]
         if not found:
             raise FileNotFoundError(
                 f"no Wan LoRA ({' or '.join(LORA_FILES.values())}) in {directory}; pass the run's lora/ folder"
             )
         for expert in found:
-            if expert == "low" and self.experts["low"] is None:
-                raise FileNotFoundError(
-                    f"{directory} holds a low-noise-expert LoRA but this Wan pipeline has no transformer_2"
-                )
-            self.pipe.load_lora_weights(
-                str(directory), weight_name=LORA_FILES[expert], load_into_transformer_2=expert == "low"
+            self._load_expert_lora(path, LORA_FILES[expert], expert)
+
+    def _load_expert_lora(self, folder: Path, weight_name: str, expert: str) -> None:
+        """``pipe.load_lora_weights`` of ``folder / weight_name`` into the "high" or "low" expert."""
+        if expert == "low" and self.experts["low"] is None:
+            raise FileNotFoundError(
+                f"{folder / weight_name} is a low-noise-expert LoRA but this Wan pipeline has no transformer_2"
             )
+        self.pipe.load_lora_weights(str(folder), weight_name=weight_name, load_into_transformer_2=expert == "low")

@@ -330,6 +330,25 @@ def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
         tiny_wan_adapter(lora_expert="low")
 
 
+def test_a_low_noise_expert_lora_file_loads_into_transformer_2(tmp_path):
+    """The low expert's .safetensors file given alone (flowrl sample --lora FILE) goes to transformer_2, not the
+    high-noise expert; a Wan2.1 pipeline (no transformer_2) refuses it in one line."""
+    from flowrl.policy.lora import load_saved_lora
+
+    model = tiny_wan_adapter(two_experts=True, lora_expert="low")
+    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    _randomize_lora(model.transformer)
+    file = model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    fresh = tiny_wan_adapter(two_experts=True)
+    load_saved_lora(fresh, file)
+    assert hasattr(fresh.pipe.transformer_2, "peft_config") and not hasattr(fresh.pipe.transformer, "peft_config")
+    cond, x, sigma = model.encode_prompt(PROMPTS), _latents(model), torch.tensor([0.95, 0.3])  # one per expert
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="low-noise-expert LoRA but this Wan pipeline has no transformer_2"):
+        tiny_wan_adapter().load_lora(file)
+
+
 def _two_expert_trainer(model, *extra):
     from flowrl.config import load_config
     from flowrl.prompts.files import Prompt

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -77,12 +79,23 @@ class PromptCache:
         return load_file(str(path))
 
     def _store(self, key: str, cond: Cond) -> None:
+        """Keep ``cond`` in memory and, with a folder, write it there atomically.
+
+        Several writers may store the same prompt at once (the ranks of a launch sharing
+        ``prompts.cache_dir``), so each writes its own temporary file before the atomic rename: the
+        last rename wins and a reader only ever sees a whole file.
+        """
         self.memory[key] = cond
         if self.directory:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f"{key}.tmp"
-            save_file({k: v.contiguous() for k, v in cond.items()}, str(tmp))
-            tmp.replace(self.directory / f"{key}.safetensors")
+            fd, name = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=self.directory)
+            os.close(fd)
+            tmp = Path(name)
+            try:
+                save_file({k: v.contiguous() for k, v in cond.items()}, str(tmp))
+                tmp.replace(self.directory / f"{key}.safetensors")
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def encode(self, prompts: Sequence[str]) -> Cond:
         """Conditioning for ``prompts`` (B,), encoding only prompts never seen before."""

@@ -41,3 +41,24 @@ def test_fingerprint_covers_the_tokenizer(tiny_sd3):
     before = model_fingerprint(tiny_sd3)
     tiny_sd3.pipe.tokenizer.add_tokens(["zebra"])  # same encoders, another vocabulary
     assert model_fingerprint(tiny_sd3) != before
+
+
+def test_two_writers_of_one_prompt_both_succeed(tiny_sd3, tmp_path, monkeypatch):
+    """Ranks sharing prompts.cache_dir store the same prompt at once: neither may lose its temporary file."""
+    import flowrl.prompts.cache as cache_module
+
+    rank0, rank1 = PromptCache(tiny_sd3, tmp_path), PromptCache(tiny_sd3, tmp_path)
+    real_save, nested = cache_module.save_file, []
+
+    def save_while_the_other_rank_saves(tensors, path):
+        real_save(tensors, path)
+        if not nested:  # the other rank writes and renames the same prompt between this write and its rename
+            nested.append(True)
+            rank1.encode(["a handwritten 4"])
+
+    monkeypatch.setattr(cache_module, "save_file", save_while_the_other_rank_saves)
+    cond = rank0.encode(["a handwritten 4"])
+    folder = tmp_path / rank0.fingerprint
+    assert [p.suffix for p in folder.iterdir()] == [".safetensors"]  # one whole file, no temporary left
+    reread = PromptCache(tiny_sd3, tmp_path).encode(["a handwritten 4"])
+    torch.testing.assert_close(reread["encoder_hidden_states"], cond["encoder_hidden_states"], rtol=0, atol=0)

@@ -110,7 +110,10 @@ def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: in
     """Every (step, frontier chunk) with a trained edge once, in random order (BranchGRPO).
 
     The micro-batches are split evenly into ``updates`` optimizer steps; each micro-batch weighs
-    ``n_mb / E`` so a step's loss is the mean over its E trained edges.
+    ``n_mb / E`` so a step's loss is the mean over its E trained edges. A micro-batch holds every parent of
+    its chunk, also those whose children are all pruned: the model sees the rows the rollout evaluated
+    together (the first ratio is exactly 1); only trained children enter the loss. A chunk with no trained
+    edge is left out.
 
     Raises:
         ValueError: the batch holds no tree (the objective's rollout is not a tree).
@@ -125,10 +128,9 @@ def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: in
         f, parents_n = int(tr.factors[t]), tr.num_trees * tr.width(t)
         has_child = trained_parents(tb, t)
         for chunk in chunk_indices(parents_n, tb.chunk_size):
-            parents = chunk[has_child[chunk]]
-            if len(parents):
-                mbs.append(EdgeMicrobatch(parents, t))
-                edges.append(len(chunk_children(parents, f, tb.train[t])[0]))
+            if bool(has_child[chunk].any()):
+                mbs.append(EdgeMicrobatch(chunk, t))
+                edges.append(len(chunk_children(chunk, f, tb.train[t])[0]))
     if not mbs:
         return []
     order = torch.randperm(len(mbs), generator=generator).tolist()

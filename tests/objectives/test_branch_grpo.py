@@ -52,6 +52,25 @@ def test_ratio_is_exactly_one_on_the_first_update():
     assert len(batch.samples) == 16 and batch.tree.rollout.leaves.shape[0] == 16
 
 
+def test_ratio_is_exactly_one_on_the_first_update_with_width_pruning():
+    """A partly pruned frontier chunk still runs the model on the rollout's rows (fewer rows round differently)."""
+    trainer = _trainer(
+        "sampler.tree.split_steps=[0,2,4,6]",
+        "sampler.tree.width_keep=0.5",
+        "sampler.chunk_size=5",
+        "objective.kl_beta=0",
+    )
+    _perturb_lora(trainer)
+    batch, _ = trainer.collect()
+    plan = trainer.objective.plan(batch, torch.Generator().manual_seed(0))
+    edges = 0
+    for mb in plan[0]:
+        loss, stats = trainer.objective.loss(trainer.model, batch, mb)
+        assert stats["ratio"] == 1.0, (mb.step, len(mb.index), stats)
+        edges += int(stats["edges"])
+    assert edges == sum(int(m.sum()) for m in batch.tree.train) < sum(m.numel() for m in batch.tree.train)
+
+
 def test_group_size_must_equal_the_leaves():
     with pytest.raises(ConfigError, match="prompts.group_size=16"):
         _trainer("prompts.group_size=8")

@@ -6,16 +6,21 @@ no peft and no LoRA, and ``flowrl train/sample model.path=DIR`` uses it as a new
 The merge goes through diffusers itself: ``pipe.load_lora_weights`` (the same call users run),
 ``pipe.fuse_lora`` (W <- W + (alpha / r) B A, on every denoiser that holds a LoRA: Wan2.2's
 two experts included) and ``pipe.unload_lora_weights``.
+The base folder's ``flowrl.json`` is copied; a run's ``model.distilled_guidance`` (FLUX.1-dev) is
+written into it as ``guidance_scale``, the guidance the LoRA was trained with.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from .models import EMBEDDED, load_adapter
+from .models.sd3 import MODEL_CARD, read_model_card
 from .outputs import check_overwritable
 from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
 
@@ -33,13 +38,20 @@ def run_config_file(source: str | Path) -> Path | None:
     return None
 
 
-def run_model_settings(source: str | Path) -> dict[str, str]:
-    """``model.path`` and ``model.dtype`` from a run folder's resolved ``config.yaml`` (empty if none)."""
+def run_model_settings(source: str | Path) -> dict[str, Any]:
+    """``model.path``, ``model.dtype`` and ``model.distilled_guidance`` (when set) from a run's ``config.yaml``.
+
+    Empty when the run has no ``config.yaml``.
+    """
     config = run_config_file(source)
     if config is None:
         return {}
     model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
-    return {k: model[k] for k in ("path", "dtype") if isinstance(model.get(k), str)}
+    settings: dict[str, Any] = {k: model[k] for k in ("path", "dtype") if isinstance(model.get(k), str)}
+    guidance = model.get("distilled_guidance")
+    if isinstance(guidance, (int, float)) and not isinstance(guidance, bool):
+        settings["distilled_guidance"] = float(guidance)
+    return settings
 
 
 def _base_folder(base: str) -> Path | None:
@@ -87,8 +99,20 @@ def export_merged(
     if out.exists():
         shutil.rmtree(out)
     pipe.save_pretrained(str(out), safe_serialization=True)
-    folder = _base_folder(base)
-    card = folder / "flowrl.json" if folder is not None else None
-    if card is not None and card.is_file():  # sampling defaults (resolution, sequence length) travel along
-        shutil.copy2(card, out / "flowrl.json")
+    _write_model_card(out, _base_folder(base), settings.get("distilled_guidance"))
     return out
+
+
+def _write_model_card(out: Path, base_folder: Path | None, distilled_guidance: float | None) -> None:
+    """Write the export's ``flowrl.json``: the base folder's card plus the run's distilled guidance.
+
+    The base card holds sampling defaults (resolution, sequence length); ``model.distilled_guidance`` goes in as
+    ``guidance_scale``, so a merged FLUX.1-dev samples at the guidance its LoRA was trained with.
+    """
+    card = base_folder / MODEL_CARD if base_folder is not None else None
+    if distilled_guidance is None:
+        if card is not None and card.is_file():
+            shutil.copy2(card, out / MODEL_CARD)
+        return
+    values = read_model_card(base_folder) if base_folder is not None else {}
+    (out / MODEL_CARD).write_text(json.dumps({**values, "guidance_scale": distilled_guidance}, indent=2) + "\n")

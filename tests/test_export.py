@@ -88,6 +88,29 @@ def test_merged_export_of_a_flux_lora(tmp_path):
     torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)
 
 
+def test_merged_flux_export_keeps_the_run_s_distilled_guidance(tmp_path):
+    """A FLUX.1-dev run trained with model.distilled_guidance=2.0: the merged folder samples at 2.0, not 3.5."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
+
+    base = tmp_path / "flux"
+    tiny_flux_pipeline().save_pretrained(str(base))
+    (base / "flowrl.json").write_text(json.dumps({"resolution": 16, "max_sequence_length": 8}))
+    trained = tiny_flux(guidance_scale=2.0)
+    _save_random_lora(trained, tmp_path / "run" / "lora")
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {base}\n  distilled_guidance: 2.0\n")
+    out = export_merged(tmp_path / "run", tmp_path / "merged")
+    card = json.loads((out / "flowrl.json").read_text())
+    assert card == {"resolution": 16, "max_sequence_length": 8, "guidance_scale": 2.0}
+    merged = load_adapter(str(out))
+    assert merged.guidance_scale == 2.0
+    torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)
+
+
 def test_merged_export_of_a_two_expert_wan_lora(tmp_path):
     """Wan2.2 writes one LoRA file per expert; the export fuses both into their transformers."""
     import sys

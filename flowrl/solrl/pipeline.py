@@ -159,7 +159,8 @@ class SolRL:
                     )
                 _, scored = scorer.result(samples)  # the explore images are dropped: only (seed, reward) is kept
             # the stage-1 table lives on the CPU (seeds, selection, diagnostics): GPU-scored rewards come over
-            rewards[mine] = fill_missing(scored.total.detach().double().cpu().reshape(len(mine), n))
+            total = torch.where(not_applicable(scored.components), math.nan, scored.total.detach().double().cpu())
+            rewards[mine] = fill_missing(total.reshape(len(mine), n))
         rewards = t.collective.sum(rewards)
         return Stage1(seeds, rewards, time.perf_counter() - start)
 
@@ -237,6 +238,11 @@ def repeat_rows(prompts: PromptBatch, rows: Tensor) -> PromptBatch:
     index = rows.tolist()
     metadata = {key: [values[i] for i in index] for key, values in prompts.metadata.items()}
     return PromptBatch([prompts.texts[i] for i in index], metadata, prompts.group_ids[rows])
+
+
+def not_applicable(components: dict[str, Tensor]) -> Tensor:
+    """(B,) bool on the CPU: the samples whose every reward component is NaN (their weighted total reads 0)."""
+    return torch.stack([c.detach().cpu().isnan() for c in components.values()]).all(dim=0)
 
 
 def fill_missing(rewards: Tensor) -> Tensor:

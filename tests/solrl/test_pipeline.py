@@ -112,3 +112,23 @@ def test_diagnostics_of_one_kept_seed_are_nan_not_an_error():
     assert float(out["solrl/regenerate_candidates_per_s"]) == 1.0
     two = pipeline.SolRL.diagnostics(None, stage1, stage1.rewards[:, :2], stage1.rewards[:, :2], 1.0)
     assert float(two["solrl/pooled_kendall_tau"]) == 1.0
+
+
+def test_a_candidate_with_every_reward_not_applicable_counts_as_its_prompts_worst():
+    """Its weighted total reads 0 (NaN components count 0), which would rank it above negative rewards."""
+    from flowrl.rewards.combine import MultiReward
+
+    def negative(images, prompts, **_):
+        out = -1.0 - torch.arange(images.shape[0], dtype=torch.float32)
+        out[1] = float("nan")  # explore chunks of 8 and 4 rows: prompt 0's candidate 1, prompt 1's candidate 3
+        return out
+
+    negative.allows_nan = True
+    trainer = small_trainer(small_config("solrl.precision=fp32"))
+    trainer.reward = MultiReward({"neg": (negative, 1.0)})
+    prompts = sample_groups(trainer.train_prompts, 2, 4, trainer.generator)
+    rewards = trainer.solrl.explore_stage(prompts, 2, 4).rewards
+    assert rewards[0, 1] == rewards[0].min() == -6.0 and rewards[1, 3] == rewards[1].min() == -8.0
+    assert pipeline.not_applicable(
+        {"a": torch.tensor([float("nan"), 1.0]), "b": torch.tensor([float("nan")] * 2)}
+    ).tolist() == [True, False]

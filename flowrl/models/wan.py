@@ -144,6 +144,7 @@ class WanAdapter(AdapterBase):
 
         Raises:
             FileNotFoundError: weights are missing or incomplete (one line with the download command).
+            ValueError: a component needs the folder's own code (``trust_remote_code`` stays off).
         """
         from diffusers import AutoencoderKLWan, WanPipeline
 
@@ -154,6 +155,8 @@ class WanAdapter(AdapterBase):
             vae = AutoencoderKLWan.from_pretrained(str(path), subfolder="vae", dtype=torch.float32)
             pipe = WanPipeline.from_pretrained(str(path), vae=vae, dtype=dtype)
         except (OSError, ValueError) as err:
+            if "trust_remote_code" in str(err):  # custom code, not missing weights: load_adapter says so in one line
+                raise
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise FileNotFoundError(missing_weights_message(str(path), reason, KNOWN_REPOS["WanPipeline"])) from None
         pipe = pipe.to(device)

@@ -117,13 +117,20 @@ def tree_spec(cfg: Config) -> TreeSpec:
     """The tree geometry from ``sampler.tree``, ``sampler.num_steps`` and ``sampler.noise_level``.
 
     Raises:
-        ConfigError: a bad split schedule, ``prompts.group_size`` != leaves per tree, or no noise.
+        ConfigError: a bad split schedule, ``prompts.group_size`` != leaves per tree, no noise, or width
+            pruning with no step after the last split (nothing it could prune).
     """
     s, t = cfg.sampler, cfg.sampler.tree
     try:
         factors = split_factors(s.num_steps, t.split_steps, t.factors)
     except ValueError as err:
         raise ConfigError(f"config: {err}") from None
+    if t.width_keep < 1 and t.split_steps and max(t.split_steps) == s.num_steps - 1:
+        raise ConfigError(
+            f"config: sampler.tree.width_keep={t.width_keep:g} prunes the edges drawn after the last split, but the "
+            f"last split (step {s.num_steps - 1}) is the last of sampler.num_steps={s.num_steps}, so nothing would be "
+            "pruned; split earlier, raise sampler.num_steps, or set sampler.tree.width_keep=1"
+        )
     leaves = tree_widths(factors)[-1]
     if cfg.prompts.group_size != leaves:
         raise ConfigError(

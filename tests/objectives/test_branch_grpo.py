@@ -230,3 +230,14 @@ def test_an_overflowing_leaf_reward_is_skipped_by_the_update_guard():
         chunk_size=8,
     )
     assert all(bool(a.isnan().all()) for a in tb.advantages)
+
+
+def test_width_pruning_with_the_last_split_on_the_last_step_is_refused():
+    """The last segment is empty there: width_keep would prune nothing, silently."""
+    with pytest.raises(ConfigError, match=r"sampler.tree.width_keep=0.5 .*\(step 9\) is the last"):
+        _trainer("sampler.tree.width_keep=0.5")
+    from flowrl.tree.rollouts import tree_spec
+
+    assert tree_spec(
+        load_config(REPO / "configs/branch/digits.yaml", ["sampler.tree.width_keep=0.5", "sampler.num_steps=12"])
+    )

@@ -469,10 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(argv)
     except SystemExit:
         raise  # a plugin's sys.exit(): not an outcome this process reported (argparse's are, in _run)
-    except BaseException:
+    except BaseException as err:
         report_outcome()
         if launched:
-            traceback.print_exc()
+            _report_launched_failure(err)
             _leave(1)
         raise  # Python prints the traceback
     report_outcome()
@@ -488,6 +488,17 @@ def _launched() -> bool:
     from .distributed import launch_world_size
 
     return launch_world_size() > 1
+
+
+def _report_launched_failure(err: BaseException) -> None:
+    """A launched process's unexpected error: one line when another rank's end caused it, else the traceback."""
+    from .distributed import lost_peer_message
+
+    line = lost_peer_message(err)
+    if line is None or os.environ.get("FLOWRL_DEBUG"):
+        traceback.print_exc()
+    else:
+        stderr_line(line)
 
 
 def _leave(code: int) -> NoReturn:

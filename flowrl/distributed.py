@@ -365,6 +365,30 @@ def exit_launched_process(code: int) -> NoReturn:
         os._exit(code)
 
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo says when a collective's peer process ended (crashed, failed, killed) while this rank waited on it."""
+
+
+def lost_peer_message(err: BaseException, environ: dict[str, str] | None = None) -> str | None:
+    """The one line for a collective that failed because another process of the launch ended, or None.
+
+    When one rank fails (its own ``flowrl: error:`` line) or is killed, the ranks waiting for it in a
+    collective get gloo's ``RuntimeError: ... Connection closed by peer``; its traceback would bury
+    the failing rank's line, so the waiting ranks say in one line what happened instead.
+
+    Args:
+        err: the exception that ended this process.
+        environ: the environment (default: ``os.environ``), for this process's ``RANK``.
+    """
+    if not isinstance(err, RuntimeError) or not any(text in str(err) for text in LOST_PEER):
+        return None
+    rank = (os.environ if environ is None else environ).get("RANK", "?")
+    return (
+        f"flowrl: error: rank {rank} stopped because another process of the launch ended during a collective; "
+        "that process's error line (or the launcher's exitcode line, for a killed one) says why"
+    )
+
+
 def join_launch() -> Collective:
     """The :class:`Collective` of this launch: an ``accelerate.Accelerator`` when ``WORLD_SIZE`` > 1."""
     if launch_world_size() == 1:

@@ -60,3 +60,25 @@ def test_the_command_line_of_a_launched_process_leaves_that_way():
     assert launched.stdout == "handler ran\n"
     alone = run_python(code.replace("main()\n", "sys.exit(main(['rewards', 'list']))\n"), WORLD_SIZE="2")
     assert alone.returncode == 0 and alone.stdout.endswith("handler ran\nfinalized\n")  # an explicit argv returns
+
+
+def test_a_rank_whose_peer_ended_says_so_in_one_line():
+    """gloo's 'Connection closed by peer' after another rank failed: one line, not a traceback burying that rank's."""
+    code = (
+        "import sys\n"
+        "import flowrl.cli as cli\n"
+        "def train(ns):\n"
+        "    raise RuntimeError('[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4482. This is "
+        "typically caused by a remote worker crashing.')\n"
+        "cli.cmd_train = train\n"
+        "sys.argv = ['flowrl', 'train']\n"
+        "cli.main()\n"
+    )
+    peer = run_python(code, WORLD_SIZE="2", RANK="0", FLOWRL_NO_SUPERVISOR="1")
+    assert peer.returncode == 1
+    assert peer.stderr.splitlines() == [
+        "flowrl: error: rank 0 stopped because another process of the launch ended during a collective; "
+        "that process's error line (or the launcher's exitcode line, for a killed one) says why"
+    ]
+    own = run_python(code.replace("Connection closed by peer", "an error of its own"), WORLD_SIZE="2")
+    assert own.returncode == 1 and "Traceback" in own.stderr  # any other error keeps its traceback

@@ -261,6 +261,34 @@ def test_a_launch_that_fails_after_it_started_ends_with_one_line(tmp_path):
     assert lines[-1].startswith("flowrl: error: the launch ended with code 1; the failing process's error is above")
 
 
+@pytest.mark.slow
+def test_a_failure_on_one_rank_ends_the_launch_with_its_line_and_one_line_of_the_other(tmp_path):
+    """Rank 1's reward raises mid-training; rank 0, waiting in the reward gather, says why it stopped in one line."""
+    (tmp_path / "rank_one_reward.py").write_text(
+        "import os\n"
+        "def make(**kwargs):\n"
+        "    calls = []\n"
+        "    def reward(images, prompts, **metadata):\n"
+        "        calls.append(1)\n"
+        "        if os.environ['RANK'] == '1' and len(calls) == 3:\n"
+        "            raise ValueError('rank_one_reward is broken on purpose')\n"
+        "        return images.float().flatten(1).mean(1)\n"
+        "    return reward\n"
+    )
+    args = [*OBJECTIVES["flow_grpo"], *TINY, "train.iterations=4", 'rewards={"rank_one_reward:make": {"weight": 1.0}}']
+    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
+    cmd += ["-m", "flowrl", "train", *args, f"output.dir={tmp_path / 'run'}"]
+    launch_env = env(ACCELERATE_USE_CPU="true", PYTHONPATH=str(tmp_path))
+    result = subprocess.run(cmd, cwd=ROOT, env=launch_env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
+    broken = "raised ValueError: rank_one_reward is broken on purpose"
+    lost = "flowrl: error: rank 0 stopped because another process of the launch ended during a collective; "
+    assert broken in lines[0] and all(line.startswith(lost) for line in lines[1:]), result.stderr[-3000:]
+    # rank 0 says its line unless the launcher's SIGTERM reaches it before gloo reports the lost peer
+    assert "Connection closed by peer" not in result.stderr and "Connection reset by peer" not in result.stderr
+
+
 def test_cpu_flag_that_starts_one_process_is_refused(tmp_path):
     launch = ("--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no")
     result = train_two([*OBJECTIVES["flow_grpo"], *TINY], tmp_path / "run", *launch, "--dynamo_backend", "no")

@@ -96,23 +96,23 @@ def export_merged(
     load_saved_lora(model, lora)  # diffusers' loader; Wan2.2 loads one file per expert
     pipe.fuse_lora(components=adapted_denoisers(pipe), lora_scale=1.0)
     pipe.unload_lora_weights()
-    if out.exists():
+    card = export_model_card(_base_folder(base), settings.get("distilled_guidance"))  # read before `out` (the base
+    if out.exists():  # folder itself, with --overwrite) is replaced
         shutil.rmtree(out)
     pipe.save_pretrained(str(out), safe_serialization=True)
-    _write_model_card(out, _base_folder(base), settings.get("distilled_guidance"))
+    if card is not None:
+        (out / MODEL_CARD).write_text(card)
     return out
 
 
-def _write_model_card(out: Path, base_folder: Path | None, distilled_guidance: float | None) -> None:
-    """Write the export's ``flowrl.json``: the base folder's card plus the run's distilled guidance.
+def export_model_card(base_folder: Path | None, distilled_guidance: float | None) -> str | None:
+    """The export's ``flowrl.json`` text: the base folder's card plus the run's distilled guidance; None for no card.
 
     The base card holds sampling defaults (resolution, sequence length); ``model.distilled_guidance`` goes in as
     ``guidance_scale``, so a merged FLUX.1-dev samples at the guidance its LoRA was trained with.
     """
     card = base_folder / MODEL_CARD if base_folder is not None else None
     if distilled_guidance is None:
-        if card is not None and card.is_file():
-            shutil.copy2(card, out / MODEL_CARD)
-        return
+        return card.read_text() if card is not None and card.is_file() else None
     values = read_model_card(base_folder) if base_folder is not None else {}
-    (out / MODEL_CARD).write_text(json.dumps({**values, "guidance_scale": distilled_guidance}, indent=2) + "\n")
+    return json.dumps({**values, "guidance_scale": distilled_guidance}, indent=2) + "\n"

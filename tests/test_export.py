@@ -111,6 +111,24 @@ def test_merged_flux_export_keeps_the_run_s_distilled_guidance(tmp_path):
     torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)
 
 
+def test_export_over_its_own_base_folder_keeps_the_model_card(tmp_path):
+    """--out naming the base folder with --overwrite (replace the base by the merged model): flowrl.json survives,
+    so the merged folder keeps the base's resolution and sequence length."""
+    import json
+
+    base = tmp_path / "base"
+    load_adapter("flowrl-digits").pipe.save_pretrained(str(base))
+    card = {"resolution": 8, "max_sequence_length": 6}
+    (base / "flowrl.json").write_text(json.dumps(card))
+    trained = load_adapter(str(base))
+    _save_random_lora(trained, tmp_path / "lora")
+    out = export_merged(tmp_path / "lora", base, base=str(base), overwrite=True)
+    assert json.loads((out / "flowrl.json").read_text()) == card
+    merged = load_adapter(str(out))
+    assert merged.default_resolution == (8, 8) and merged.max_sequence_length == 6
+    torch.testing.assert_close(_velocity(merged), _velocity(trained), rtol=1e-4, atol=1e-4)
+
+
 def test_merged_export_of_a_two_expert_wan_lora(tmp_path):
     """Wan2.2 writes one LoRA file per expert; the export fuses both into their transformers."""
     import sys

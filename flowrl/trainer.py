@@ -137,7 +137,8 @@ class Trainer:
         self.solver_levels = (
             sigma_window_levels(self.sigmas, s.noise_level, *s.sde_window) if s.solver == "sde_window" else None
         )
-        self.tree = tree_spec(cfg) if self.rollout_kind in ("tree", "tree_leaves") else None
+        kind = self.rollout_kind
+        self.tree = tree_spec(cfg, edges=kind == "tree") if kind in ("tree", "tree_leaves") else None
         self.geometry = batch_geometry(cfg, self.collective, self.rollout_kind)
         self.owners = self.geometry.owners() if self.collective.world_size > 1 else None  # (B,) rank of each row
         self.owned = None if self.owners is None else self.owners == self.geometry.rank

@@ -113,14 +113,24 @@ class TreeSpec(NamedTuple):
     noise_levels: Tensor
 
 
-def tree_spec(cfg: Config) -> TreeSpec:
+def tree_spec(cfg: Config, *, edges: bool = False) -> TreeSpec:
     """The tree geometry from ``sampler.tree``, ``sampler.num_steps`` and ``sampler.noise_level``.
 
+    Args:
+        cfg: the run's config.
+        edges: the objective trains the tree edges (BranchGRPO's depth-wise advantages), not the leaves.
+
     Raises:
-        ConfigError: a bad split schedule, ``prompts.group_size`` != leaves per tree, no noise, or width
-            pruning with no step after the last split (nothing it could prune).
+        ConfigError: a bad split schedule, ``prompts.group_size`` != leaves per tree, no noise, width
+            pruning with no step after the last split (nothing it could prune), or, for edges, an
+            ``advantage.method`` other than the weighted sum (depth-wise advantages replace it).
     """
     s, t = cfg.sampler, cfg.sampler.tree
+    if edges and cfg.advantage.method != "sum":
+        raise ConfigError(
+            f"config: advantage.method={cfg.advantage.method} does not apply to tree edges, whose advantages are "
+            "depth-wise over the fused weighted reward (docs/trees.md); set advantage.method=sum"
+        )
     try:
         factors = split_factors(s.num_steps, t.split_steps, t.factors)
     except ValueError as err:

@@ -241,3 +241,9 @@ def test_width_pruning_with_the_last_split_on_the_last_step_is_refused():
     assert tree_spec(
         load_config(REPO / "configs/branch/digits.yaml", ["sampler.tree.width_keep=0.5", "sampler.num_steps=12"])
     )
+
+
+def test_an_advantage_method_other_than_the_sum_is_refused_on_tree_edges():
+    """Depth-wise advantages replace the advantage estimator: advantage.method=per_prompt would be ignored."""
+    with pytest.raises(ConfigError, match="advantage.method=per_prompt does not apply to tree edges"):
+        _trainer("sampler.tree.split_steps=[]", "prompts.group_size=1", "advantage.method=per_prompt")

@@ -312,3 +312,28 @@ def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
     assert line.startswith("flowrl: error: checkpoint ") and "iter-000002: lora.safetensors" in line and "free" in line
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["iter-000001"]
     assert load_checkpoint(out / "checkpoints" / "iter-000001")["iteration"] == 1
+
+
+def test_the_full_disk_line_names_a_resume_command_that_continues_a_configured_run(tmp_path, capsys, monkeypatch):
+    """The line's command resumes a run trained from a config file; ``--resume RUN`` alone starts from the defaults."""
+    import re
+    import shlex
+
+    out = tmp_path / "run"
+    real = ck._write_bytes
+
+    def full(path, data):
+        if "iter-000002" in str(path) and path.name == "lora.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ck, "_write_bytes", full)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    code, err = _train(capsys, "configs/grpo/digits_ink.yaml", f"output.dir={out}")
+    assert code == 2
+    command = shlex.split(re.search(r"continue with `([^`]*)`", err).group(1))
+    monkeypatch.setattr(ck, "_write_bytes", real)
+    assert command[:2] == ["flowrl", "train"], command
+    code = main(command[1:])
+    assert code == 0, capsys.readouterr().err
+    assert load_checkpoint(out / "checkpoints" / "iter-000003")["iteration"] == 3

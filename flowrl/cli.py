@@ -160,7 +160,8 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    sigmas = policy.sigmas(ns.steps if ns.steps is not None else cfg.sampler.num_steps)
+    # the run's evaluation grid, as its own samples, flowrl eval, gallery and demo use it
+    sigmas = policy.sigmas(ns.steps or cfg.train.eval_steps or cfg.sampler.num_steps)
     with torch.no_grad():
         images = sample_images(
             policy.model, prompts, seeds, sigmas, resolution=policy.resolution, frames=cfg.model.num_frames
@@ -331,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's eval prompts")
     sample.add_argument("--seeds", type=int, default=4, help="samples per prompt")
     sample.add_argument("--seed", type=int, default=0, help="first seed")
-    sample.add_argument("--steps", type=int, help="ODE steps (default: sampler.num_steps)")
+    sample.add_argument("--steps", type=int, help="ODE steps (default: train.eval_steps, else sampler.num_steps)")
     sample.add_argument("--out", default="samples.png", help="output PNG")
     sample.set_defaults(func=cmd_sample)
 

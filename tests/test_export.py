@@ -195,6 +195,29 @@ def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, 
     assert "is a folder; name a PNG file" in capsys.readouterr().err
 
 
+def test_sample_uses_the_run_s_evaluation_steps(tmp_path, monkeypatch):
+    """A run with train.eval_steps=10 and sampler.num_steps=5 (the fast recipes): flowrl sample draws on the 10-step
+    grid its own samples, flowrl eval and the demo use; --steps still wins."""
+    import flowrl.rollouts.chunked as chunked
+
+    _, lora_dir = _random_lora_run(tmp_path)
+    run = lora_dir.parent
+    (run / "config.yaml").write_text(
+        "model:\n  path: flowrl-digits\nsampler:\n  num_steps: 5\ntrain:\n  eval_steps: 10\n"
+    )
+    steps, real = [], chunked.sample_images
+
+    def counting(model, prompts, seeds, sigmas, **kwargs):
+        steps.append(len(sigmas) - 1)
+        return real(model, prompts, seeds, sigmas, **kwargs)
+
+    monkeypatch.setattr(chunked, "sample_images", counting)
+    out = ["--prompt", "a 3", "--seeds", "1", "--out", str(tmp_path / "s.png")]
+    assert main(["sample", "--lora", str(run), *out]) == 0
+    assert main(["sample", "--lora", str(run), *out, "--steps=3"]) == 0
+    assert steps == [10, 3]
+
+
 def test_export_overwrites_only_a_diffusers_folder(tmp_path, capsys, monkeypatch):
     _, lora_dir = _random_lora_run(tmp_path)
     notes = tmp_path / "notes"

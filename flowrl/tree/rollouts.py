@@ -135,6 +135,7 @@ def tree_spec(cfg: Config, *, edges: bool = False) -> TreeSpec:
         factors = split_factors(s.num_steps, t.split_steps, t.factors)
     except ValueError as err:
         raise ConfigError(f"config: {err}") from None
+    _check_depth_prune(t, s.num_steps)
     if t.width_keep < 1 and t.split_steps and max(t.split_steps) == s.num_steps - 1:
         raise ConfigError(
             f"config: sampler.tree.width_keep={t.width_keep:g} prunes the edges drawn after the last split, but the "
@@ -150,6 +151,22 @@ def tree_spec(cfg: Config, *, edges: bool = False) -> TreeSpec:
     if s.noise_level <= 0:
         raise ConfigError("config: sampler.noise_level must be > 0 for tree rollouts (split steps need noise)")
     return TreeSpec(factors, leaves, torch.full((s.num_steps,), float(s.noise_level), dtype=torch.float64))
+
+
+def _check_depth_prune(tree_cfg: TreeConfig, num_steps: int) -> None:
+    """Child depths run 1..T: a pruned depth outside them (that no slide brings in) would prune nothing.
+
+    Raises:
+        ConfigError: a depth of 0, or a depth above T without ``depth_prune_slide_every``.
+    """
+    top = num_steps if tree_cfg.depth_prune_slide_every == 0 else None
+    bad = [d for d in tree_cfg.depth_prune if d < 1 or (top is not None and d > top)]
+    if bad:
+        hint = "" if top is None else " (or slide deeper depths in with sampler.tree.depth_prune_slide_every)"
+        raise ConfigError(
+            f"config: sampler.tree.depth_prune {bad} are not child depths, which run 1..{num_steps} (depth d = the "
+            f"edges drawn at step d - 1), so they would prune nothing; use depths in 1..{num_steps}{hint}"
+        )
 
 
 def tree_levels(spec: TreeSpec, window_levels: Tensor | None, noise_level: float) -> Tensor:

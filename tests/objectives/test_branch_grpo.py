@@ -247,3 +247,14 @@ def test_an_advantage_method_other_than_the_sum_is_refused_on_tree_edges():
     """Depth-wise advantages replace the advantage estimator: advantage.method=per_prompt would be ignored."""
     with pytest.raises(ConfigError, match="advantage.method=per_prompt does not apply to tree edges"):
         _trainer("sampler.tree.split_steps=[]", "prompts.group_size=1", "advantage.method=per_prompt")
+
+
+@pytest.mark.parametrize("depths", ["[0,1]", "[15,16]"])
+def test_a_depth_prune_outside_the_child_depths_is_refused(depths):
+    """Child depths run 1..T; depth 0 or a depth past T (without a slide) pruned nothing, silently."""
+    with pytest.raises(ConfigError, match=r"sampler.tree.depth_prune \[(0|15, 16)\] are not child depths"):
+        _trainer(f"sampler.tree.depth_prune={depths}")
+    from flowrl.tree.rollouts import tree_spec
+
+    slide = ["sampler.tree.depth_prune=[15,16]", "sampler.tree.depth_prune_slide_every=2"]
+    assert tree_spec(load_config(REPO / "configs/branch/digits.yaml", slide))  # a slide brings them in

@@ -31,8 +31,8 @@ def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor, reduce: Reducti
     elem = -((sample - mean) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * math.log(2 * math.pi)
     elem = torch.where(positive, elem, torch.zeros_like(elem))
     dims = tuple(range(1, sample.ndim))
-    if reduce == "mean":
-        return elem.mean(dim=dims)
-    if reduce == "sum":
-        return elem.sum(dim=dims)
-    raise ValueError(f"reduce must be 'mean' or 'sum'; got {reduce!r}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum'; got {reduce!r}")
+    if not dims:  # (B,) samples of one element each: torch would reduce an empty dim tuple over the batch too
+        return elem
+    return elem.mean(dim=dims) if reduce == "mean" else elem.sum(dim=dims)

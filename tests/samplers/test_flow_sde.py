@@ -269,6 +269,16 @@ def test_gaussian_zero_std_gives_zero() -> None:
     torch.testing.assert_close(out, elem.sum(dim=(1, 2)), rtol=0, atol=1e-12)
 
 
+def test_gaussian_one_element_samples_keep_one_log_prob_per_sample() -> None:
+    """(B,) samples: an empty tuple of non-batch dims must not reduce over the batch (the fused kernel's (B,))."""
+    sample, mean, std = torch.tensor([0.0, 1.0, 3.0], dtype=F64), torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
+    expected = torch.distributions.Normal(mean, std).log_prob(sample)
+    for reduce in ("mean", "sum"):
+        torch.testing.assert_close(gaussian_log_prob(sample, mean, std, reduce), expected, rtol=0, atol=1e-12)
+    step = flow_sde_step(sample, mean, 0.7, 0.5, 0.7, prev_sample=sample)
+    assert step.log_prob.shape == (3,)
+
+
 def test_gaussian_bad_reduce_raises() -> None:
     x = torch.zeros(2, 3, dtype=F64)
     with pytest.raises(ValueError, match="reduce") as info:

@@ -188,11 +188,12 @@ def _multiples(value: int, of: int) -> str:
 
 
 def silent_single_process(environ: dict[str, str] | None = None, parent_cmdline: list[str] | None = None) -> int:
-    """Processes asked for by ``accelerate launch --cpu --num_processes N`` when only one was started.
+    """Processes asked for by ``accelerate launch --num_processes N`` when only one was started.
 
-    accelerate runs ``--cpu --num_processes N`` (without ``--multi_gpu``) as ONE plain process:
-    ``ACCELERATE_USE_CPU`` is set but not ``WORLD_SIZE``. The number asked for is read from the
-    launcher's command line (the parent process).
+    accelerate runs ``--cpu --num_processes N``, and ``--num_processes N`` without ``--multi_gpu`` on a
+    machine without GPUs, as ONE plain process: its simple launcher sets ``ACCELERATE_USE_CPU`` (to
+    ``True`` or ``False``) but not ``WORLD_SIZE``. The number asked for is read from the launcher's
+    command line (the parent process).
 
     Args:
         environ: the environment (default: ``os.environ``).
@@ -202,7 +203,7 @@ def silent_single_process(environ: dict[str, str] | None = None, parent_cmdline:
         N when N > 1 processes were asked for and one was started; 0 otherwise.
     """
     env = os.environ if environ is None else environ
-    if "WORLD_SIZE" in env or env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1", "yes"):
+    if "WORLD_SIZE" in env or "ACCELERATE_USE_CPU" not in env:  # a launch of several, or not accelerate's launcher
         return 0
     argv = _parent_cmdline() if parent_cmdline is None else parent_cmdline
     for i, arg in enumerate(argv):
@@ -218,8 +219,8 @@ def silent_single_process(environ: dict[str, str] | None = None, parent_cmdline:
 def single_process_message(asked: int) -> str:
     """The one line for :func:`silent_single_process`: what happened and the command that works."""
     return (
-        f"`accelerate launch --cpu --num_processes {asked}` started ONE process (accelerate ignores "
-        f"--num_processes with --cpu); for {asked} CPU processes use "
+        f"`accelerate launch --num_processes {asked}` started ONE process (accelerate does so with --cpu, and without "
+        f"--multi_gpu on a machine without GPUs); for {asked} CPU processes use "
         f"`ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes {asked} -m flowrl train ...`"
     )
 

@@ -53,6 +53,8 @@ def test_silent_single_process_is_detected_from_the_launcher_argv():
     assert silent_single_process(cpu, ["accelerate", "launch", "--num_processes"]) == 0
     assert silent_single_process({**cpu, "WORLD_SIZE": "2"}, ["--num_processes", "2"]) == 0  # really 2
     assert silent_single_process({}, ["--num_processes", "2"]) == 0
+    no_gpu = {"ACCELERATE_USE_CPU": "False"}  # --num_processes 2 without --multi_gpu on a machine without GPUs
+    assert silent_single_process(no_gpu, ["accelerate", "launch", "--num_processes", "2", "-m", "flowrl"]) == 2
     assert "--multi_gpu --num_processes 2" in single_process_message(2)
 
 
@@ -83,6 +85,13 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout  # one process, 2 asked for
+    if not torch.cuda.is_available():  # without --multi_gpu and without GPUs accelerate starts one process too
+        plain = [str(accelerate), "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+        out = subprocess.run(
+            [*plain, "--dynamo_backend", "no", str(script)], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout
 
 
 def test_sharding_launches_that_are_not_wired_are_refused():

@@ -408,7 +408,8 @@ def join_launch() -> Collective:
 def check_joined(launched: int, joined: int, distributed_type: str) -> None:
     """Refuse a launch whose processes did not join one process group.
 
-    accelerate 1.15 turns an FSDP or DeepSpeed launch on a machine without GPUs into
+    accelerate 1.15 turns an FSDP or DeepSpeed launch on a machine without GPUs, and any launch there
+    without ``ACCELERATE_USE_CPU=true`` (e.g. ``torchrun --nproc_per_node 2``), into
     ``DistributedType.NO`` in every process: each would train alone and write the same run folder.
 
     Args:
@@ -422,8 +423,9 @@ def check_joined(launched: int, joined: int, distributed_type: str) -> None:
     if joined != launched:
         kind = distributed_type.rsplit(".", 1)[-1]
         raise ValueError(
-            f"accelerate launch started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
-            "accelerate's FSDP and DeepSpeed need GPUs); on CPU launch with ACCELERATE_USE_CPU=true accelerate launch "
+            f"the launcher started {launched} processes but accelerate joined {joined} (distributed type {kind}; "
+            "without GPUs accelerate needs ACCELERATE_USE_CPU=true, and its FSDP and DeepSpeed need GPUs); "
+            "on CPU launch with ACCELERATE_USE_CPU=true accelerate launch "
             f"--multi_gpu --num_processes {launched} (configs/accelerate/cpu_gloo.yaml), adding train.sharding=fsdp2 "
             "(or zero1 / zero2 / zero3) to shard the model"
         )

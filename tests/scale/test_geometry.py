@@ -116,6 +116,8 @@ def test_processes_that_did_not_join_are_refused():
     check_joined(2, 2, "DistributedType.MULTI_CPU")
     with pytest.raises(ValueError, match="started 2 processes but accelerate joined 1 .*type NO.*train.sharding=fsdp2"):
         check_joined(2, 1, "DistributedType.NO")
+    with pytest.raises(ValueError, match=r"^the launcher started .*accelerate needs ACCELERATE_USE_CPU=true"):
+        check_joined(2, 1, "DistributedType.NO")  # e.g. torchrun: not necessarily accelerate's launcher
 
 
 @pytest.mark.slow

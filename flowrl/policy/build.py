@@ -19,7 +19,7 @@ from ..models.adapter import ModelAdapter, model_latent_shape, output_resolution
 from ..models.pipeline_schedule import run_sigmas
 from .counting import CountingAdapter
 from .guidance import apply_guidance
-from .lora import add_lora, load_saved_lora
+from .lora import add_lora, check_lora_targets, load_saved_lora
 from .memory import apply_memory_settings
 from .wrapper import AdapterWrapper
 
@@ -115,6 +115,12 @@ def build_policy(
 
 
 def _trainable_lora(model: ModelAdapter, cfg: Config) -> list[nn.Parameter]:
-    """Attach the configured LoRA to ``model.transformer``; its parameters (fp32, requires_grad)."""
+    """Attach the configured LoRA to ``model.transformer``; its parameters (fp32, requires_grad).
+
+    Raises:
+        ValueError: a ``lora.targets`` entry that names no module of the denoiser.
+    """
+    if cfg.lora.targets:
+        check_lora_targets(model.transformer, cfg.lora.targets)
     targets = cfg.lora.targets or list(model.lora_target_modules)
     return add_lora(model.transformer, rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=targets)

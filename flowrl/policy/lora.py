@@ -106,6 +106,23 @@ def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequen
     return params
 
 
+def check_lora_targets(transformer: nn.Module, targets: Sequence[str]) -> None:
+    """Refuse ``lora.targets`` entries that name no module of ``transformer`` (peft's rule: the name or a suffix).
+
+    peft adapts what the other entries match and skips a misspelled one without a word.
+
+    Raises:
+        ValueError: one line naming the entries that match nothing.
+    """
+    names = [name for name, _ in transformer.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(
+            f"lora.targets {unmatched} match no module of {type(transformer).__name__}; "
+            "fix or remove them (module names or their last parts, e.g. to_q)"
+        )
+
+
 def lora_state_dict(transformer: nn.Module, adapter: str = "default") -> dict[str, Tensor]:
     """One adapter's weights as a flat peft state dict (cloned, on CPU)."""
     from peft.utils import get_peft_model_state_dict

@@ -149,3 +149,18 @@ def test_adapters_disabled_runs_the_base_model_like_diffusers_and_restores_every
     with adapters_disabled(tiny_sd3.transformer):
         pass
     assert not any(p.requires_grad for n, p in tiny_sd3.transformer.named_parameters() if "lora_" in n)
+
+
+def test_a_lora_target_that_names_no_module_is_refused(tiny_sd3):
+    """lora.targets=[to_q, to_kk]: peft would adapt to_q and skip the typo silently; build_policy names it."""
+    from flowrl.config import load_config
+    from flowrl.policy import build_policy
+
+    cfg = load_config(None, ["lora.targets=[to_q,to_kk]"])
+    with pytest.raises(ValueError, match=r"lora.targets \['to_kk'\] match no module of SD3Transformer2DModel"):
+        build_policy(cfg, model=tiny_sd3, trainable=True)
+    assert not hasattr(tiny_sd3.transformer, "peft_config")
+    cfg = load_config(None, ["lora.targets=[to_q,transformer_blocks.0.attn.to_k]"])
+    policy = build_policy(cfg, model=tiny_sd3, trainable=True)
+    adapted = {n.split(".lora_A")[0] for n, _ in policy.model.transformer.named_parameters() if "lora_A" in n}
+    assert adapted == {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k"}

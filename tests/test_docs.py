@@ -8,9 +8,9 @@ without running it:
   the config files and ``key=value`` overrides load (:func:`flowrl.config.load_config`);
 - ``python -m bench.X ARGS``: the bench's ``main()`` parses ``ARGS`` with its real parser and is stopped there.
 
-Commands with placeholders (``CONFIG``, ``<run>``, ``...``, ``[--flag]``, ``$VAR``) are left out. The ``Layout``
-blocks of README.md and ARCHITECTURE.md name each package folder and the files in it; both are checked against
-the tree, and every ``flowrl`` subpackage must appear in both.
+Commands with placeholders (``CONFIG``, ``<run>``, ``...``, ``[--flag]``, ``$VAR``) are left out. Every ``yaml``
+block loads as a config file on its own. The ``Layout`` blocks of README.md and ARCHITECTURE.md name each package
+folder and the files in it; both are checked against the tree, and every ``flowrl`` subpackage must appear in both.
 """
 
 from __future__ import annotations
@@ -255,3 +255,14 @@ def test_the_readme_lists_every_extra():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     line = next(line for _, line in _layout("README.md") if line.startswith("pyproject.toml"))
     assert set(re.findall(r"\[(\w+)\]", line)) == set(extras), line
+
+
+def _yaml_blocks() -> list[tuple[str, str]]:
+    return [(doc.name, body) for doc in DOCS for lang, body in _fenced(doc.read_text())[0] if lang in ("yaml", "yml")]
+
+
+@pytest.mark.parametrize("doc,body", _yaml_blocks(), ids=lambda v: v if v.endswith(".md") else v.split(":")[0])
+def test_a_documented_config_block_loads(doc, body, tmp_path):
+    path = tmp_path / "block.yaml"
+    path.write_text(body)
+    load_config(path)

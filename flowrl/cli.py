@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample = sub.add_parser("sample", help="sample an image grid (optionally with a trained LoRA)")
     sample.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     sample.add_argument(
-        "--lora", help="a run folder (its config.yaml is the base config unless one is given) or its lora/ folder"
+        "--lora",
+        help="a run folder (its config.yaml is the base config unless one is given), its lora/ folder or a LoRA file",
     )
     sample.add_argument("--prompt", action="append", help="prompt (repeatable); default: the config's eval prompts")
     sample.add_argument("--seeds", type=int, default=4, help="samples per prompt")

@@ -28,9 +28,12 @@ from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
 def run_config_file(source: str | Path) -> Path | None:
     """The resolved ``config.yaml`` of the run ``source`` belongs to, or None.
 
-    ``source``: a run folder, its ``lora/``, or a LoRA folder under its ``checkpoints/`` (``best-guard``).
+    ``source``: a run folder, its ``lora/``, a LoRA folder under its ``checkpoints/`` (``best-guard``), or a
+    LoRA file in one of those folders.
     """
     path = Path(source)
+    if path.is_file():
+        path = path.parent
     run = path.parent if path.name == "lora" else path.parent.parent if path.parent.name == "checkpoints" else path
     for folder in dict.fromkeys((path, run)):
         if (folder / "config.yaml").is_file():

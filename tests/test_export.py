@@ -236,6 +236,9 @@ def test_the_run_config_of_a_lora_folder(tmp_path):
     (tmp_path / "checkpoints" / "best-guard").mkdir(parents=True)
     (tmp_path / "lora").mkdir()
     (tmp_path / "config.yaml").write_text("{}\n")
-    for source in (tmp_path, tmp_path / "lora", tmp_path / "checkpoints" / "best-guard"):
+    for name in ("lora", "checkpoints/best-guard"):  # a LoRA file there belongs to the run too
+        (tmp_path / name / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    files = [tmp_path / name / "pytorch_lora_weights.safetensors" for name in ("lora", "checkpoints/best-guard")]
+    for source in (tmp_path, tmp_path / "lora", tmp_path / "checkpoints" / "best-guard", *files):
         assert run_config_file(source) == tmp_path / "config.yaml", source
     assert run_config_file(tmp_path / "checkpoints") is None and run_config_file(tmp_path / "elsewhere") is None

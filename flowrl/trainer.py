@@ -386,11 +386,12 @@ class Trainer:
             self.guard.skip(fault, self.iteration + 1)
             stats = {"skipped_updates": 1.0}
         elif not bool(batch.global_keep.any()):
-            print(
-                f"flowrl: warning: iteration {self.iteration + 1}: every prompt group was dropped (constant rewards "
-                "within each group, or no applicable reward); nothing to train on this iteration",
-                file=sys.stderr,
-            )
+            if self.collective.is_main:  # every rank sees the same global batch: rank 0 says it for the launch
+                print(
+                    f"flowrl: warning: iteration {self.iteration + 1}: every prompt group was dropped (constant "
+                    "rewards within each group, or no applicable reward); nothing to train on this iteration",
+                    file=sys.stderr,
+                )
             stats = {"skipped_updates": 0.0}
         else:
             stats = self.update(batch)

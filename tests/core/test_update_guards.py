@@ -187,6 +187,9 @@ def test_every_group_dropped_says_so(tiny_sd3, capsys):
     err = capsys.readouterr().err
     assert "iteration 1: every prompt group was dropped" in err and len(err.strip().splitlines()) == 1
     assert _equal(_lora(trainer), before) and trainer.guard.total == 0
+    trainer.collective.rank = 1  # another rank of a launch: rank 0 says it once for every rank
+    trainer.train_step()
+    assert capsys.readouterr().err == ""
 
 
 # -- through the CLI: one line, and no checkpoint holds bad weights ------------------------

@@ -144,7 +144,7 @@ class Run:
 
     def _find_resume(self, path: str) -> Resume:
         found = find_resume(path)
-        for warning in found.warnings:
+        for warning in found.warnings if self.is_main else []:  # every rank finds the same: rank 0 says it
             stderr_line(f"flowrl: warning: {warning}")
         check_resume_config(found.state.get("config"), to_dict(self.cfg))
         return found

@@ -214,6 +214,19 @@ def test_latest_good_checkpoint_falls_back_with_a_warning(tmp_path):
     assert "iter-000003" in warning and "rng.safetensors" in warning and "\n" not in warning
 
 
+def test_a_launch_warns_of_a_skipped_checkpoint_once(tmp_path, capsys):
+    """Every rank of a launch finds the same checkpoint; only rank 0 prints the fallback warning."""
+    from flowrl.recipe import Run
+
+    run = _run_with(tmp_path, 2)
+    (run / "checkpoints" / "iter-000002" / "rng.safetensors").write_bytes(b"junk")
+    for rank, lines in ((0, 1), (1, 0)):
+        process = Run.__new__(Run)  # the part of a Run that finds its checkpoint
+        process.cfg, process.is_main = load_config(), rank == 0
+        assert process._find_resume(str(run)).path.name == "iter-000001"
+        assert capsys.readouterr().err.count("flowrl: warning: checkpoint") == lines
+
+
 def test_a_checkpoint_past_the_last_logged_step_is_skipped(tmp_path):
     """A resume from iter-2 cut the metrics to step 2 and was killed before it replaced iter-3 and iter-4."""
     run = _run_with(tmp_path, 4)

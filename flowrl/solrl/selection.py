@@ -14,7 +14,9 @@ Rules (each returns K distinct indices into the N candidates, ascending):
 - ``mean_deviation``: the K largest ``|R - mean(R)|`` (the mean over all N candidates).
 - ``random``: K uniformly without replacement, from the given generator (the control).
 
-Ties in reward are broken by the lower index, so a rule is a deterministic function of its inputs.
+Among equal rewards the lower index ranks higher (a stable descending sort), so a tie at the top
+keeps the lower index and a tie at the bottom keeps the higher one; a rule is a deterministic function of
+its inputs.
 
 References:
     Li et al., "FP4 Explore, BF16 Train: Diffusion Reinforcement Learning via Efficient Rollout

@@ -176,6 +176,12 @@ def _default_resolution(family: str, card: dict[str, Any], transformer: dict[str
     return (128 * factor, 128 * factor)  # FLUX / Qwen-Image: the pipeline's default_sample_size x the VAE factor
 
 
+def _default_text_tokens(family: str, transformer: dict[str, Any]) -> int:
+    """The adapter's ``max_sequence_length`` without a model card: 256 for SD3 (T5) and FLUX.1-schnell, else 512."""
+    schnell = family == "FluxPipeline" and not transformer.get("guidance_embeds", False)
+    return 256 if family == "StableDiffusion3Pipeline" or schnell else 512
+
+
 def _components(folder: Path, index: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
     """Component name -> tensor shapes, for the model components listed in ``model_index.json``."""
     out = {}
@@ -216,7 +222,7 @@ def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
         patch=patch,
         hidden=_int(transformer, "num_attention_heads", 24) * _int(transformer, "attention_head_dim", 64),
         layers=_int(transformer, "num_layers", 24) + _int(transformer, "num_single_layers", 0),
-        text_tokens=_int(card, "max_sequence_length", 256 if extra_text else 512) + extra_text,
+        text_tokens=_int(card, "max_sequence_length", _default_text_tokens(family, transformer)) + extra_text,
         text_dim=_int(transformer, "joint_attention_dim", _int(transformer, "text_dim", 4096)),
         vae_widths=widths,
         default_resolution=_default_resolution(family, card, transformer, factor),

@@ -313,3 +313,16 @@ def test_wan_geometry_reads_the_vae_s_own_scale_factors(tmp_path):
     assert (g.vae_factor, g.temporal_factor) == (16, 4)
     cfg = load_config(None, [f"model.path={tmp_path}", "model.resolution=[704,1280]", "model.num_frames=121"])
     assert sample_sizes(cfg, g).latent == 48 * 31 * (704 // 16) * (1280 // 16)  # WanAdapter.latent_shape's count
+
+
+@pytest.mark.parametrize("guidance_embeds, tokens", [(True, 512), (False, 256)])
+def test_flux_geometry_counts_the_adapter_s_t5_tokens(tmp_path, guidance_embeds, tokens):
+    """Without a model card FluxAdapter encodes 512 T5 tokens for FLUX.1-dev and 256 for schnell; the estimate too."""
+    configs = {
+        "model_index.json": {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]},
+        "transformer/config.json": {"_class_name": "FluxTransformer2DModel", "guidance_embeds": guidance_embeds},
+    }
+    for name, data in configs.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(data))
+    assert read_geometry(tmp_path, None).text_tokens == tokens

@@ -180,6 +180,23 @@ def test_a_lora_file_that_is_not_one_is_one_line_everywhere(tmp_path, capsys):
     assert not (tmp_path / "s.png").exists() and not (tmp_path / "m").exists()
 
 
+def test_a_lora_of_another_model_with_the_same_layer_names_is_one_line(tmp_path, capfd):
+    """A FLUX LoRA (to_q, ... of other widths) on the embedded SD3 model: diffusers' multi-line log of every size
+    mismatch and peft's warning are held back; the refusal is one line on stderr."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from tiny_flow_pipelines import tiny_flux
+
+    _save_random_lora(tiny_flux(), tmp_path / "lora")
+    capfd.readouterr()
+    out = ["--prompt", "a 3", "--seeds", "1", "--out", str(tmp_path / "s.png")]
+    assert main(["sample", "--lora", str(tmp_path / "lora"), *out]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "not a LoRA this model can load" in err, err
+
+
 def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, capsys):
     _, lora_dir = _random_lora_run(tmp_path)
     run = lora_dir.parent

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -63,7 +65,8 @@ def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
     path = find_lora(source)
     fix = "pass a run folder, its lora/ folder or a pytorch_lora_weights.safetensors that flowrl wrote for this model"
     try:
-        model.load_lora(path)
+        with _quiet_failed_load():
+            model.load_lora(path)
     except FileNotFoundError:
         raise
     except (OSError, IndexError, KeyError, ValueError, RuntimeError) as err:
@@ -72,6 +75,26 @@ def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
     if not adapted_denoisers(model.pipe):
         raise ValueError(f"LoRA {path}: none of its weights name a layer of this model's denoiser; {fix}")
     return path
+
+
+@contextmanager
+def _quiet_failed_load() -> Iterator[None]:
+    """Hold back diffusers' error log and peft's warnings while a LoRA loads; re-issue the warnings if it succeeds.
+
+    A load that fails (tensor sizes of another model) logs every mismatch on many lines before it raises;
+    :func:`load_saved_lora` reports the failure in one line instead.
+    """
+    logger = logging.getLogger("diffusers")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        logger.setLevel(level)
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequence[str]) -> list[nn.Parameter]:

@@ -196,7 +196,7 @@ class WanAdapter(AdapterBase):
         return t >= self.boundary_timestep
 
     def _run(self, transformer: Any, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        timestep = (sigma * self.num_train_timesteps).float().to(x.device)  # fp32, as WanPipeline passes it
+        timestep = (sigma * self.num_train_timesteps).float().to(x.device)  # fp32 (UniPC would floor it)
         if self.pipe.config.expand_timesteps:  # Wan2.2-TI2V: one timestep per latent token
             _, p_h, p_w = transformer.config.patch_size
             tokens = x.shape[2] * (x.shape[3] // p_h) * (x.shape[4] // p_w)

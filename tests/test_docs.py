@@ -5,7 +5,8 @@ starts ``flowrl``, ``python -m bench.X`` or ``accelerate launch ... -m flowrl`` 
 without running it:
 
 - ``flowrl ...``: parsed by the CLI's own parser; for ``train`` and ``sample`` every ``configs/`` file exists and
-  the config files and ``key=value`` overrides load (:func:`flowrl.config.load_config`);
+  the config files and ``key=value`` overrides load (:func:`flowrl.config.load_config`); a training batch splits
+  over the launch's processes (``--processes N``, or an ``accelerate launch`` config's ``num_processes``);
 - ``python -m bench.X ARGS``: the bench's ``main()`` parses ``ARGS`` with its real parser and is stopped there.
 
 Commands with placeholders (``CONFIG``, ``<run>``, ``...``, ``[--flag]``, ``$VAR``) are left out. Every ``yaml``
@@ -24,9 +25,11 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import yaml
 
 from flowrl.cli import _split_config_args, build_parser, parse_command_line
 from flowrl.config import load_config
+from flowrl.local_launch import check_split
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -130,7 +133,8 @@ def _parse(argv: list[str], whole: bool) -> argparse.Namespace | None:
         argparse.ArgumentParser.error = original
 
 
-def _check_flowrl(argv: list[str], whole: bool = True) -> None:
+def _check_flowrl(argv: list[str], whole: bool = True, processes: int = 1) -> None:
+    """Check ``flowrl ARGV``; ``processes``: the launch's process count, over which a training batch must split."""
     if argv[0] == "pretrain-digits":
         from flowrl.models.digits.pretrain import main as pretrain_main
 
@@ -146,7 +150,11 @@ def _check_flowrl(argv: list[str], whole: bool = True) -> None:
                 assert (ROOT / name).is_file(), f"{name} does not exist"
         existing = [name for name in files or [] if (ROOT / name).is_file()]
         if existing or not files:  # a file the doc writes first (printf ... > ink.yaml) is not here
-            load_config(existing or None, overrides)
+            cfg = load_config(existing or None, overrides)
+            if argv[0] == "train" and getattr(ns, "processes", None) not in (None, "auto"):
+                processes = int(ns.processes)
+            if argv[0] == "train" and processes > 1:  # what every rank checks at start
+                check_split(cfg, processes)
 
 
 class Parsed(Exception):
@@ -183,11 +191,16 @@ def test_a_documented_command_parses(doc, command, whole, monkeypatch):
         _check_bench_main(module.main, command[3:], command[2])
     else:  # accelerate launch [launcher flags] -m flowrl train ...
         at = command.index("-m")
+        processes = 1
         for i, word in enumerate(command[:at]):
             if word == "--config_file":
                 assert (ROOT / command[i + 1]).is_file(), f"{command[i + 1]} does not exist"
+                processes = int(yaml.safe_load((ROOT / command[i + 1]).read_text()).get("num_processes", 1))
+        for i, word in enumerate(command[:at]):
+            if word == "--num_processes":
+                processes = int(command[i + 1])
         if command[at + 1] == "flowrl":
-            _check_flowrl(command[at + 2 :], whole)
+            _check_flowrl(command[at + 2 :], whole, processes)
 
 
 def test_the_docs_show_commands_of_every_kind():
@@ -205,6 +218,8 @@ def test_a_documented_command_with_a_missing_flag_fails_the_check():
     _check_flowrl(["train", "--resume"], whole=False)
     with pytest.raises(AssertionError, match="does not exist"):
         _check_flowrl(["train", "configs/grpo/no_such.yaml"])
+    with pytest.raises(ValueError, match="does not split into whole groups over 8 processes"):
+        _check_flowrl(["train", "configs/grpo/sd3.5m_pickscore.yaml"], processes=8)
 
 
 # -- the Layout blocks -----------------------------------------------------------------------------

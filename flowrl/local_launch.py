@@ -11,8 +11,10 @@ process starts (the batch split, local weights, the memory of one rank, the outp
         -m flowrl train ARGS
 
 (gloo on the CPU, one GPU per process on CUDA, the same command ``docs/scale-out.md`` gives) and
-waits for it. ``--processes auto`` takes the most processes, up to one per usable CPU core (or
-per visible GPU for a CUDA model), that the global batch splits over.
+waits for it; the launcher runs through :func:`run_launcher`, which ends a stopped or failed launch in
+one line per failed rank instead of torchrun's traceback. ``--processes auto`` takes the most
+processes, up to one per usable CPU core (or per visible GPU for a CUDA model), that the global
+batch splits over.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def launch_command(cfg: Config, processes: int, argv: list[str], port: int) -> t
     """The ``accelerate launch`` command line and environment that start ``processes`` ranks of ``flowrl ARGV``."""
     import torch
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)]
+    cmd = [sys.executable, "-m", "flowrl.local_launch", "--multi_gpu", "--num_processes", str(processes)]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += ["--main_process_port", str(port), "-m", "flowrl", *argv]
     from .supervisor import REPORT_FD_ENV, SUPERVISED_ENV
@@ -145,6 +147,47 @@ def launch_command(cfg: Config, processes: int, argv: list[str], port: int) -> t
     if torch.device(cfg.model.device).type != "cuda":
         env["ACCELERATE_USE_CPU"] = "true"  # gloo; without it accelerate would look for GPUs
     return cmd, env
+
+
+def failure_line(rank: int, exitcode: int) -> str:
+    """The one line for a rank that ended the launch: its exit code, or the signal that killed it."""
+    if exitcode >= 0:
+        return f"flowrl: error: rank {rank} exited with code {exitcode}; its own error line is above"
+    from .supervisor import signal_name
+
+    name = signal_name(-exitcode)
+    why = "killed from outside, often by the out-of-memory killer: see `dmesg`" if name == "SIGKILL" else "crashed"
+    return f"flowrl: error: rank {rank} died with signal {name} ({why}); rerun with --processes 1 to see it alone"
+
+
+def run_launcher(argv: list[str]) -> int:
+    """Run ``accelerate launch ARGV``, ending in one line per failed rank instead of torchrun's traceback.
+
+    ``flowrl train --processes N`` runs this (``python -m flowrl.local_launch ARGV``) in place of
+    ``python -m accelerate.commands.launch ARGV``: the same launch, but a Ctrl-C or SIGTERM leaves
+    with 128 + the signal (not torchrun's ``SignalException`` traceback and code 1), and a failed
+    rank is named with its exit code or the signal that killed it (not torchrun's ``ChildFailedError``
+    traceback).
+
+    Args:
+        argv: ``accelerate launch`` arguments.
+
+    Returns:
+        The launch's exit code: 0, 1 when a rank failed, 128 + N when signal N stopped it.
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_command(launch_command_parser().parse_args(argv))
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        for rank, failure in sorted(err.failures.items()):
+            stderr_line(failure_line(rank, failure.exitcode))
+        return 1
+    return 0
 
 
 def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
@@ -194,3 +237,7 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
     if line:
         stderr_line(line)
     return 128 - returncode if returncode < 0 else returncode
+
+
+if __name__ == "__main__":
+    sys.exit(run_launcher(sys.argv[1:]))

@@ -45,7 +45,7 @@ def test_the_launch_command_is_accelerates_with_gloo_on_a_cpu(monkeypatch):
     monkeypatch.setenv("FLOWRL_SUPERVISOR_FD", "7")
     cmd, env = launch_command(load_config(None, []), 2, ["train", "x=1"], 29601)
     assert "FLOWRL_SUPERVISED" not in env and "FLOWRL_SUPERVISOR_FD" not in env  # the ranks are not supervised
-    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[1:3] == ["-m", "flowrl.local_launch"]  # accelerate's launcher through run_launcher
     assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
     assert cmd[cmd.index("--main_process_port") + 1] == "29601"
     assert cmd[-4:] == ["-m", "flowrl", "train", "x=1"]
@@ -117,3 +117,37 @@ def test_default_threads_are_shared_by_the_local_processes_of_a_launch(monkeypat
     alone = default_threads()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert default_threads() == max(1, alone // int(local))
+
+
+def test_the_launcher_ends_a_stopped_or_failed_launch_in_lines_not_tracebacks(monkeypatch, capsys):
+    """torchrun raises SignalException (Ctrl-C, SIGTERM) or ChildFailedError (a rank failed) out of its launcher."""
+    import signal
+
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from flowrl.local_launch import run_launcher
+
+    argv = ["--multi_gpu", "--num_processes", "2", "-m", "flowrl", "train"]
+
+    def stopped(args):
+        raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", stopped)
+    assert run_launcher(argv) == 130  # as a Ctrl-C'd process
+    failures = {
+        1: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file="<N/A>"),
+        0: ProcessFailure(local_rank=0, pid=10, exitcode=2, error_file="<N/A>"),
+    }
+
+    def failed(args):
+        raise ChildFailedError("flowrl", failures)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", failed)
+    assert run_launcher(argv) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl: error: rank 0 exited with code 2; its own error line is above",
+        "flowrl: error: rank 1 died with signal SIGKILL (killed from outside, often by the out-of-memory killer: see "
+        "`dmesg`); rerun with --processes 1 to see it alone",
+    ]

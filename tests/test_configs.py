@@ -29,7 +29,7 @@ def _train_args(command: list[str]) -> list[str]:
         assert command[1] == "launch" and "-m" in command, command
         module = command[command.index("-m") + 1]
         assert module == "flowrl" and command[command.index("-m") + 2] == "train", command
-        assert command[command.index("--num_processes") + 1] == "1", "flowrl trains on one process"
+        assert command[command.index("--num_processes") + 1] == "1", "a header launches one process on one GPU"
         return command[command.index("-m") + 3 :]
     return command[2:]
 

@@ -56,7 +56,7 @@ def test_header_names_weights_and_a_launch_command_that_validates(path, monkeypa
     assert text.startswith("# "), "a config starts with a header comment"
     cfg = load_config(ROOT / path)
     if cfg.model.path != "flowrl-digits":
-        assert "# Weights:" in text and "huggingface-cli download" in text
+        assert "# Weights:" in text and "hf download" in text
     commands = _launch_commands(path)
     assert commands, f"{path} has no launch command in its header"
     monkeypatch.chdir(ROOT)  # the commands name configs relative to the repository root

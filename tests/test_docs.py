@@ -281,3 +281,34 @@ def test_a_documented_config_block_loads(doc, body, tmp_path):
     path = tmp_path / "block.yaml"
     path.write_text(body)
     load_config(path)
+
+
+def _hf_commands() -> list[list[str]]:
+    """Every ``hf ...`` line of README.md and the config headers (the weights to download)."""
+    lines = [line for _, body in _fenced((ROOT / "README.md").read_text())[0] for line in body.splitlines()]
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        lines += [line.lstrip("# ") for line in path.read_text().splitlines()]
+    return [shlex.split(line, comments=True) for line in lines if re.match(r"^hf\s", line.strip())]
+
+
+def test_the_weight_download_commands_parse_with_the_installed_hub_cli():
+    """The pinned huggingface_hub installs ``hf`` (no ``huggingface-cli``); ``--include`` takes one pattern a flag."""
+    import typer
+    from huggingface_hub.cli.download import download
+    from typer.main import get_command
+
+    assert Path(sys.executable).with_name("hf").is_file(), "the pinned huggingface_hub installs the hf command"
+    app = typer.Typer()
+    app.command()(download)
+    command = get_command(app)
+    commands = _hf_commands()
+    assert len(commands) > 20, commands
+    files = [*DOCS, *(ROOT / "configs").rglob("*.yaml")]
+    stale = [str(p.relative_to(ROOT)) for p in files if "huggingface-cli" in p.read_text()]
+    assert not stale, f"huggingface-cli is not installed by the pinned huggingface_hub; use hf: {stale}"
+    for words in commands:
+        if words[1] == "download":
+            params = command.make_context("hf download", words[2:]).params
+            assert params["local_dir"] and not params["filenames"], words
+        else:
+            assert words[1:3] == ["auth", "login"], words

@@ -190,6 +190,9 @@ def test_a_documented_command_parses(doc, command, whole, monkeypatch):
         module = importlib.import_module(command[2])
         _check_bench_main(module.main, command[3:], command[2])
     else:  # accelerate launch [launcher flags] -m flowrl train ...
+        from accelerate.commands.launch import launch_command_parser
+
+        launch_command_parser().parse_args(command[2:])  # the launcher's own flags
         at = command.index("-m")
         processes = 1
         for i, word in enumerate(command[:at]):

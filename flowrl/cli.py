@@ -20,6 +20,7 @@ from .console import stderr_line
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
+STACK_HELP = "[CONFIG.yaml ...] [key=value ...]: config files merge left to right (recipe, then preset), then overrides"
 
 
 def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
@@ -303,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train with a config (default: the embedded digits job)")
-    train.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    train.add_argument("args", nargs="*", help=STACK_HELP)
     train.add_argument("--output", help="run folder (same as output.dir=...)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     train.add_argument(
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     sample = sub.add_parser("sample", help="sample an image grid (optionally with a trained LoRA)")
-    sample.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    sample.add_argument("args", nargs="*", help=STACK_HELP)
     sample.add_argument(
         "--lora",
         help="a run folder (its config.yaml is the base config unless one is given), its lora/ folder or a LoRA file",

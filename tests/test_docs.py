@@ -315,3 +315,11 @@ def test_the_weight_download_commands_parse_with_the_installed_hub_cli():
             assert params["local_dir"] and not params["filenames"], words
         else:
             assert words[1:3] == ["auth", "login"], words
+
+
+@pytest.mark.parametrize("command", ["train", "sample"])
+def test_the_help_says_config_files_stack(command, capsys):
+    """README and the config headers stack a recipe and a preset; ``--help`` says several files are taken."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "[CONFIG.yaml ...]" in capsys.readouterr().out

@@ -1,8 +1,8 @@
 """The docs say only what is true of the code: their commands parse, their layout names files that exist.
 
-Every shell command in README.md, ARCHITECTURE.md and docs/*.md (fenced ``bash`` blocks and inline code) that
-starts ``flowrl``, ``python -m bench.X`` or ``accelerate launch ... -m flowrl`` is checked as a user would run it,
-without running it:
+Every shell command in README.md, ARCHITECTURE.md, gallery/README.md and docs/*.md (fenced ``bash`` blocks and
+inline code) that starts ``flowrl``, ``python -m bench.X`` or ``accelerate launch ... -m flowrl`` is checked as a
+user would run it, without running it:
 
 - ``flowrl ...``: parsed by the CLI's own parser; for ``train`` and ``sample`` every ``configs/`` file exists and
   the config files and ``key=value`` overrides load (:func:`flowrl.config.load_config`); a training batch splits
@@ -32,7 +32,12 @@ from flowrl.config import load_config
 from flowrl.local_launch import check_split
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "ARCHITECTURE.md",
+    ROOT / "gallery" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*(\.yaml)?$|[<>\[\]$]|\.\.\.|^-$")
 # commands the docs show as history, each with the reason it no longer runs as written
 HISTORICAL = {

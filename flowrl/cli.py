@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
-        help="continue a run: a run folder (its latest checkpoint that verifies) or runs/X/checkpoints/iter-N",
+        help="continue a run: a run folder (its latest checkpoint that verifies) or runs/X/checkpoints/iter-N; "
+        "the config is not read from it: give the run's config files again, or its config.yaml",
     )
     train.set_defaults(func=cmd_train)
 

@@ -327,4 +327,7 @@ def test_the_help_says_config_files_stack(command, capsys):
     """README and the config headers stack a recipe and a preset; ``--help`` says several files are taken."""
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
-    assert "[CONFIG.yaml ...]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[CONFIG.yaml ...]" in out
+    if command == "train":  # --resume alone starts from the defaults (docs/reliability.md)
+        assert "config.yaml" in " ".join(out.split())

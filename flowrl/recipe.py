@@ -114,6 +114,7 @@ class Run:
         self.cfg = cfg
         self.collective = collective or join_launch()
         self.is_main = self.collective.is_main
+        self.device_given = cfg.model.device  # what the run folder records: "cuda", not rank 0's "cuda:0"
         if self.collective.world_size > 1 and cfg.model.device == "cuda":  # one GPU per rank
             cfg.model.device = str(self.collective.accelerator.device)
         kind = rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver)  # SAGE-GRPO's depends on its options
@@ -142,11 +143,22 @@ class Run:
         self.stop_reason: str | None = None  # a guard with on_trip: stop tripped
         self.collective.barrier()  # every rank checked the folder before rank 0 writes to it
 
+    def config_dict(self) -> dict[str, Any]:
+        """The resolved config as ``config.yaml`` and checkpoints record it, the same on every rank.
+
+        On several GPUs each rank trains on its own (``model.device: cuda`` becomes ``cuda:LOCAL_RANK``);
+        the record keeps ``cuda``, so a resume compares like with like on every rank and in
+        ``flowrl train --processes N --resume``.
+        """
+        config = to_dict(self.cfg)
+        config["model"]["device"] = self.device_given
+        return config
+
     def _find_resume(self, path: str) -> Resume:
         found = find_resume(path)
         for warning in found.warnings if self.is_main else []:  # every rank finds the same: rank 0 says it
             stderr_line(f"flowrl: warning: {warning}")
-        check_resume_config(found.state.get("config"), to_dict(self.cfg))
+        check_resume_config(found.state.get("config"), self.config_dict())
         return found
 
     def _grid(self) -> torch.Tensor:
@@ -249,7 +261,7 @@ class Run:
 
     def _open_logger(self, out: Path, resume_step: int | None) -> MetricsLogger:
         """Write the resolved config and open the metrics (cut back to ``resume_step`` on resume; wandb if enabled)."""
-        config = to_dict(self.cfg)
+        config = self.config_dict()
         write_text_atomic(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         o = self.cfg.output
         wandb_run = open_wandb(out, o.wandb_project, config, resume_step is not None) if o.wandb else None
@@ -258,7 +270,7 @@ class Run:
     def _save_checkpoint(self) -> None:
         """Write ``checkpoints/iter-N`` (state + resolved config); keep the newest ``output.keep_checkpoints``."""
         it = self.trainer.iteration
-        state = {**self.trainer.state_dict(), "config": to_dict(self.cfg)}
+        state = {**self.trainer.state_dict(), "config": self.config_dict()}
         save_checkpoint(state, self.out / "checkpoints" / f"iter-{it:06d}")
         prune_checkpoints(self.out, self.cfg.output.keep_checkpoints, upto=it)
 

@@ -223,8 +223,26 @@ def test_a_launch_warns_of_a_skipped_checkpoint_once(tmp_path, capsys):
     for rank, lines in ((0, 1), (1, 0)):
         process = Run.__new__(Run)  # the part of a Run that finds its checkpoint
         process.cfg, process.is_main = load_config(), rank == 0
+        process.device_given = process.cfg.model.device
         assert process._find_resume(str(run)).path.name == "iter-000001"
         assert capsys.readouterr().err.count("flowrl: warning: checkpoint") == lines
+
+
+def test_a_multi_gpu_run_records_the_device_it_was_given():
+    """Each rank of a GPU launch trains on cuda:RANK; rank 0's record must still resume on rank 1 and in --processes."""
+    from flowrl.recipe import Run
+
+    def rank(r: int) -> Run:
+        process = Run.__new__(Run)  # the part of Run.__init__ that places the rank (flowrl/recipe.py)
+        cfg = load_config(None, ["model.device=cuda"])
+        process.cfg, process.device_given, process.is_main = cfg, cfg.model.device, r == 0
+        cfg.model.device = f"cuda:{r}"  # the rank's accelerator.device
+        return process
+
+    saved = rank(0).config_dict()  # config.yaml and every checkpoint's config
+    assert saved["model"]["device"] == "cuda"
+    check_resume_config(saved, rank(1).config_dict())  # rank 1 resumes
+    check_resume_config(saved, to_dict(load_config(None, ["model.device=cuda"])))  # so does the --processes check
 
 
 def test_a_checkpoint_past_the_last_logged_step_is_skipped(tmp_path):

@@ -17,6 +17,7 @@ folder and the files in it; both are checked against the tree, and every ``flowr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import re
 import shlex
@@ -331,3 +332,48 @@ def test_the_help_says_config_files_stack(command, capsys):
     assert "[CONFIG.yaml ...]" in out
     if command == "train":  # --resume alone starts from the defaults (docs/reliability.md)
         assert "config.yaml" in " ".join(out.split())
+
+
+# -- key | default tables ------------------------------------------------------------------------------
+
+
+def _defaults(doc: str) -> dict[str, object]:
+    """The defaults a ``| key | default | meaning |`` table of ``doc`` documents, from the code."""
+    cfg = load_config(None, [])
+    if doc == "solrl.md":
+        return {f"solrl.{k}": v for k, v in vars(cfg.solrl).items()}
+    if doc == "trees.md":
+        return dict(vars(cfg.sampler.tree))
+    if doc == "sage-grpo.md":
+        return dict(load_config(None, ["objective={name: sage_grpo}"]).objective)
+    from flowrl.guard_spec import GuardSpec
+
+    return {f.name: f.default for f in dataclasses.fields(GuardSpec) if f.name in ("tolerance", "relative", "on_trip")}
+
+
+def _value(text: str) -> object:
+    """A table cell's value: a number, true/false/null, a [list], else the text (backticks dropped)."""
+    text = text.strip().strip("`")
+    try:
+        return float(text) if re.search(r"[.e]", text) else int(text)
+    except ValueError:
+        pass
+    if text in ("true", "false", "null") or text.startswith("["):
+        return yaml.safe_load(text)
+    return text
+
+
+@pytest.mark.parametrize("doc", ["solrl.md", "trees.md", "sage-grpo.md", "alignment.md"])
+def test_a_key_default_table_states_the_code_s_defaults(doc):
+    code = _defaults(doc)
+    rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", (ROOT / "docs" / doc).read_text(), re.M)
+    checked = 0
+    for keys, values in rows:
+        names = re.findall(r"`([\w.]+)`", keys)
+        if not names or not all(n in code for n in names):
+            continue
+        said = [_value(v) for v in values.split(", ")] if len(names) > 1 else [_value(values)]
+        expected = [code[n] for n in names]
+        assert said == expected, f"docs/{doc}: {keys} says {values.strip()}; the code has {expected}"
+        checked += len(names)
+    assert checked >= 3, f"docs/{doc}: no key | default rows found"

@@ -346,6 +346,13 @@ def _defaults(doc: str) -> dict[str, object]:
         return dict(vars(cfg.sampler.tree))
     if doc == "sage-grpo.md":
         return dict(load_config(None, ["objective={name: sage_grpo}"]).objective)
+    if doc == "rewards.md":  # the remote client's options (url and token have no fixed default)
+        import inspect
+
+        from flowrl.rewards.remote import RemoteReward
+
+        params = inspect.signature(RemoteReward.__init__).parameters
+        return {k: p.default for k, p in params.items() if k not in ("self", "url", "token")}
     from flowrl.guard_spec import GuardSpec
 
     return {f.name: f.default for f in dataclasses.fields(GuardSpec) if f.name in ("tolerance", "relative", "on_trip")}
@@ -363,7 +370,7 @@ def _value(text: str) -> object:
     return text
 
 
-@pytest.mark.parametrize("doc", ["solrl.md", "trees.md", "sage-grpo.md", "alignment.md"])
+@pytest.mark.parametrize("doc", ["solrl.md", "trees.md", "sage-grpo.md", "alignment.md", "rewards.md"])
 def test_a_key_default_table_states_the_code_s_defaults(doc):
     code = _defaults(doc)
     rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", (ROOT / "docs" / doc).read_text(), re.M)

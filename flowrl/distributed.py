@@ -120,14 +120,16 @@ def derive_geometry(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a launch of {world_size} processes")
     if placement == "contiguous" and prompts % world_size:
+        other = "" if group_size % world_size else " or train.placement=spread"
         raise ValueError(
             f"prompts.per_iteration={prompts} does not split into whole groups over {world_size} processes; "
-            f"use a multiple of {world_size} (e.g. {_multiples(prompts, world_size)}) or placement spread"
+            f"use a multiple of {world_size} (e.g. {_multiples(prompts, world_size)}){other}"
         )
     if placement == "spread" and group_size % world_size:
+        other = "" if prompts % world_size else " or train.placement=contiguous"
         raise ValueError(
             f"prompts.group_size={group_size} does not split over {world_size} processes with spread placement; "
-            f"use a multiple of {world_size} (e.g. {_multiples(group_size, world_size)}) or placement contiguous"
+            f"use a multiple of {world_size} (e.g. {_multiples(group_size, world_size)}){other}"
         )
     return Geometry(world_size, rank, placement, prompts, group_size, chunk_size)  # type: ignore[arg-type]
 

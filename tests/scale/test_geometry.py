@@ -39,6 +39,12 @@ def test_impossible_combinations_name_the_numbers():
         derive_geometry(5, 4, 4, 2, 0)
     with pytest.raises(ValueError, match=r"prompts.group_size=6 .* over 4 processes .* \(e.g. 4 or 8\)"):
         derive_geometry(4, 6, 4, 4, 0, "spread")
+    with pytest.raises(ValueError, match=r"\(e.g. 4 or 6\) or train.placement=spread$"):  # spread splits 4 over 2
+        derive_geometry(5, 4, 4, 2, 0)
+    with pytest.raises(ValueError, match=r"\(e.g. 18 or 21\)$"):  # spread would not split 8 over 3 either
+        derive_geometry(20, 8, 4, 3, 0)
+    with pytest.raises(ValueError, match=r"\(e.g. 6 or 9\)$"):  # nor contiguous 20 over 3
+        derive_geometry(20, 8, 4, 3, 0, "spread")
     with pytest.raises(ValueError, match="placement must be one of contiguous, spread"):
         derive_geometry(4, 4, 4, 2, 0, "round_robin")
     with pytest.raises(ValueError, match="rank 2 is not in a launch of 2"):

@@ -12,6 +12,7 @@ Run: ``python -m bench.gpu_plan`` (about a minute on a CPU).
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -253,7 +254,9 @@ def flux_dev_pass(model: nn.Module, side: int = 64) -> Pass:
     return measure(model, flux_inputs(side), {n + 512}, 57, (n + 512) * 3072)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Print the tables of docs/gpu-plan.md (parameters, FLOPs, memory per model)."""
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     from flowrl.models.flux import flux_lora_targets
     from flowrl.models.sd3 import SD3_LORA_TARGETS
     from flowrl.models.wan import WAN_LORA_TARGETS

@@ -27,6 +27,7 @@ Run: ``python -m bench.scale_plan`` (instant; pure arithmetic).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 GB = 1e9
@@ -128,8 +129,9 @@ def plan_rows() -> list[tuple[str, ...]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Print the table of docs/gpu-plan.md's multi-node section."""
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help; no options
     header = (
         "model",
         "GPUs",

@@ -219,6 +219,19 @@ def test_the_docs_show_commands_of_every_kind():
     assert {"train", "sample", "export", "eval", "gallery", "demo", "serve-reward"} <= subcommands, subcommands
 
 
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if "\ndef main(" in p.read_text())
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_bench_answers_help_without_running(name, monkeypatch, capsys):
+    """``python -m bench.X --help`` prints its usage and exits 0 (bench.gpu_plan ran its whole plan instead)."""
+    module = importlib.import_module(f"bench.{name}")
+    monkeypatch.setattr(sys, "argv", [f"bench.{name}", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
 def test_a_documented_command_with_a_missing_flag_fails_the_check():
     with pytest.raises(ArgumentError, match="unrecognized arguments: --merged"):
         _check_flowrl(["export", "--merged", "runs/x", "--out", "x"], whole=False)

@@ -66,7 +66,8 @@ def _check_single_process() -> None:
 def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
-    With ``--resume`` and no run folder given (``--output`` or ``output.dir`` in a config file or
+    With ``--resume`` and no config file given, the config is the run's own ``config.yaml`` (then the
+    overrides); with no run folder given (``--output`` or ``output.dir`` in a config file or
     override), the run continues in the folder the checkpoint belongs to. With ``--processes`` N > 1
     (or ``auto`` resolving to more than one) it starts N processes of this command through
     ``accelerate launch`` (:mod:`flowrl.local_launch`) and returns the launch's exit code.
@@ -83,6 +84,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     _check_single_process()
     config, overrides = _split_config_args(ns.args)
+    run_dir = resume_run_dir(ns.resume) if ns.resume else None
+    given = config  # the config files the user named (the run's own config.yaml is not one)
+    if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
+        config = [str(run_dir / "config.yaml")]  # --resume RUN alone continues with the run's own config
     cfg = load_config(config, overrides)
     processes = None
     if ns.processes is not None:
@@ -97,9 +102,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             check_split(cfg, processes)  # as the launch checks before it starts anything
         print(check_report(cfg, processes))
         return 0
-    run_dir = resume_run_dir(ns.resume) if ns.resume else None
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
-        "dir" in (read_yaml(path).get("output") or {}) for path in config or []
+        "dir" in (read_yaml(path).get("output") or {}) for path in given or []
     )
     if ns.output:
         cfg.output.dir = ns.output
@@ -322,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
         help="continue a run: a run folder (its latest checkpoint that verifies) or runs/X/checkpoints/iter-N; "
-        "the config is not read from it: give the run's config files again, or its config.yaml",
+        "without config files the run's own config.yaml is the config (overrides apply on top)",
     )
     train.set_defaults(func=cmd_train)
 

@@ -44,16 +44,16 @@ def disk_full_error(what: str, folder: Path, size: int | None, run_dir: Path | N
 
     Returns:
         The exception to raise (the earlier checkpoints are intact; the message says how to go on: the
-        run's own ``config.yaml`` with ``--resume``, which any run resumes with, whatever its config files).
+        ``flowrl train --resume RUN``, which reads the run's own ``config.yaml``, whatever its config files were).
     """
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     free = _human(shutil.disk_usage(folder).free)
     need = f"{_human(size)} to write, " if size is not None else ""
-    run = run_dir or Path("RUN_DIR")  # its config.yaml: --resume alone would start from the defaults and be refused
+    run = run_dir or Path("RUN_DIR")  # --resume RUN alone reads the run's own config.yaml
     return DiskFullError(
         f"{what}: no space left on device ({need}{free} free on that filesystem); free space, then continue with "
-        f"`flowrl train {run / 'config.yaml'} --resume {run}` (earlier checkpoints intact)"
+        f"`flowrl train --resume {run}` (earlier checkpoints intact)"
     )
 
 

@@ -343,8 +343,8 @@ def test_the_help_says_config_files_stack(command, capsys):
         build_parser().parse_args([command, "--help"])
     out = capsys.readouterr().out
     assert "[CONFIG.yaml ...]" in out
-    if command == "train":  # --resume alone starts from the defaults (docs/reliability.md)
-        assert "config.yaml" in " ".join(out.split())
+    if command == "train":  # --resume alone reads the run's config.yaml (docs/reliability.md)
+        assert "run's own config.yaml" in " ".join(out.split())
 
 
 # -- key | default tables ------------------------------------------------------------------------------

@@ -346,7 +346,7 @@ def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_the_full_disk_line_names_a_resume_command_that_continues_a_configured_run(tmp_path, capsys, monkeypatch):
-    """The line's command resumes a run trained from a config file; ``--resume RUN`` alone starts from the defaults."""
+    """The line's command (``--resume RUN`` alone: the run's config.yaml) resumes a run trained from a config file."""
     import re
     import shlex
 
@@ -368,3 +368,20 @@ def test_the_full_disk_line_names_a_resume_command_that_continues_a_configured_r
     code = main(command[1:])
     assert code == 0, capsys.readouterr().err
     assert load_checkpoint(out / "checkpoints" / "iter-000003")["iteration"] == 3
+
+
+def test_resume_alone_reads_the_run_s_config_even_after_the_folder_moved(tmp_path, capsys, monkeypatch):
+    """``flowrl train --resume RUN`` with no config file continues with RUN/config.yaml, overrides on top."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    first = tmp_path / "run"
+    code = main(["train", "configs/grpo/digits_ink.yaml", *SMALL, f"output.dir={first}"])
+    assert code == 0, capsys.readouterr().err
+    moved = tmp_path / "moved"
+    first.rename(moved)  # config.yaml still records output.dir = first
+    code = main(["train", "train.iterations=4", "--resume", str(moved / "checkpoints" / "iter-000002")])
+    assert code == 0, capsys.readouterr().err
+    saved = load_checkpoint(moved / "checkpoints" / "iter-000004")
+    assert saved["iteration"] == 4 and not first.exists()
+    resolved = load_config([moved / "config.yaml"])
+    assert resolved.rewards == load_config(["configs/grpo/digits_ink.yaml"]).rewards  # not the default job's
+    assert resolved.train.iterations == 4 and Path(resolved.output.dir) == moved

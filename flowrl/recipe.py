@@ -214,6 +214,7 @@ class Run:
                         f"--resume {self.resume.path}: its state does not load into this run ({detail}); "
                         "resume from another checkpoint or start a new run"
                     ) from None
+            self.collective.barrier()  # every rank's clock (train.time_budget_s) starts after rank 0's start evaluation
             t0 = time.perf_counter()
             failed = True
             try:

@@ -10,6 +10,9 @@ Used by tests/scale/test_launch.py and tests/scale/test_sharding.py.
   rank (the guard's ``skipped_updates``) and end with the LoRA of the one-process run, which skips
   the same update. A rank that left the step while the others still backwarded through a sharded
   model's collectives would hang them, or pair their collectives wrongly from then on.
+- ``slow_start``: rank 0's start (base grid, start evaluation) takes 12 s longer, as a large model's
+  does. ``train.time_budget_s`` counts training time: the other ranks, waiting for rank 0, must
+  not count that wait.
 - ``eval_error``: the held-out evaluation after iteration 1 raises (a reward that breaks). Under a
   sharded model the other ranks are then waiting in rank 0's lockstep calls; the launch must end
   at once with the error, not wait for the process group's timeout.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 from flowrl.config import load_config
 from flowrl.distributed import exit_launched_process
 from flowrl.recipe import Run
 
 EVAL_ERROR = "the reward broke during the evaluation (injected)"
+SLOW_START_S = 12.0
 
 
 def nan_loss(run: Run) -> None:
@@ -56,7 +61,18 @@ def eval_error(run: Run) -> None:
     trainer.evaluate_heldout = evaluate
 
 
-FAULTS = {"nan_loss": nan_loss, "eval_error": eval_error}
+def slow_start(run: Run) -> None:
+    """This rank: its start (rank 0: the base grid and the start evaluation) takes SLOW_START_S more."""
+    real_start = run._start
+
+    def start():
+        time.sleep(SLOW_START_S)
+        return real_start()
+
+    run._start = start
+
+
+FAULTS = {"nan_loss": nan_loss, "eval_error": eval_error, "slow_start": slow_start}
 
 
 def main() -> None:

@@ -335,6 +335,15 @@ def poisoned_alone(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+def test_the_time_budget_does_not_count_rank_zeros_start_on_the_other_ranks(tmp_path):
+    """Rank 0's start evaluation takes 12 s; a 6 s budget must still train more than one iteration on 2 ranks."""
+    budget = ["train.iterations=1000", "train.eval_every=1000", "train.time_budget_s=6"]
+    two = train_faulty(tmp_path / "two", 2, "slow_start", *budget)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert len(metrics(tmp_path / "two")) > 2, "the ranks stopped after one iteration"  # step 0 and 1 only: stopped
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp2", "zero1", "zero2", "zero3"])
 def test_a_non_finite_loss_on_one_rank_skips_that_update_on_every_rank(sharding, poisoned_alone, tmp_path):
     """Sharded backwards are collective: the faulty rank keeps pairing them, then every rank drops the step."""

@@ -108,7 +108,8 @@ def test_check_with_auto_estimates_the_resolved_count(capsys):
     assert main(["train", "--check", "--processes", "auto"]) == 0
     auto = capsys.readouterr().out
     assert main(["train", "--check", "--processes", str(processes)]) == 0
-    assert capsys.readouterr().out == auto
+    estimate = capsys.readouterr().out.split("; available:")[0]  # the free memory moves between the two calls
+    assert estimate == auto.split("; available:")[0] and "; available:" in auto
 
 
 @pytest.mark.parametrize("local", ["1", "2", "3"])

@@ -37,7 +37,7 @@ from .base import (
     split_even,
     velocity_penalty,
 )
-from .planning import chunk_noise, kept_chunks
+from .planning import chunk_noise, kept_chunks, weigh_by_kept
 
 
 def weighted_log_likelihood(mse: Tensor, sigma: Tensor, power: float | None) -> Tensor:
@@ -159,9 +159,9 @@ class AWM(Objective):
         if not mbs:
             return []
         if self.updates_per_iteration == 1:
-            return [mbs]
+            return weigh_by_kept([mbs], batch.global_keep)
         order = torch.randperm(len(mbs), generator=generator).tolist()
-        return split_even([mbs[i] for i in order], self.updates_per_iteration)
+        return weigh_by_kept(split_even([mbs[i] for i in order], self.updates_per_iteration), batch.global_keep)
 
     def penalties(self) -> tuple[tuple[str, float, str | None], ...]:
         """(stat name, weight, adapter) of the velocity penalties: the base model's and the EMA anchor's."""
@@ -176,7 +176,7 @@ class AWM(Objective):
                 self.frozen.fill(model, adapter, items)
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
-        """Advantage-weighted flow-matching loss on one chunk at one sigma."""
+        """Advantage-weighted flow-matching loss on one chunk at one sigma, times the plan's weight ``mb.weight``."""
         idx = mb.index
         x0, sigma, x_t, cond = noised_microbatch(batch, mb)
         v_theta = model.velocity(x_t, sigma, cond)
@@ -193,7 +193,7 @@ class AWM(Objective):
                 penalty = velocity_penalty(model, x_t, sigma, cond, v_theta, adapter, v_other=v_other)
                 loss = loss + weight * penalty
                 stats[name] = float(penalty.detach())
-        return loss.float(), stats
+        return (loss * mb.weight).float(), stats
 
     def ema_decay(self, iteration: int) -> float:
         """``d = min(ema_decay_rate * iteration, ema_decay_max)``."""

@@ -116,17 +116,21 @@ class RolloutBatch(NamedTuple):
 
 
 class Microbatch(NamedTuple):
-    """Sample indices (b,), the step of the sigma grid to train at, and optional fresh noise.
+    """Sample indices (b,), the step of the sigma grid to train at, optional fresh noise, and the loss weight.
 
     ``noise`` (n, ...) is drawn in ``plan`` by forward-process objectives, so ``loss`` stays a
     pure function of its inputs. It holds the rows of ``index`` the batch holds: all b of them on
     one process; on a rank of several (``RolloutBatch.rows``) only the rank's own, in global order
     (:func:`~flowrl.objectives.planning.chunk_noise`), so no rank holds the global batch's noise.
+    ``weight`` multiplies the micro-batch's loss (a mean over its kept rows):
+    :func:`~flowrl.objectives.planning.weigh_by_kept` sets it so that an optimizer step's loss is the
+    mean over the step's kept rows whatever ``sampler.chunk_size``.
     """
 
     index: Tensor
     step: int
     noise: Tensor | None = None
+    weight: float = 1.0
 
 
 ROLLOUT_KINDS = ("sde", "solver", "tree")

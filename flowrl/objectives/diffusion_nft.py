@@ -40,7 +40,7 @@ from .base import (
     split_even,
     velocity_penalty,
 )
-from .planning import chunk_noise, kept_chunks
+from .planning import chunk_noise, kept_chunks, weigh_by_kept
 
 
 def optimality_probability(advantages: Tensor, clip: float) -> Tensor:
@@ -143,8 +143,10 @@ class DiffusionNFT(Objective):
         for idx in kept_chunks(batch):
             for j in torch.randperm(num, generator=generator)[:count].tolist():
                 mbs.append(Microbatch(idx, j, chunk_noise(batch, idx, generator)))
+        if not mbs:
+            return []
         order = torch.randperm(len(mbs), generator=generator).tolist()
-        return split_even([mbs[i] for i in order], self.updates_per_iteration) if mbs else []
+        return weigh_by_kept(split_even([mbs[i] for i in order], self.updates_per_iteration), batch.global_keep)
 
     def prepare(self, model: ModelAdapter, batch: RolloutBatch, microbatches: list[Microbatch]) -> None:
         """The "old" policy's velocities (and the base model's, with a KL term), one switch each."""
@@ -155,7 +157,7 @@ class DiffusionNFT(Objective):
             self.frozen.fill(model, None, items)
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
-        """NFT loss on one chunk at one sigma."""
+        """NFT loss on one chunk at one sigma, times the plan's weight ``mb.weight``."""
         idx = mb.index
         x0, sigma, x_t, cond = noised_microbatch(batch, mb)
         v_theta = model.velocity(x_t, sigma, cond)
@@ -170,7 +172,7 @@ class DiffusionNFT(Objective):
             kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None, v_other=v_ref)
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
-        return loss.float(), stats
+        return (loss * mb.weight).float(), stats
 
     def old_decay(self, iteration: int) -> float:
         """``eta = min(old_decay_rate * iteration, old_decay_max)``."""

@@ -188,7 +188,7 @@ class FlowGRPO(Objective):
             self.frozen.fill(model, None, [(mb, *_transition_inputs(batch, mb)) for mb in microbatches])
 
     def loss(self, model: ModelAdapter, batch: RolloutBatch, mb: Microbatch) -> tuple[Tensor, dict[str, float]]:
-        """Clipped ratio loss (+ beta KL) on one chunk at one step."""
+        """Clipped ratio loss (+ beta KL) on one chunk at one step, times the plan's weight ``mb.weight``."""
         traj, idx, j = batch.trajectory, mb.index, mb.step
         x, sigma, cond = _transition_inputs(batch, mb)
         x_next = traj.latents[idx, j + 1]
@@ -215,4 +215,4 @@ class FlowGRPO(Objective):
             kl = (transition_kl(step.mean, ref.mean, step.std) * keep).sum() / denom
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
-        return loss, stats
+        return loss * mb.weight, stats

@@ -86,6 +86,30 @@ def plan_megabytes(plan: list[list[Microbatch]]) -> float:
     return sum(mb.noise.nbytes for group in plan for mb in group if mb.noise is not None) / 2**20
 
 
+def weigh_by_kept(groups: list[list[Microbatch]], keep: Tensor) -> list[list[Microbatch]]:
+    """Weigh each micro-batch ``n * kept_mb / kept_step`` so an optimizer step's loss is the mean over its kept rows.
+
+    A flat objective's micro-batch loss is the mean over its chunk's kept rows and the loop divides it by
+    the step's ``n`` micro-batches; without these weights a chunk with fewer kept rows (the batch's tail
+    when ``sampler.chunk_size`` does not divide it, or one holding dropped rows) would weigh as much as a
+    full one, and the update would depend on the chunk size. With them every chunk size gives the update
+    of one chunk holding the whole batch.
+
+    Args:
+        groups: the micro-batches of each optimizer step (every one holds a kept row: :func:`kept_chunks`).
+        keep: (B,) ``keep`` of the global batch (``batch.global_keep``), so every rank weighs alike.
+
+    Returns:
+        The same micro-batches with ``weight`` set.
+    """
+    weighed = []
+    for group in groups:
+        kept = [int(keep[mb.index].sum()) for mb in group]
+        total = max(sum(kept), 1)
+        weighed.append([mb._replace(weight=len(group) * k / total) for mb, k in zip(group, kept)])
+    return weighed
+
+
 def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[Microbatch]]:
     """Every (chunk, stochastic step) pair of the stored trajectories once (Flow-GRPO).
 
@@ -93,7 +117,8 @@ def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: i
     level above 0 and a transition std above 0 (CPS's step to sigma 0 has none).
 
     Chunks and steps are in random order, split evenly into ``updates`` optimizer steps.
-    Chunks whose samples are all dropped (``keep`` False) are skipped.
+    Chunks whose samples are all dropped (``keep`` False) are skipped; the others are weighed by
+    their kept rows (:func:`weigh_by_kept`).
     """
     traj = batch.trajectory
     steps = torch.nonzero(has_density(traj.sde, traj.sigmas, traj.noise_levels)).flatten().tolist()
@@ -103,7 +128,7 @@ def plan_transitions(batch: RolloutBatch, generator: torch.Generator, updates: i
     for c in order:
         for k in torch.randperm(len(steps), generator=generator).tolist():
             mbs.append(Microbatch(chunks[c], steps[k]))
-    return split_even(mbs, updates) if mbs else []
+    return weigh_by_kept(split_even(mbs, updates), batch.global_keep) if mbs else []
 
 
 def plan_tree_edges(batch: RolloutBatch, generator: torch.Generator, updates: int) -> list[list[EdgeMicrobatch]]:

@@ -136,7 +136,7 @@ class Edges(NamedTuple):
         x_next: (e, ...) stored children.
         old_log_prob: (e,) rollout-time log-density of each edge.
         advantages: (e,) advantage of each edge.
-        weights: (e,) loss weight of each edge (``keep / kept`` flat; BranchGRPO's ``1 / E`` on trees).
+        weights: (e,) loss weight of each edge (``keep * mb.weight / kept`` flat; BranchGRPO's ``1 / E`` on trees).
         step: index of the step in the grid.
         sigmas, levels: (T + 1,) grid and (T,) noise levels.
         noise_scales: (T,) std multipliers of a tree's split steps; None for flat trajectories.
@@ -163,7 +163,7 @@ class Edges(NamedTuple):
 
 
 def flat_edges(batch: RolloutBatch, mb: Microbatch) -> Edges:
-    """A chunk of flat trajectories at one step; zero-variance groups weigh 0."""
+    """A chunk of flat trajectories at one step; zero-variance groups weigh 0, the kept rows ``mb.weight / kept``."""
     traj, idx, j = batch.trajectory, mb.index, mb.step
     keep = batch.keep[idx].float()
     return Edges(
@@ -173,7 +173,7 @@ def flat_edges(batch: RolloutBatch, mb: Microbatch) -> Edges:
         traj.latents[idx, j + 1],
         traj.log_probs[idx, j],
         batch.advantages[idx],
-        keep / keep.sum().clamp(min=1.0),
+        keep * mb.weight / keep.sum().clamp(min=1.0),
         j,
         traj.sigmas,
         traj.noise_levels,

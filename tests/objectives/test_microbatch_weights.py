@@ -1,0 +1,87 @@
+"""An optimizer step's update does not depend on ``sampler.chunk_size``: micro-batches weigh by their kept rows.
+
+The loop divides each micro-batch's loss by the step's micro-batch count; a chunk of the batch's tail
+(chunk size not dividing the batch) or one holding a dropped row must not weigh as much as a full one.
+"""
+
+import pytest
+import torch
+
+from flowrl.objectives import AWM, DiffusionNFT, FlowGRPO, Microbatch, RolloutBatch, SageGRPO
+from flowrl.objectives.base import chunk_indices
+from flowrl.objectives.planning import weigh_by_kept
+from flowrl.policy.lora import add_lora
+from flowrl.rollouts.chunked import chunked_rollout
+from flowrl.samplers import linear_sigmas, sde_noise_levels
+
+B = 6
+KEEP = torch.tensor([False, True, True, True, True, True])  # row 0: no applicable reward
+
+
+@pytest.fixture
+def setup(tiny_sd3):
+    add_lora(tiny_sd3.transformer, rank=4, alpha=4, targets=tiny_sd3.lora_target_modules)
+    for name, p in tiny_sd3.transformer.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    prompts = [f"a handwritten {d}" for d in range(2) for _ in range(3)]
+    cond = tiny_sd3.encode_prompt(prompts)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, *tiny_sd3.latent_shape(8, 8), generator=gen)
+    traj = chunked_rollout(tiny_sd3, cond, x, linear_sigmas(3), sde_noise_levels(3, 0.7), chunk_size=B, generator=gen)
+    adv = torch.where(KEEP, torch.randn(B, generator=gen), 0.0)
+    ids = torch.arange(2).repeat_interleave(3)
+    final = traj.latents[:, -1]
+    batch = RolloutBatch(prompts, ids, cond, final, traj, traj.sigmas, final, adv, adv, KEEP, B)
+    return tiny_sd3, batch
+
+
+def _gradient(model, objective, batch, group):
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    objective.prepare(model, batch, group)
+    for mb in group:
+        loss, _ = objective.loss(model, batch, mb)
+        (loss / len(group)).backward()  # flowrl/trainer.py: Trainer._accumulate
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+def _rechunk(group, chunk):
+    """The whole-batch micro-batches cut into ``chunk`` rows with the same noise, as a plan with that chunk size."""
+    parts = []
+    for mb in group:
+        for idx in chunk_indices(len(mb.index), chunk):
+            if KEEP[mb.index[idx]].any():
+                parts.append(Microbatch(mb.index[idx], mb.step, None if mb.noise is None else mb.noise[idx]))
+    return weigh_by_kept([parts], KEEP)[0]
+
+
+@pytest.mark.parametrize("make", [lambda: FlowGRPO(clip_range=10.0, kl_beta=0.1), lambda: SageGRPO(clip_range=10.0)])
+def test_sde_objectives_update_alike_for_every_chunk_size(setup, make):
+    model, batch = setup
+    objective = make()
+    objective.setup(model)
+    whole = _gradient(model, objective, batch, objective.plan(batch, torch.Generator().manual_seed(1))[0])
+    for chunk in (1, 2, 4):  # 4: the tail chunk holds 2 rows; 2: the first chunk holds the dropped row
+        small = batch._replace(chunk_size=chunk)
+        (group,) = objective.plan(small, torch.Generator().manual_seed(1))
+        torch.testing.assert_close(_gradient(model, objective, small, group), whole, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [lambda: DiffusionNFT(kl_beta=0.0), lambda: AWM(kl_beta=0.0, ema_beta=0.0)])
+def test_forward_objectives_update_alike_for_every_chunk_size(setup, make):
+    model, batch = setup
+    objective = make()
+    objective.setup(model)
+    (group,) = objective.plan(batch, torch.Generator().manual_seed(1))
+    whole = _gradient(model, objective, batch, group)
+    for chunk in (1, 2, 4):
+        parts = _rechunk(group, chunk)
+        torch.testing.assert_close(_gradient(model, objective, batch, parts), whole, rtol=1e-4, atol=1e-7)
+
+
+def test_weights_make_the_step_a_mean_over_kept_rows():
+    group = [Microbatch(torch.tensor([0, 1, 2, 3]), 0), Microbatch(torch.tensor([4, 5]), 0)]
+    (weighed,) = weigh_by_kept([group], KEEP)
+    assert [mb.weight for mb in weighed] == [2 * 3 / 5, 2 * 2 / 5]  # n_mb * kept_mb / kept_step

@@ -249,6 +249,9 @@ class TrainConfig:
     # state sharded) | zero2 = ZeRO-2 (its gradients too) | zero3 = ZeRO-3 (base and LoRA too; flowrl/zero.py;
     # implied by a DeepSpeed launch)
     sharding: Literal["none", "fsdp2", "zero1", "zero2", "zero3"] = "none"
+    # several processes: how long a rank waits in a collective for the others (torch's NCCL default is 10 min,
+    # shorter than rank 0's evaluation and checkpoint of a large model, which the other ranks wait for)
+    collective_timeout_s: float = field(default=3600.0, metadata=_rng(0, lo_open=True))
 
 
 @dataclass
@@ -327,6 +330,32 @@ def validate_solrl(cfg: Config, where: str) -> None:
         raise ConfigError(
             f"{where}: solrl.precision=int8_dynamic is torch.ao's CPU fp32 path; model is {cfg.model.dtype} on "
             f"{cfg.model.device}: use fp8_e4m3 or nvfp4"
+        )
+
+
+def validate_rollout_options(cfg: Config, where: str) -> None:
+    """Refuse SDE sampler keys that a solver objective's rollouts would silently ignore.
+
+    DiffusionNFT and AWM sample with ``sampler.solver``; only its ``tree`` leaves use ``sampler.sde`` and
+    SDE windows (``sampler.solver: sde_window`` has its own ``sampler.sde_window`` on the Flow-SDE).
+
+    Raises:
+        ConfigError: ``sampler.window`` or a ``sampler.sde`` other than flow with such rollouts (one line: the fix).
+    """
+    from .objectives import OBJECTIVES
+
+    s, name = cfg.sampler, cfg.objective["name"]
+    if OBJECTIVES[name](**cfg.objective).rollout != "solver" or s.solver == "tree":
+        return
+    if s.window != "none":
+        raise ConfigError(
+            f"{where}: 'sampler.window' ({s.window}) applies to SDE and tree rollouts; objective.name={name} samples "
+            f"with sampler.solver={s.solver}: for a noise window use sampler.solver=sde_window (sampler.sde_window)"
+        )
+    if s.sde != "flow":
+        raise ConfigError(
+            f"{where}: 'sampler.sde' ({s.sde}) applies to SDE and tree rollouts; objective.name={name} samples with "
+            f"sampler.solver={s.solver} (sde_window steps the Flow-SDE): remove sampler.sde or use sampler.solver=tree"
         )
 
 
@@ -534,6 +563,7 @@ def load_config(path: str | Path | Sequence[str | Path] | None = None, overrides
     cfg.objective = validate_objective(cfg.objective, where)
     validate_guards(cfg, where)
     validate_solrl(cfg, where)
+    validate_rollout_options(cfg, where)
     return cfg
 
 

@@ -25,6 +25,7 @@ import atexit
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Sequence
 
@@ -371,9 +372,12 @@ def exit_launched_process(code: int) -> NoReturn:
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
 """What gloo says when a collective's peer process ended (crashed, failed, killed) while this rank waited on it."""
 
+TIMED_OUT = ("Timed out waiting",)
+"""What gloo says when a collective waited longer than the process group's timeout (``train.collective_timeout_s``)."""
+
 
 def lost_peer_message(err: BaseException, environ: dict[str, str] | None = None) -> str | None:
-    """The one line for a collective that failed because another process of the launch ended, or None.
+    """The one line for a collective that failed because another process ended or did not come in time, or None.
 
     When one rank fails (its own ``flowrl: error:`` line) or is killed, the ranks waiting for it in a
     collective get gloo's ``RuntimeError: ... Connection closed by peer``; its traceback would bury
@@ -383,28 +387,70 @@ def lost_peer_message(err: BaseException, environ: dict[str, str] | None = None)
         err: the exception that ended this process.
         environ: the environment (default: ``os.environ``), for this process's ``RANK``.
     """
-    if not isinstance(err, RuntimeError) or not any(text in str(err) for text in LOST_PEER):
+    if not isinstance(err, RuntimeError):
         return None
     rank = (os.environ if environ is None else environ).get("RANK", "?")
+    if any(text in str(err) for text in TIMED_OUT):
+        return (
+            f"flowrl: error: rank {rank} waited longer than train.collective_timeout_s for another process of the "
+            "launch; raise it if rank 0's evaluation or checkpoint takes that long, else that process's error says why"
+        )
+    if not any(text in str(err) for text in LOST_PEER):
+        return None
     return (
         f"flowrl: error: rank {rank} stopped because another process of the launch ended during a collective; "
         "that process's error line (or the launcher's exitcode line, for a killed one) says why"
     )
 
 
-def join_launch() -> Collective:
-    """The :class:`Collective` of this launch: an ``accelerate.Accelerator`` when ``WORLD_SIZE`` > 1."""
+def join_launch(timeout_s: float | None = None) -> Collective:
+    """The :class:`Collective` of this launch: an ``accelerate.Accelerator`` when ``WORLD_SIZE`` > 1.
+
+    Args:
+        timeout_s: how long a collective waits for the other ranks (``train.collective_timeout_s``);
+            None: torch's default (10 min for NCCL, 30 min for gloo).
+    """
     if launch_world_size() == 1:
         return Collective()
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
-    accelerator = Accelerator()
+    handlers = [] if timeout_s is None else [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))]
+    accelerator = Accelerator(kwargs_handlers=handlers)
     plugin = accelerator.state.fsdp_plugin if "FSDP" in str(accelerator.distributed_type) else None
     collective = Collective(accelerator)
     fsdp_version = None if plugin is None else int(plugin.fsdp_version)
     check_plugin(str(accelerator.distributed_type), fsdp_version, collective.deepspeed_stage)
     check_joined(launch_world_size(), accelerator.num_processes, str(accelerator.distributed_type))
     return collective
+
+
+def check_rank_device(device: str, processes: int, visible: int | None = None) -> None:
+    """Refuse a CUDA model that several processes would put on one GPU, or on GPUs that are not there.
+
+    With several processes ``model.device: cuda`` gives rank r the GPU ``cuda:LOCAL_RANK``; an
+    explicit ``cuda:N`` would put every rank on GPU N.
+
+    Args:
+        device: ``model.device`` as given.
+        processes: processes of the launch.
+        visible: CUDA devices this machine shows (None: not checked, e.g. once the launch started).
+
+    Raises:
+        ValueError: one line naming the setting and the fix.
+    """
+    if processes <= 1 or not device.startswith("cuda"):
+        return
+    if device != "cuda":
+        raise ValueError(
+            f"model.device={device!r} puts all {processes} processes on one GPU; use model.device=cuda "
+            "(each process then takes the GPU of its local rank)"
+        )
+    if visible is not None and visible < processes:
+        raise ValueError(
+            f"{processes} processes of a CUDA model need one GPU each but this machine shows {visible}; "
+            f"use --processes {max(visible, 1)} (or --processes auto)"
+        )
 
 
 def check_joined(launched: int, joined: int, distributed_type: str) -> None:

@@ -27,7 +27,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .console import stderr_line
-from .distributed import check_rollout_split, derive_geometry, launch_world_size
+from .distributed import check_rank_device, check_rollout_split, derive_geometry, launch_world_size
 
 if TYPE_CHECKING:
     import argparse
@@ -224,6 +224,7 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
     if cfg.model.path == EMBEDDED or not is_hub_id(cfg.model.path):  # a hub id may be fetched: the ranks do that
         pipeline_folder(cfg.model.path)  # missing weights: one line before any process starts
     check_machine(cfg, processes=processes)
+    check_rank_device(cfg.model.device, processes, usable_slots(cfg))  # one GPU per process, all of them there
     check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
     if ns.resume:  # a checkpoint that does not verify or a refused config change: one line, not one per rank
         check_resume_config(find_resume(ns.resume).state.get("config"), to_dict(cfg))

@@ -27,7 +27,7 @@ import yaml
 from .checkpoint import save_checkpoint
 from .config import Config, to_dict
 from .console import stderr_line
-from .distributed import Collective, batch_geometry, join_launch
+from .distributed import Collective, batch_geometry, check_rank_device, join_launch
 from .evaluation.heldout import HeldOutResult
 from .models.digits import EVAL_REPORTS
 from .outputs import (
@@ -112,9 +112,10 @@ class Run:
         collective: Collective | None = None,
     ):
         self.cfg = cfg
-        self.collective = collective or join_launch()
+        self.collective = collective or join_launch(cfg.train.collective_timeout_s)
         self.is_main = self.collective.is_main
         self.device_given = cfg.model.device  # what the run folder records: "cuda", not rank 0's "cuda:0"
+        check_rank_device(cfg.model.device, self.collective.world_size)  # not every rank on one GPU
         if self.collective.world_size > 1 and cfg.model.device == "cuda":  # one GPU per rank
             cfg.model.device = str(self.collective.accelerator.device)
         kind = rollout_kind(build_objective(cfg).rollout, cfg.sampler.solver)  # SAGE-GRPO's depends on its options

@@ -31,6 +31,7 @@ RESUMABLE_KEYS = (
     "train.progress",
     "train.threads",
     "train.rewards_async",
+    "train.collective_timeout_s",  # how long ranks wait for each other, not what they compute
     "train.sharding",  # the checkpoint holds one process's full tensors whatever the sharding (docs/scale-out.md)
     "prompts.cache_dir",
     "memory.gradient_checkpointing",

@@ -80,5 +80,13 @@ def test_a_rank_whose_peer_ended_says_so_in_one_line():
         "flowrl: error: rank 0 stopped because another process of the launch ended during a collective; "
         "that process's error line (or the launcher's exitcode line, for a killed one) says why"
     ]
+    late = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete"
+    waited_code = code.replace("[gloo/transport/tcp/pair.cc:553] Connection closed by peer", late)
+    waited = run_python(waited_code, WORLD_SIZE="2", RANK="1", FLOWRL_NO_SUPERVISOR="1")
+    assert waited.returncode == 1
+    assert waited.stderr.splitlines() == [
+        "flowrl: error: rank 1 waited longer than train.collective_timeout_s for another process of the launch; "
+        "raise it if rank 0's evaluation or checkpoint takes that long, else that process's error says why"
+    ]
     own = run_python(code.replace("Connection closed by peer", "an error of its own"), WORLD_SIZE="2")
     assert own.returncode == 1 and "Traceback" in own.stderr  # any other error keeps its traceback

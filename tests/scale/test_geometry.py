@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.distributed import derive_geometry, silent_single_process, single_process_message
+from flowrl.distributed import check_rank_device, derive_geometry, silent_single_process, single_process_message
 
 
 @pytest.mark.parametrize("placement", ["contiguous", "spread"])
@@ -146,3 +147,22 @@ def test_fsdp_launch_without_gpus_is_refused_on_every_rank(tmp_path: Path):
     )  # the premise: no ACCELERATE_USE_CPU (with it accelerate joins the CPU processes)
     assert out.returncode != 0 and "joined" not in out.stdout
     assert out.stderr.count("started 2 processes but accelerate joined 1") == 2, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "device,processes,visible,message",
+    [
+        ("cuda:0", 2, 8, "model.device='cuda:0' puts all 2 processes on one GPU; use model.device=cuda"),
+        ("cuda", 4, 2, "4 processes of a CUDA model need one GPU each but this machine shows 2; use --processes 2"),
+    ],
+)
+def test_a_launch_that_would_share_or_lack_gpus_is_refused(device, processes, visible, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_rank_device(device, processes, visible)
+
+
+def test_devices_a_launch_can_use_pass():
+    check_rank_device("cuda", 2, 2)
+    check_rank_device("cuda", 2)  # after the launch started (accelerate placed the ranks)
+    check_rank_device("cuda:1", 1, 2)  # one process: any GPU
+    check_rank_device("cpu", 4, 0)

@@ -344,6 +344,13 @@ def test_the_time_budget_does_not_count_rank_zeros_start_on_the_other_ranks(tmp_
 
 
 @pytest.mark.slow
+def test_the_collective_timeout_is_the_config_s(tmp_path):
+    """Rank 0 starts 12 s late: with train.collective_timeout_s=4 rank 1's wait ends the launch (default: it waits)."""
+    two = train_faulty(tmp_path / "two", 2, "slow_start", "train.iterations=1", "train.collective_timeout_s=4")
+    assert two.returncode != 0 and "timed out" in two.stderr.lower(), two.stderr[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp2", "zero1", "zero2", "zero3"])
 def test_a_non_finite_loss_on_one_rank_skips_that_update_on_every_rank(sharding, poisoned_alone, tmp_path):
     """Sharded backwards are collective: the faulty rank keeps pairing them, then every rank drops the step."""

@@ -334,18 +334,27 @@ def validate_solrl(cfg: Config, where: str) -> None:
 
 
 def validate_rollout_options(cfg: Config, where: str) -> None:
-    """Refuse SDE sampler keys that a solver objective's rollouts would silently ignore.
+    """Refuse sampler keys that make an objective's rollouts ignore them or leave nothing to train.
 
     DiffusionNFT and AWM sample with ``sampler.solver``; only its ``tree`` leaves use ``sampler.sde`` and
-    SDE windows (``sampler.solver: sde_window`` has its own ``sampler.sde_window`` on the Flow-SDE).
+    SDE windows (``sampler.solver: sde_window`` has its own ``sampler.sde_window`` on the Flow-SDE). An
+    objective trained on stored SDE transitions or tree edges has none with a density at
+    ``sampler.noise_level: 0``: every iteration would plan no optimizer step.
 
     Raises:
-        ConfigError: ``sampler.window`` or a ``sampler.sde`` other than flow with such rollouts (one line: the fix).
+        ConfigError: ``sampler.window`` or a ``sampler.sde`` other than flow with such rollouts, or
+            ``sampler.noise_level: 0`` for an SDE or tree objective (one line: the fix).
     """
     from .objectives import OBJECTIVES
 
     s, name = cfg.sampler, cfg.objective["name"]
-    if OBJECTIVES[name](**cfg.objective).rollout != "solver" or s.solver == "tree":
+    rollout = OBJECTIVES[name](**cfg.objective).rollout
+    if rollout != "solver" and s.noise_level == 0:
+        raise ConfigError(
+            f"{where}: 'sampler.noise_level' is 0: objective.name={name} trains on stochastic rollout steps and "
+            "every step would be deterministic, so nothing would train; set it > 0 (e.g. 0.7)"
+        )
+    if rollout != "solver" or s.solver == "tree":
         return
     if s.window != "none":
         raise ConfigError(

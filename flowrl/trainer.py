@@ -267,6 +267,8 @@ class Trainer:
         first: tuple[int, float] | None = None  # (position in the plan, ratio) of the first trained micro-batch
         update_stats: dict[str, float] = {}
         plan = self.objective.plan(batch, self.generator)
+        if not plan:
+            self._warn_empty_plan()
         for group in plan:
             parts = rank_microbatches(group, batch, self.owned, None if self.lockstep is None else self.geometry)
             mine = [(position + i, mb, real) for i, mb, real in parts]
@@ -310,6 +312,16 @@ class Trainer:
         if first is not None:
             out["first_ratio"] = first[1]
         return out
+
+    def _warn_empty_plan(self) -> None:
+        """Say (rank 0) that the objective planned nothing though rows were kept: no rollout step has a density."""
+        if self.collective.is_main:
+            print(
+                f"flowrl: warning: iteration {self.iteration + 1}: {self.objective.name} planned no optimizer step "
+                "(no rollout step has noise: sampler.noise_level, sampler.window, or cps's step to sigma 0); "
+                "nothing to train on this iteration",
+                file=sys.stderr,
+            )
 
     def _step(self) -> str | None:
         """Apply the optimizer step; when it overflows or leaves bad weights, undo it and return the fault."""

@@ -189,6 +189,27 @@ def resolve_factory(name: str) -> RewardFactory:
     )
 
 
+def _check_options(name: str, factory: RewardFactory, options: Mapping[str, Any]) -> None:
+    """Refuse an option the factory does not take, naming the options it does take.
+
+    Raises:
+        RewardError: an option that is not a parameter of the factory (a factory taking ``**kwargs`` takes any).
+    """
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: let the call decide
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    allowed = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise RewardError(
+            f"reward {name!r} has no option {unknown[0]!r}; its options: {', '.join(allowed) or 'none'} "
+            "(and for every reward: weight, timeout_s, video)"
+        )
+
+
 def build_reward(name: str, **options: Any) -> RewardFn:
     """Build a reward by name with factory options.
 
@@ -208,6 +229,7 @@ def build_reward(name: str, **options: Any) -> RewardFn:
     """
     factory = resolve_factory(name)
     video = options.pop("video", None)
+    _check_options(name, factory, options)
     try:
         reward = factory(**options)
     except Exception as err:  # noqa: BLE001 - any factory failure is re-raised with the reward's name

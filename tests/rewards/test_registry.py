@@ -126,6 +126,18 @@ def test_factory_errors_name_the_reward(plugin_dir: Path) -> None:
     assert "no model here" in one_line(exc) and isinstance(exc.value.__cause__, RuntimeError)
 
 
+def test_a_misspelt_option_names_the_options_the_reward_takes(plugin_dir: Path) -> None:
+    with pytest.raises(RewardError) as exc:
+        build_multi_reward({"ink_band": {"weight": 1.0, "targt": "bold"}})
+    message = one_line(exc)
+    assert "no option 'targt'" in message and "its options: low, high" in message and "TypeError" not in message
+    with pytest.raises(RewardError) as exc:
+        build_reward("flowrl_test_plugin_mod:constant", valu=2.0)
+    assert "its options: value" in one_line(exc)
+    with pytest.raises(RewardError, match="no model here"):  # a factory taking **options takes any option
+        build_reward("flowrl_test_plugin_mod:exploding", anything=1)
+
+
 def test_register_reward_decorator(clean_registry: None) -> None:
     @register_reward("half")
     def half(scale: float = 0.5):

@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+_DOTTED_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # section.key, e.g. train.iterations
 
 
 class ConfigError(ValueError):
@@ -76,11 +79,22 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _missing_file_error(path: Path) -> ConfigError:
+    """The error for a config file that does not exist; ``train.iterations`` (an override missing its ``=``) says so."""
+    text = str(path)
+    if _DOTTED_KEY.fullmatch(text) and path.suffix not in (".yaml", ".yml"):
+        return ConfigError(
+            f"config file {text} not found; to set that key write {text}=VALUE (one word, no spaces around '='), "
+            "or pass an existing YAML file"
+        )
+    return ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; one-line ConfigError for a missing file or bad YAML."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see configs/)")
+        raise _missing_file_error(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

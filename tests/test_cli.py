@@ -219,3 +219,13 @@ def test_a_path_the_filesystem_refuses_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("flowrl: error: File name too long (")
     assert main(["train", "--check", "x" * 300 + "=1"]) == 2  # not a file: an override, named as one
     assert "unknown key" in capsys.readouterr().err
+
+
+def test_an_override_written_with_a_space_says_to_join_it_with_equals(tmp_path, capsys):
+    from flowrl.cli import main
+
+    assert main(["train", "--check", "train.iterations", "4", "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "write train.iterations=VALUE" in err
+    assert main(["train", "--check", str(tmp_path / "missing.yaml")]) == 2  # a YAML path stays a missing file
+    assert "pass an existing YAML file (see configs/)" in capsys.readouterr().err

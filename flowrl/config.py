@@ -477,6 +477,11 @@ def validate_sections(cfg: Config, where: str) -> None:
     paths.update({"prompts.cache_dir": cfg.prompts.cache_dir, "output.dir": cfg.output.dir})
     for key, value in paths.items():
         _check_path_string(value, key, where)
+    if cfg.prompts.test_fraction and cfg.prompts.eval != PromptConfig.eval:
+        raise ConfigError(
+            f"{where}: 'prompts.test_fraction' holds out the eval prompts from prompts.train, so "
+            f"prompts.eval={cfg.prompts.eval!r} would be ignored; set one of the two"
+        )
     for key in ("beta1", "beta2"):
         beta = getattr(cfg.optim, key)
         if beta >= 1:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.config import ConfigError, load_config
 from flowrl.prompts.batch import sample_groups
 from flowrl.prompts.sets import holdout_split, load_prompts
 
@@ -103,6 +104,13 @@ def test_run_prompts_from_a_folder_or_a_held_out_fraction():
     cfg = load_config(None, [f"prompts.train={DATA / 'geneval' / 'train_metadata.jsonl'}", "prompts.test_fraction=0.5"])
     train, test = load_run_prompts(cfg)
     assert len(train) + len(test) == 5 and {p.text for p in train}.isdisjoint({p.text for p in test})
+
+
+def test_an_eval_set_given_beside_test_fraction_is_refused_not_ignored():
+    """test_fraction takes the eval prompts from prompts.train: a prompts.eval of one's own would be dropped."""
+    train = f"prompts.train={DATA / 'geneval' / 'train_metadata.jsonl'}"
+    with pytest.raises(ConfigError, match="prompts.eval='.*ocr' would be ignored; set one of the two"):
+        load_config(None, [train, f"prompts.eval={DATA / 'ocr'}", "prompts.test_fraction=0.5"])
 
 
 @pytest.mark.parametrize(

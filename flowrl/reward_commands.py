@@ -27,11 +27,12 @@ def cmd_rewards_list(ns: argparse.Namespace) -> int:
 
     rows = list_rewards()
     width = max(len(r.name) for r in rows)
-    print(f"{'name':<{width}}  {'source':<12} offline  description")
+    source_width = max(12, *(len(r.source) for r in rows))  # a plugin's source is its distribution's name
+    print(f"{'name':<{width}}  {'source':<{source_width}} offline  description")
     for r in rows:
         note = f"(failed to load: {r.error})" if r.error else r.description
         offline = "cached" if r.cached else "yes" if r.offline else "no"
-        print(f"{r.name:<{width}}  {r.source:<12} {offline:<7}  {note}")
+        print(f"{r.name:<{width}}  {r.source:<{source_width}} {offline:<7}  {note}")
     return 0
 
 

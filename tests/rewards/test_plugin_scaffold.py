@@ -75,3 +75,15 @@ def test_bad_names_and_existing_folder(tmp_path):
     scaffold_reward("ok", tmp_path)
     with pytest.raises(FileExistsError, match="already exists"):
         scaffold_reward("ok", tmp_path)
+
+
+def test_rewards_list_keeps_its_columns_for_a_plugin_named_after_its_distribution(monkeypatch, capsys):
+    import flowrl.rewards
+    from flowrl.reward_commands import cmd_rewards_list
+    from flowrl.rewards.registry import RewardInfo
+
+    rows = [RewardInfo("ink", "flowrl", True, "Stroke weight."), RewardInfo("sharp", "flowrl-reward-sharp", True, "S.")]
+    monkeypatch.setattr(flowrl.rewards, "list_rewards", lambda: rows)
+    assert cmd_rewards_list(None) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len({line.index(word) for line, word in zip(lines, ("offline", "yes", "yes"))}) == 1, lines

@@ -127,6 +127,25 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_sample_args(ns: argparse.Namespace) -> None:
+    """Refuse ``flowrl sample`` arguments that cannot work, naming the flag and the fix.
+
+    Raises:
+        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a name ending other than ``.png``.
+    """
+    if ns.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1; got {ns.seeds}")
+    if ns.steps is not None and ns.steps < 1:
+        raise ValueError(f"--steps must be >= 1; got {ns.steps}")
+    out = Path(ns.out)
+    if out.is_dir():
+        raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {out / 'samples.png'}")
+    if out.suffix and out.suffix.lower() != ".png":
+        raise ValueError(
+            f"--out {ns.out}: flowrl sample writes a PNG grid; name a .png file, e.g. --out {out.with_suffix('.png')}"
+        )
+
+
 def cmd_sample(ns: argparse.Namespace) -> int:
     """``flowrl sample``: sample ``ns.seeds`` images per prompt (optionally with a LoRA) and save a PNG grid.
 
@@ -137,7 +156,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         The exit code, 0.
 
     Raises:
-        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder.
+        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a non-PNG file name.
     """
     import torch
 
@@ -150,10 +169,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .rollouts.chunked import sample_images
     from .runtime import configure_threads
 
-    if ns.seeds < 1 or (ns.steps is not None and ns.steps < 1):
-        raise ValueError(f"--seeds and --steps must be >= 1; got {ns.seeds} and {ns.steps}")
-    if Path(ns.out).is_dir():
-        raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {Path(ns.out) / 'samples.png'}")
+    _check_sample_args(ns)
     config, overrides = _split_config_args(ns.args)
     run_config = run_config_file(ns.lora) if config is None and ns.lora is not None else None
     if run_config is not None:

@@ -205,11 +205,17 @@ def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, 
     assert main(["sample", "--lora", str(run), *out]) == 2
     assert str(tmp_path / "gone") in capsys.readouterr().err  # it looked for the run's model, not the embedded one
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out]) == 0
-    for bad, fragment in (("--seeds=0", "--seeds and --steps must be >= 1"), ("--steps=0", "got 1 and 0")):
+    for bad, fragment in (
+        ("--seeds=0", "--seeds must be >= 1; got 0\n"),
+        ("--steps=0", "--steps must be >= 1; got 0\n"),
+    ):
         assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out, bad]) == 2
         assert fragment in capsys.readouterr().err
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], str(tmp_path)]) == 2
     assert "is a folder; name a PNG file" in capsys.readouterr().err
+    jpg = tmp_path / "s.jpg"  # it wrote PNG bytes under a .jpg name
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], str(jpg)]) == 2
+    assert f"name a .png file, e.g. --out {tmp_path / 's.png'}" in capsys.readouterr().err and not jpg.exists()
 
 
 def test_sample_uses_the_run_s_evaluation_steps(tmp_path, monkeypatch):

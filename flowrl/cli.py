@@ -63,6 +63,28 @@ def _check_single_process() -> None:
         )
 
 
+def _interrupted_line(run_dir: Path, save_every: int) -> str:
+    """What an interrupted ``flowrl train`` leaves: the command that resumes it, or that nothing can.
+
+    Args:
+        run_dir: the run folder.
+        save_every: ``train.save_every``, named when no checkpoint was written yet.
+
+    Returns:
+        One ``flowrl: interrupted; ...`` line.
+    """
+    from .resume import checkpoint_folders
+
+    finished = [folder for folder in checkpoint_folders(run_dir) if (folder / "manifest.json").is_file()]
+    if finished:
+        iteration = int(finished[0].name.removeprefix("iter-"))
+        return f"flowrl: interrupted; continue from iteration {iteration} with: flowrl train --resume {run_dir}"
+    return (
+        f"flowrl: interrupted before the run's first checkpoint (train.save_every={save_every}), so it cannot be "
+        "resumed; rerun it with --overwrite, and set a smaller train.save_every to checkpoint sooner"
+    )
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
@@ -114,7 +136,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         return launch_training(cfg, ns, processes)
     run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
-    summary = run.execute()
+    try:
+        summary = run.execute()
+    except KeyboardInterrupt:
+        if _launched():
+            raise  # each rank of a launch ends as the launch's own handling says
+        stderr_line(_interrupted_line(Path(cfg.output.dir), cfg.train.save_every))
+        return 130
     if not run.is_main:  # rank 0 reports for the whole launch
         return 0
     start, end = summary["start"], summary["end"]

@@ -229,3 +229,29 @@ def test_an_override_written_with_a_space_says_to_join_it_with_equals(tmp_path, 
     assert err.count("\n") == 1 and "write train.iterations=VALUE" in err
     assert main(["train", "--check", str(tmp_path / "missing.yaml")]) == 2  # a YAML path stays a missing file
     assert "pass an existing YAML file (see configs/)" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_says_how_to_resume_it_or_that_it_cannot(tmp_path, monkeypatch, capsys):
+    import flowrl.recipe
+    from flowrl.cli import main
+
+    class Interrupted:
+        is_main = True
+
+        def __init__(self, cfg, overwrite, resume):
+            pass
+
+        def execute(self):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(flowrl.recipe, "Run", Interrupted)
+    run = tmp_path / "run"
+    assert main(["train", f"output.dir={run}"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "before the run's first checkpoint (train.save_every=50)" in err
+    for iteration, finished in ((2, True), (4, False)):  # iter-4 lost its manifest: not a checkpoint to resume
+        (run / "checkpoints" / f"iter-{iteration:06d}").mkdir(parents=True)
+        if finished:
+            (run / "checkpoints" / f"iter-{iteration:06d}" / "manifest.json").write_text("{}")
+    assert main(["train", f"output.dir={run}"]) == 130
+    assert f"continue from iteration 2 with: flowrl train --resume {run}\n" in capsys.readouterr().err

@@ -28,6 +28,19 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _check_remote_key(key: str) -> None:
+    """Refuse an override whose key holds a remote reward's URL: its dots would split it into sections.
+
+    Raises:
+        ConfigError: ``rewards.remote:http://127.0.0.1:8765.weight``, with the label form to write instead.
+    """
+    if key.strip().startswith("rewards.remote:"):
+        raise ConfigError(
+            f"command line: override key '{key.strip()}' holds a URL, whose dots split the key; name the reward by a "
+            "label instead: rewards.judge.reward=remote rewards.judge.url=http://HOST:PORT rewards.judge.weight=1"
+        )
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["sampler.noise_level=0.5", ...]`` -> nested dict (values parsed as YAML scalars)."""
     data: dict[str, Any] = {}
@@ -35,6 +48,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"command line: override {item!r} must look like key=value, e.g. train.iterations=50")
         key, raw = item.split("=", 1)
+        _check_remote_key(key)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:

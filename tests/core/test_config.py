@@ -47,6 +47,7 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["sampler.window=random", "sampler.num_steps=5"], "'sampler.window_range' [0, 9) must lie in [0, sampler"),
         (["output.dir="], "'output.dir' is empty; set it to a path"),
         (["rewards.drift.weight=1"], "'rewards.drift' is named like an evaluation figure (eval/drift)"),
+        (["rewards.remote:http://127.0.0.1:8765.weight=1"], "rewards.judge.reward=remote rewards.judge.url=http://"),
     ],
 )
 def test_bad_values_give_one_line_errors(override, fragment):

@@ -307,10 +307,11 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         The exit code, 0 (after the server stops).
     """
     from .comparison.checkpoints import CheckpointBank
-    from .demo.app import build_app, launch
+    from .demo.app import build_app, check_port, launch
     from .demo.registry import RunRegistry
     from .runtime import configure_threads
 
+    check_port(ns.port)
     configure_threads(None)
     registry = RunRegistry(ns.runs)
     app = build_app(registry, CheckpointBank(device=ns.device))

@@ -192,6 +192,16 @@ def _first_seed(comparison: Comparison) -> Any:
     return torch.stack([comparison.images[label][0] for label in comparison.labels])
 
 
+def check_port(port: int | None) -> None:
+    """Refuse a ``--port`` no server can bind, before the demo loads any model.
+
+    Raises:
+        ValueError: ``port`` outside 1-65535.
+    """
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port; pick one in 1-65535, or leave --port out for a free one")
+
+
 def launch(app: Any, *, host: str = "127.0.0.1", port: int | None = None, share: bool = False, block: bool = True):
     """Serve the app through Gradio's queue (one generation at a time).
 
@@ -204,9 +214,17 @@ def launch(app: Any, *, host: str = "127.0.0.1", port: int | None = None, share:
 
     Returns:
         The app's local URL.
+
+    Raises:
+        ValueError: ``port`` outside 1-65535, or ``host:port`` not free to bind (one line, no traceback).
     """
+    check_port(port)
     app.queue(default_concurrency_limit=1, max_size=16)
-    _, url, _ = app.launch(
-        server_name=host, server_port=port, share=share, prevent_thread_lock=not block, quiet=not block
-    )
+    try:
+        _, url, _ = app.launch(
+            server_name=host, server_port=port, share=share, prevent_thread_lock=not block, quiet=not block
+        )
+    except OSError as err:  # the port is taken (Gradio's own error names no errno) or the host is not ours
+        reason = err.strerror or str(err).split(". ")[0]
+        raise ValueError(f"cannot serve the demo on {host}:{port} ({reason}); pick another --port or --host") from None
     return url

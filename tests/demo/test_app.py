@@ -185,3 +185,25 @@ def test_the_demo_command_binds_loopback_unless_asked():
     assert ns.host == "127.0.0.1" and ns.share is False and ns.runs == []
     ns = parse_command_line(build_parser(), ["demo", "runs/a", "--host", "0.0.0.0", "--share", "--port", "7861"])
     assert ns.host == "0.0.0.0" and ns.share and ns.port == 7861 and ns.runs == ["runs/a"]
+
+
+def test_a_port_taken_or_out_of_range_is_one_line(runs, capsys):
+    import socket
+
+    import gradio as gr
+
+    from flowrl.cli import main
+    from flowrl.demo.app import launch
+
+    assert main(["demo", str(runs), "--port", "99999"]) == 2  # refused before any model loads
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--port 99999 is not a TCP port; pick one in 1-65535" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with gr.Blocks() as app:
+            gr.Markdown("x")
+        with pytest.raises(ValueError, match=rf"cannot serve the demo on 127.0.0.1:{port} \(.*\); pick another --port"):
+            launch(app, host="127.0.0.1", port=port, block=False)
+    assert not app.is_running

@@ -222,6 +222,25 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _out_folder(out: str, example: str) -> Path:
+    """The ``--out`` folder of a command that writes several files, checked before any work starts.
+
+    Args:
+        out: the ``--out`` value.
+        example: a folder name to suggest instead of a file.
+
+    Returns:
+        ``out`` as a path.
+
+    Raises:
+        ValueError: ``out`` is an existing file.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} is a file; name a folder to write into, e.g. --out {path.parent / example}")
+    return path
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     """``flowrl export --merge``: write the base model with the trained LoRA fused in, as a diffusers folder.
 
@@ -232,7 +251,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
         The exit code, 0.
 
     Raises:
-        ValueError: ``--merge`` is missing.
+        ValueError: ``--merge`` is missing, or ``--out`` is a file.
     """
     from .export import export_merged
 
@@ -240,12 +259,22 @@ def cmd_export(ns: argparse.Namespace) -> int:
         raise ValueError(
             "flowrl export needs --merge RUN_OR_LORA (the only export kind: base + LoRA fused, diffusers format)"
         )
-    out = export_merged(ns.merge, ns.out, base=ns.base, dtype=ns.dtype, overwrite=ns.overwrite)
+    out = export_merged(ns.merge, _out_folder(ns.out, "merged"), base=ns.base, dtype=ns.dtype, overwrite=ns.overwrite)
     print(
         f"wrote merged diffusers model to {out}; "
-        f"load it with <PipelineClass>.from_pretrained({str(out)!r}) or model.path={out}"
+        f"load it with {_pipeline_class(out)}.from_pretrained({str(out)!r}) or model.path={out}"
     )
     return 0
+
+
+def _pipeline_class(folder: Path) -> str:
+    """The diffusers pipeline class a model folder names in its ``model_index.json`` (``DiffusionPipeline`` if none)."""
+    import json
+
+    try:
+        return str(json.loads((Path(folder) / "model_index.json").read_text())["_class_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "DiffusionPipeline"
 
 
 def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
@@ -284,6 +313,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from .prompts.sets import load_prompts
     from .runtime import configure_threads
 
+    out = _out_folder(ns.out, "eval")
     configure_threads(None)
     runs = [Path(r) for r in ns.runs]
     prompts = load_prompts(ns.prompts, split="test")
@@ -291,8 +321,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     rewards = reward_spec(runs, names)
     settings = EvalSettings(seeds=ns.seeds, first_seed=ns.seed, steps=ns.steps)
     rows = evaluate_checkpoints(CheckpointBank(), checkpoints_of(runs), prompts, rewards, guard_spec(runs), settings)
-    paths = write_report(rows, Path(ns.out), eval_meta(runs, ns.prompts, len(prompts), settings, rewards))
-    print((Path(ns.out) / "eval.md").read_text(), end="")
+    paths = write_report(rows, out, eval_meta(runs, ns.prompts, len(prompts), settings, rewards))
+    print((out / "eval.md").read_text(), end="")
     print(f"wrote {', '.join(map(str, paths))}")
     return 0
 
@@ -332,11 +362,12 @@ def cmd_gallery(ns: argparse.Namespace) -> int:
     from .demo.gallery import DEFAULT_BENCHMARKS, build_gallery
     from .runtime import configure_threads
 
+    out = _out_folder(ns.out, "gallery")
     configure_threads(None)
     benchmarks = ns.benchmarks if ns.benchmarks is not None else [p for p in DEFAULT_BENCHMARKS if Path(p).is_file()]
     written = build_gallery(
         [Path(r) for r in ns.runs],
-        Path(ns.out),
+        out,
         benchmarks=[Path(b) for b in benchmarks],
         seeds=ns.seeds,
         prompts=ns.prompts,

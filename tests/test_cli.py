@@ -255,3 +255,33 @@ def test_an_interrupted_run_says_how_to_resume_it_or_that_it_cannot(tmp_path, mo
             (run / "checkpoints" / f"iter-{iteration:06d}" / "manifest.json").write_text("{}")
     assert main(["train", f"output.dir={run}"]) == 130
     assert f"continue from iteration 2 with: flowrl train --resume {run}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "example"),
+    [
+        (["eval", "runs/a", "--prompts", "digits"], "eval"),
+        (["gallery", "runs/a"], "gallery"),
+        (["export", "--merge", "runs/a"], "merged"),
+    ],
+)
+def test_an_out_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, command, example):
+    from flowrl.cli import main
+
+    taken = tmp_path / "bold3.png"
+    taken.write_bytes(b"png")
+    assert main([*command, "--out", str(taken)]) == 2  # eval computed every figure, then failed to write them
+    err = capsys.readouterr().err
+    assert (
+        err == f"flowrl: error: --out {taken} is a file; name a folder to write into, e.g. --out {tmp_path / example}\n"
+    )
+    assert taken.read_bytes() == b"png"
+
+
+def test_export_names_the_pipeline_class_to_load_with():
+    import flowrl
+    from flowrl.cli import _pipeline_class
+
+    assets = Path(flowrl.__file__).parent / "assets"
+    assert _pipeline_class(assets / "flowrl-digits") == "StableDiffusion3Pipeline"
+    assert _pipeline_class(assets / "no-such-model") == "DiffusionPipeline"

@@ -139,9 +139,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     try:
         summary = run.execute()
     except KeyboardInterrupt:
-        if _launched():
-            raise  # each rank of a launch ends as the launch's own handling says
-        stderr_line(_interrupted_line(Path(cfg.output.dir), cfg.train.save_every))
+        if run.is_main:  # rank 0 speaks for a launch; the others stop quietly
+            stderr_line(_interrupted_line(Path(cfg.output.dir), cfg.train.save_every))
         return 130
     if not run.is_main:  # rank 0 reports for the whole launch
         return 0

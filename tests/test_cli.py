@@ -255,6 +255,9 @@ def test_an_interrupted_run_says_how_to_resume_it_or_that_it_cannot(tmp_path, mo
             (run / "checkpoints" / f"iter-{iteration:06d}" / "manifest.json").write_text("{}")
     assert main(["train", f"output.dir={run}"]) == 130
     assert f"continue from iteration 2 with: flowrl train --resume {run}\n" in capsys.readouterr().err
+    monkeypatch.setattr(Interrupted, "is_main", False)  # another rank of a launch: rank 0 says it once
+    assert main(["train", f"output.dir={run}"]) == 130
+    assert "interrupted" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

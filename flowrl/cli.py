@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .console import stderr_line
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
@@ -146,12 +146,33 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     start, end = summary["start"], summary["end"]
     print(
-        f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s; "
+        f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s{_early_stop(summary, cfg)}; "
         f"eval reward {start.get('eval/reward_mean', float('nan')):.4f} -> "
         f"{end.get('eval/reward_mean', float('nan')):.4f}; "
         f"outputs in {cfg.output.dir}"
     )
     return 0
+
+
+def _early_stop(summary: dict, cfg: Any) -> str:
+    """Why a run ended before ``train.iterations`` (a guard or ``train.time_budget_s``), for the done line; "" if not.
+
+    Args:
+        summary: what :meth:`flowrl.recipe.Run.execute` returns (``iterations``, ``guards``).
+        cfg: the run's config.
+
+    Returns:
+        `` (stopped ... of train.iterations=N)`` or an empty string.
+    """
+    if summary["iterations"] >= cfg.train.iterations:
+        return ""
+    if (summary.get("guards") or {}).get("stopped"):
+        by = "a guard (its warning is above)"
+    elif cfg.train.time_budget_s is not None:
+        by = f"train.time_budget_s={cfg.train.time_budget_s:g}"
+    else:
+        return ""
+    return f" (stopped by {by}, before train.iterations={cfg.train.iterations})"
 
 
 def _check_sample_args(ns: argparse.Namespace) -> None:

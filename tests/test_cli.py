@@ -288,3 +288,14 @@ def test_export_names_the_pipeline_class_to_load_with():
     assets = Path(flowrl.__file__).parent / "assets"
     assert _pipeline_class(assets / "flowrl-digits") == "StableDiffusion3Pipeline"
     assert _pipeline_class(assets / "no-such-model") == "DiffusionPipeline"
+
+
+def test_the_done_line_says_why_a_run_ended_before_its_iterations():
+    from flowrl.cli import _early_stop
+    from flowrl.config import load_config
+
+    cfg = load_config(None, ["train.iterations=70", "train.time_budget_s=15"])
+    assert _early_stop({"iterations": 70}, cfg) == ""
+    budget = " (stopped by train.time_budget_s=15, before train.iterations=70)"  # it said only "done: 3 iterations"
+    assert _early_stop({"iterations": 3}, cfg) == budget
+    assert "stopped by a guard" in _early_stop({"iterations": 3, "guards": {"stopped": "ink collapsed"}}, cfg)

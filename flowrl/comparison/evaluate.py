@@ -138,8 +138,10 @@ def evaluate_checkpoints(
     Returns:
         One :class:`CheckpointFigures` per checkpoint, in order.
     """
-    if settings.seeds < 1 or (settings.steps is not None and settings.steps < 1):
-        raise ValueError(f"--seeds and --steps must be >= 1; got {settings.seeds} and {settings.steps}")
+    if settings.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1; got {settings.seeds}")
+    if settings.steps is not None and settings.steps < 1:
+        raise ValueError(f"--steps must be >= 1; got {settings.steps}")
     reward = build_rewards(rewards)
     guard = build_rewards(guards) if guards else None
     rows_prompts = [p for p in prompts for _ in range(settings.seeds)]

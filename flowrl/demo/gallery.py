@@ -131,8 +131,9 @@ def build_gallery(
         FileNotFoundError: a run folder or benchmark file is missing.
         ValueError: a bad count, or a benchmark file of another format.
     """
-    if seeds < 1 or prompts < 1:
-        raise ValueError(f"--seeds and --prompts must be >= 1; got {seeds} and {prompts}")
+    for flag, count in (("--seeds", seeds), ("--prompts", prompts)):
+        if count < 1:
+            raise ValueError(f"{flag} must be >= 1; got {count}")
     bank = bank or CheckpointBank()
     written: list[Path] = []
     for run in run_dirs:

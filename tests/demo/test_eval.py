@@ -111,3 +111,17 @@ def test_a_reward_that_applies_to_no_prompt_reads_n_a_not_an_error():
     total, parts = score(build_rewards({"ink_band": {}, "jpeg_compressibility": {}}), torch.rand(2, 3, 8, 8), prompts)
     assert torch.isnan(parts["ink_band"]).all() and torch.isfinite(total).all()
     assert torch.equal(total, parts["jpeg_compressibility"])  # the NaN component counts 0 in the total, as in training
+
+
+@pytest.mark.parametrize(
+    ("command", "line"),
+    [
+        (["eval", "--prompts", "digits", "--seeds", "0"], "--seeds must be >= 1; got 0"),  # it said "got 0 and None"
+        (["eval", "--prompts", "digits", "--steps", "0"], "--steps must be >= 1; got 0"),
+        (["gallery", "--seeds", "0"], "--seeds must be >= 1; got 0"),
+        (["gallery", "--prompts", "0"], "--prompts must be >= 1; got 0"),
+    ],
+)
+def test_a_count_below_one_names_only_its_flag(run, tmp_path, capsys, command, line):
+    assert main([command[0], str(run), *command[1:], "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"flowrl: error: {line}\n"

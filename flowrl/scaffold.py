@@ -90,6 +90,20 @@ dependencies, run them behind a server process and call it from the factory.
 """
 
 
+def _check_not_builtin(name: str) -> None:
+    """Refuse a built-in reward's name: the built-in wins, so a config naming it would never reach the plugin.
+
+    Raises:
+        ValueError: ``name`` is a built-in reward's.
+    """
+    from .rewards.registry import builtin_reward_names
+
+    if name in builtin_reward_names():
+        raise ValueError(
+            f"reward name {name!r} is a built-in reward's, which would shadow the plugin; choose e.g. 'my_{name}'"
+        )
+
+
 def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
     """Write the plugin package ``<directory>/flowrl-reward-<name>/``.
 
@@ -101,7 +115,7 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
         The package folder.
 
     Raises:
-        ValueError: an invalid name.
+        ValueError: an invalid name, or the name of a built-in reward (which would shadow the plugin).
         FileExistsError: the folder exists already.
     """
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
@@ -110,6 +124,7 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
         raise ValueError(
             f"reward name {name!r} is a Python keyword or a name the plugin's module uses; choose e.g. '{name}_reward'"
         )
+    _check_not_builtin(name)
     dash, package = name.replace("_", "-"), f"flowrl_reward_{name}"
     root = Path(directory) / f"flowrl-reward-{dash}"
     if root.exists():

@@ -155,6 +155,11 @@ def _load_entry_point(ep: importlib_metadata.EntryPoint) -> RewardFactory:
     return factory
 
 
+def builtin_reward_names() -> list[str]:
+    """Sorted names of the built-in rewards (a plugin of one of these names is shadowed by the built-in)."""
+    return sorted(_BUILTINS)
+
+
 def known_reward_names() -> list[str]:
     """Sorted names of built-in, registered and entry-point rewards."""
     try:

@@ -72,6 +72,10 @@ def test_bad_names_and_existing_folder(tmp_path):
     for name in ("pass", "match", "torch", "check_reward"):  # would write a plugin that does not import
         with pytest.raises(ValueError, match=f"'{name}' is a Python keyword or a name the plugin's module uses"):
             scaffold_reward(name, tmp_path)
+    for name in ("ink", "remote", "pickscore"):  # the built-in wins: training with rewards.ink would not use it
+        with pytest.raises(ValueError, match=f"'{name}' is a built-in reward's, which would shadow the plugin"):
+            scaffold_reward(name, tmp_path)
+    assert not any(tmp_path.glob("flowrl-reward-*"))
     scaffold_reward("ok", tmp_path)
     with pytest.raises(FileExistsError, match="already exists"):
         scaffold_reward("ok", tmp_path)

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from .models import EMBEDDED, load_adapter
+from .models.hub import SET_MODEL_PATH
 from .models.sd3 import MODEL_CARD, read_model_card
 from .outputs import check_overwritable
 from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
@@ -65,6 +66,18 @@ def _base_folder(base: str) -> Path | None:
     return Path(base) if Path(base).is_dir() else None
 
 
+def _load_base(base: str, dtype: str) -> Any:
+    """The base model's adapter on the CPU; missing weights name ``--base``, the flag export takes, as the fix.
+
+    Raises:
+        FileNotFoundError: one line naming the model, the download command and ``--base``.
+    """
+    try:
+        return load_adapter(base, dtype=dtype, device="cpu")
+    except FileNotFoundError as err:
+        raise FileNotFoundError(str(err).replace(SET_MODEL_PATH, "pass --base ")) from None
+
+
 def export_merged(
     source: str | Path, out: str | Path, *, base: str | None = None, dtype: str | None = None, overwrite: bool = False
 ) -> Path:
@@ -94,7 +107,7 @@ def export_merged(
         if not overwrite:
             raise FileExistsError(f"export folder {out} already holds files; pass --overwrite or choose another --out")
         check_overwritable(out, ("model_index.json",), "diffusers model", "--out")
-    model = load_adapter(base, dtype=dtype, device="cpu")
+    model = _load_base(base, dtype)
     pipe = model.pipe
     load_saved_lora(model, lora)  # diffusers' loader; Wan2.2 loads one file per expert
     pipe.fuse_lora(components=adapted_denoisers(pipe), lora_scale=1.0)

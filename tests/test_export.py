@@ -66,6 +66,12 @@ def test_export_cli_and_errors(tmp_path, capsys):
     assert main(["export", "--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "n")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no LoRA at" in err
+    # missing base weights name --base, the flag export takes (it said "set model.path=", which export ignores)
+    assert (
+        main(["export", "--merge", str(lora_dir), "--out", str(tmp_path / "b"), "--base", str(tmp_path / "gone")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "and pass --base ./models/<model>" in err and "model.path" not in err
 
 
 def test_merged_export_of_a_flux_lora(tmp_path):

@@ -43,13 +43,16 @@ def hub_offline() -> bool:
     return value in ("1", "ON", "YES", "TRUE") or bool(constants.HF_HUB_OFFLINE)
 
 
+SET_MODEL_PATH = "set model.path="  # the fix a missing-weights line names (flowrl export names --base instead)
+
+
 def missing_weights_message(model: str, reason: str, repo: str | None = None) -> str:
     """One line: which model, why, the download command and the config key to set."""
     repo = repo or (model if _HUB_ID.match(model) else "<owner>/<model>")
     target = f"./models/{repo.split('/')[-1]}"
     return (
         f"weights for model {model!r} are missing ({reason}); download them with "
-        f"`hf download {repo} --local-dir {target}` and set model.path={target}"
+        f"`hf download {repo} --local-dir {target}` and {SET_MODEL_PATH}{target}"
     )
 
 

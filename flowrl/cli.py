@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -362,6 +363,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from .runtime import configure_threads
 
     check_port(ns.port)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # started with `&`, SIGINT comes ignored: Ctrl-C stops
     configure_threads(None)
     registry = RunRegistry(ns.runs)
     app = build_app(registry, CheckpointBank(device=ns.device))

@@ -207,3 +207,37 @@ def test_a_port_taken_or_out_of_range_is_one_line(runs, capsys):
         with pytest.raises(ValueError, match=rf"cannot serve the demo on 127.0.0.1:{port} \(.*\); pick another --port"):
             launch(app, host="127.0.0.1", port=port, block=False)
     assert not app.is_running
+
+
+def test_a_demo_started_in_the_background_stops_on_sigint(tmp_path):
+    """A shell's ``flowrl demo &`` starts with SIGINT ignored; the demo re-arms it, so Ctrl-C / kill -INT stop it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "demo", str(tmp_path), "--port", str(port)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) in (0, 130)  # 130: the interrupt came before Gradio waits on its server
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()

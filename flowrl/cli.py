@@ -146,8 +146,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if not run.is_main:  # rank 0 reports for the whole launch
         return 0
     start, end = summary["start"], summary["end"]
+    resumed = summary.get("resumed_at_iteration")
+    session = "" if resumed is None else f" ({summary['iterations'] - resumed} after resuming at iteration {resumed})"
     print(
-        f"done: {summary['iterations']} iterations in {summary['train_wall_s']:.0f} s{_early_stop(summary, cfg)}; "
+        f"done: {summary['iterations']} iterations{session} in {summary['train_wall_s']:.0f} s"
+        f"{_early_stop(summary, cfg)}; "
         f"eval reward {start.get('eval/reward_mean', float('nan')):.4f} -> "
         f"{end.get('eval/reward_mean', float('nan')):.4f}; "
         f"outputs in {cfg.output.dir}"

@@ -340,7 +340,7 @@ class Run:
         summary = {
             "iterations": trainer.iteration,
             "samples_seen": trainer.samples_seen,
-            "train_wall_s": round(wall, 2),
+            "train_wall_s": round(wall, 2),  # this session's (a resumed run: since it resumed)
             "threads": self.threads,
             "start": start,
             "end": end,
@@ -350,5 +350,7 @@ class Run:
             kept = guards["kept_iteration"]
             guards["kept_lora"] = None if kept is None else str(Path("checkpoints") / "best-guard")
             summary["guards"] = {**guards, "stopped": self.stop_reason}
+        if self.resume is not None:  # train_wall_s counts the iterations after this one
+            summary["resumed_at_iteration"] = int(self.resume.state["iteration"])
         write_json(out / "summary.json", summary)
         return summary

@@ -379,7 +379,10 @@ def test_resume_alone_reads_the_run_s_config_even_after_the_folder_moved(tmp_pat
     moved = tmp_path / "moved"
     first.rename(moved)  # config.yaml still records output.dir = first
     code = main(["train", "train.iterations=4", "--resume", str(moved / "checkpoints" / "iter-000002")])
-    assert code == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "done: 4 iterations (2 after resuming at iteration 2) in " in out  # the wall time is this session's
+    assert json.loads((moved / "summary.json").read_text())["resumed_at_iteration"] == 2
     saved = load_checkpoint(moved / "checkpoints" / "iter-000004")
     assert saved["iteration"] == 4 and not first.exists()
     resolved = load_config([moved / "config.yaml"])

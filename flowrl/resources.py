@@ -188,6 +188,9 @@ def check_report(cfg: Config, processes: int | None = None) -> str:
     processes = launch_world_size() if processes is None else processes
     if processes < 1:
         raise ValueError(f"--processes must be >= 1; got {processes}")
+    from .rewards import check_reward_options
+
+    check_reward_options(cfg.rewards)  # a misspelt option: here, not when the run builds its rewards
     est = check_machine(cfg, processes=processes)
     if est is None:
         return f"config OK for this machine (model {cfg.model.path!r} is not available locally: memory not estimated)"

@@ -215,6 +215,23 @@ def _check_options(name: str, factory: RewardFactory, options: Mapping[str, Any]
         )
 
 
+def check_reward_options(spec: Mapping[str, Any]) -> None:
+    """Refuse an option a configured reward does not take, without building any reward (``flowrl train --check``).
+
+    Args:
+        spec: a config's ``rewards`` section (see :func:`build_multi_reward`).
+
+    Raises:
+        RewardError: an unknown reward, or an option its factory does not take (one line naming its options).
+    """
+    for label, entry in spec.items():
+        options = dict(entry) if isinstance(entry, Mapping) else {}
+        for common in ("weight", "timeout_s", "video"):
+            options.pop(common, None)
+        name = options.pop("reward", label)
+        _check_options(str(name), resolve_factory(str(name)), options)
+
+
 def build_reward(name: str, **options: Any) -> RewardFn:
     """Build a reward by name with factory options.
 

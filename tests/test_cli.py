@@ -299,3 +299,16 @@ def test_the_done_line_says_why_a_run_ended_before_its_iterations():
     budget = " (stopped by train.time_budget_s=15, before train.iterations=70)"  # it said only "done: 3 iterations"
     assert _early_stop({"iterations": 3}, cfg) == budget
     assert "stopped by a guard" in _early_stop({"iterations": 3, "guards": {"stopped": "ink collapsed"}}, cfg)
+
+
+def test_check_refuses_a_misspelt_reward_option_without_building_the_run(capsys):
+    """``flowrl train --check`` catches ``rewards.ink_band.weigth`` (the run would stop at once on it)."""
+    from flowrl.cli import main
+
+    assert main(["train", "--check", "rewards.ink_band.weigth=0.5"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "flowrl: error: reward 'ink_band' has no option 'weigth'; its options: low, high "
+        "(and for every reward: weight, timeout_s, video)"
+    )
+    assert main(["train", "--check", "rewards.ink_band.weight=0.5", "rewards.judge.reward=ink_band"]) == 0

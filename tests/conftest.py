@@ -162,3 +162,26 @@ def tiny_sd3():
     from flowrl.models.sd3 import SD3Adapter
 
     return SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+
+
+def custom_code_folder(source, tmp_path, diffusers_class: str):
+    """A copy of the pipeline folder ``source`` whose transformer names a module of the folder's own.
+
+    The module (written at the folder's root and in ``transformer/``) would create ``tmp_path/executed``
+    when imported and then re-export ``diffusers_class``: a loader that ran it leaves that marker.
+
+    Returns:
+        (the folder, its model_index.json as a dict before the change, the marker path).
+    """
+    import json
+    import shutil
+
+    folder = tmp_path / "custom"
+    shutil.copytree(source, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "transformer": ["my_transformer", "MyTransformer"]}))
+    marker = tmp_path / "executed"
+    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom diffusers import {diffusers_class} as MyTransformer\n"
+    for where in (folder, folder / "transformer"):
+        (where / "my_transformer.py").write_text(code)
+    return folder, index, marker

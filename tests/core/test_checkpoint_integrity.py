@@ -327,8 +327,8 @@ def test_run_falls_back_refuses_changed_config_and_prunes(tmp_path, capsys):
     ]
 
 
-def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
-    out = tmp_path / "run"
+def _fill_disk_at_iteration_two(monkeypatch):
+    """Checkpoint writes fail with ENOSPC from iteration 2's LoRA on; returns the real writer (to restore)."""
     real = ck._write_bytes
 
     def full(path, data):
@@ -337,6 +337,12 @@ def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
         real(path, data)
 
     monkeypatch.setattr(ck, "_write_bytes", full)
+    return real
+
+
+def test_run_on_a_full_disk_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _fill_disk_at_iteration_two(monkeypatch)
     code, err = _train(capsys, f"output.dir={out}")
     assert code == 2 and "Traceback" not in err
     (line,) = err.strip().splitlines()
@@ -351,14 +357,7 @@ def test_the_full_disk_line_names_a_resume_command_that_continues_a_configured_r
     import shlex
 
     out = tmp_path / "run"
-    real = ck._write_bytes
-
-    def full(path, data):
-        if "iter-000002" in str(path) and path.name == "lora.safetensors":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, data)
-
-    monkeypatch.setattr(ck, "_write_bytes", full)
+    real = _fill_disk_at_iteration_two(monkeypatch)
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     code, err = _train(capsys, "configs/grpo/digits_ink.yaml", f"output.dir={out}")
     assert code == 2

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from conftest import custom_code_folder
 from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
 
 from flowrl.models import load_adapter
@@ -282,14 +283,7 @@ def test_export_merge_writes_a_loadable_folder_with_the_trained_velocity(kind, t
 
 def test_custom_code_in_a_folder_is_never_run(flux_folder, tmp_path):
     """trust_remote_code stays off: a component that needs the folder's own Python module is refused, unexecuted."""
-    folder = tmp_path / "custom"
-    shutil.copytree(flux_folder, folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "transformer": ["my_transformer", "MyTransformer"]}))
-    marker = tmp_path / "executed"
-    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom diffusers import FluxTransformer2DModel as MyTransformer\n"
-    for where in (folder, folder / "transformer"):
-        (where / "my_transformer.py").write_text(code)
+    folder, index, marker = custom_code_folder(flux_folder, tmp_path, "FluxTransformer2DModel")
     with pytest.raises(ValueError) as err:
         load_adapter(str(folder))
     assert "trust_remote_code stays off" in str(err.value) and "\n" not in str(err.value)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import custom_code_folder
 from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
 
 from flowrl.models import load_adapter
@@ -264,16 +265,7 @@ def test_missing_wan_weights_are_one_line_with_the_download_command(wan_folder, 
 def test_a_wan_folder_with_custom_code_is_refused_as_such_not_as_missing_weights(wan_folder, tmp_path):
     """A component that needs the folder's own module: the one-line trust_remote_code refusal, never run, no download
     hint (the Wan loader turns missing weights into a download command; custom code is another problem)."""
-    import shutil
-
-    folder = tmp_path / "custom"
-    shutil.copytree(wan_folder, folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "transformer": ["my_transformer", "MyTransformer"]}))
-    marker = tmp_path / "executed"
-    code = f"open({str(marker)!r}, 'w').write('ran')\nfrom diffusers import WanTransformer3DModel as MyTransformer\n"
-    for where in (folder, folder / "transformer"):
-        (where / "my_transformer.py").write_text(code)
+    folder, _, marker = custom_code_folder(wan_folder, tmp_path, "WanTransformer3DModel")
     with pytest.raises(ValueError, match="ships custom model code that flowrl does not run") as err:
         load_adapter(str(folder))
     assert "\n" not in str(err.value) and "hf download" not in str(err.value) and not marker.exists()

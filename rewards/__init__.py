@@ -22,6 +22,7 @@ from .registry import (
     known_reward_names,
     list_rewards,
     register_reward,
+    required_options,
     resolve_factory,
 )
 from .remote import RemoteReward, RemoteRewardError, remote
@@ -53,6 +54,7 @@ __all__ = [
     "reduce_frames",
     "remote",
     "register_reward",
+    "required_options",
     "resolve_factory",
     "score_reward",
     "temporal_consistency",

@@ -215,6 +215,20 @@ def _check_options(name: str, factory: RewardFactory, options: Mapping[str, Any]
         )
 
 
+def required_options(name: str) -> list[str]:
+    """The options a reward cannot be built without (factory parameters with no default, e.g. ``remote``'s url).
+
+    Raises:
+        RewardError: ``name`` is not a known reward.
+    """
+    try:
+        params = inspect.signature(resolve_factory(name)).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: nothing known to be required
+        return []
+    required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in required and p.default is inspect.Parameter.empty]
+
+
 def check_reward_options(spec: Mapping[str, Any]) -> None:
     """Refuse an option a configured reward does not take, without building any reward (``flowrl train --check``).
 

@@ -19,7 +19,15 @@ from typing import Any
 
 from ..comparison.checkpoints import CheckpointBank
 from ..evaluation.table import table_cells
-from .generation import Comparison, caption, guards_of, reward_names, run_comparison, scoring_spec
+from .generation import (
+    Comparison,
+    caption,
+    guards_of,
+    reward_names,
+    run_comparison,
+    scoring_choices,
+    scoring_spec,
+)
 from .plots import REWARD_KEYS, curves_figure, frame_strip, metric_keys, read_rows, save_gif, to_pil, upscale
 from .registry import RunRegistry
 from .validation import MAX_PROMPT_CHARS, MAX_SEEDS, MAX_STEPS, samplers, validate_request
@@ -102,10 +110,8 @@ def build_app(registry: RunRegistry, bank: CheckpointBank | None = None) -> Any:
     import gradio as gr
 
     state = DemoState(registry, bank or CheckpointBank())
+    reward_choices = scoring_choices(list(registry.checkpoints.values()))
     rewards = reward_names(list(registry.checkpoints.values()))
-    from ..rewards import list_rewards
-
-    reward_choices = list(dict.fromkeys([*rewards, *(r.name for r in list_rewards() if not r.error)]))
 
     with gr.Blocks(title="flowrl: compare aligned checkpoints") as app:
         gr.Markdown("## flowrl: compare aligned checkpoints")

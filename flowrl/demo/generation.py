@@ -58,6 +58,17 @@ def reward_names(registry_checkpoints: Sequence[Checkpoint]) -> list[str]:
     return list(reward_spec(runs)) if runs else list(Config().rewards)  # no run: the default job's rewards
 
 
+def scoring_choices(checkpoints: Sequence[Checkpoint]) -> list[str]:
+    """The rewards the demo offers: the runs' own, then every registered reward that builds from its name alone.
+
+    A reward with a required option (``remote``'s url) is offered only where a run configures it.
+    """
+    from ..rewards import list_rewards, required_options
+
+    alone = [r.name for r in list_rewards() if not r.error and not required_options(r.name)]
+    return list(dict.fromkeys([*reward_names(checkpoints), *alone]))
+
+
 def guards_of(checkpoints: Sequence[Checkpoint]) -> dict[str, dict[str, Any]]:
     """The guard rewards of the runs the checkpoints belong to (their ``guards:`` sections)."""
     return guard_spec(list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None)))

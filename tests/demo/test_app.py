@@ -241,3 +241,14 @@ def test_a_demo_started_in_the_background_stops_on_sigint(tmp_path):
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_the_demo_offers_only_rewards_it_can_build_by_name():
+    """``remote`` needs a url: offered only where a run configures it (picking it gave 'cannot build')."""
+    from flowrl.demo.generation import scoring_choices
+    from flowrl.rewards import required_options
+
+    choices = scoring_choices([])
+    assert choices[:2] == ["ink_band", "digit_correctness"]  # the default job's first
+    assert "remote" not in choices and required_options("remote") == ["url"]
+    assert "pickscore" in choices and required_options("ink_band") == []

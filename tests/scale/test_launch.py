@@ -255,10 +255,11 @@ def test_a_launch_that_fails_after_it_started_ends_with_one_line(tmp_path):
     )
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("flowrl: error:")]
-    assert set(lines[:-1]) == {
-        "flowrl: error: reward 'faulty_reward:make' could not be built with options {}: "
-        "ValueError: faulty_reward is broken on purpose"
-    }  # each rank's own line, then the launch's, last
+    own = "flowrl: error: reward 'faulty_reward:make' could not be built with options {}: "
+    own += "ValueError: faulty_reward is broken on purpose"
+    ranks = {f"flowrl: error: rank {r} exited with code 2; its own error line is above" for r in (0, 1)}
+    assert set(lines[:-1]) == {own} | ranks  # each rank's own line, the launcher's line per rank, then the launch's
+    assert lines.index(own) < min(lines.index(line) for line in ranks)
     assert lines[-1].startswith("flowrl: error: the launch ended with code 1; the failing process's error is above")
 
 

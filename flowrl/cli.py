@@ -11,37 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .config_files import split_config_args
 from .console import stderr_line
+from .output_commands import cmd_demo, cmd_eval, cmd_export, cmd_gallery, cmd_pretrain_digits, cmd_sample
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 STACK_HELP = "[CONFIG.yaml ...] [key=value ...]: config files merge left to right (recipe, then preset), then overrides"
-
-
-def _split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
-    """Split CLI positionals into config files and ``key=value`` overrides.
-
-    Positionals without ``=`` are config files, merged in order (model config, then presets);
-    ``key=value`` positionals are overrides applied last.
-    """
-    configs, overrides = [], []
-    for arg in args:  # a file that exists is a config even when its path holds "=" (runs/lr=0.1/config.yaml)
-        (overrides if "=" in arg and not _is_file(arg) else configs).append(arg)
-    return configs or None, overrides
-
-
-def _is_file(arg: str) -> bool:
-    """Whether ``arg`` names an existing file; False for text no filesystem takes as a path (too long, NUL)."""
-    try:
-        return Path(arg).is_file()
-    except (OSError, ValueError):
-        return False
 
 
 def _check_single_process() -> None:
@@ -106,7 +87,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from .recipe import Run
 
     _check_single_process()
-    config, overrides = _split_config_args(ns.args)
+    config, overrides = split_config_args(ns.args)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     given = config  # the config files the user named (the run's own config.yaml is not one)
     if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
@@ -177,230 +158,6 @@ def _early_stop(summary: dict, cfg: Any) -> str:
     else:
         return ""
     return f" (stopped by {by}, before train.iterations={cfg.train.iterations})"
-
-
-def _check_sample_args(ns: argparse.Namespace) -> None:
-    """Refuse ``flowrl sample`` arguments that cannot work, naming the flag and the fix.
-
-    Raises:
-        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a name ending other than ``.png``.
-    """
-    if ns.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1; got {ns.seeds}")
-    if ns.steps is not None and ns.steps < 1:
-        raise ValueError(f"--steps must be >= 1; got {ns.steps}")
-    out = Path(ns.out)
-    if out.is_dir():
-        raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {out / 'samples.png'}")
-    if out.suffix and out.suffix.lower() != ".png":
-        raise ValueError(
-            f"--out {ns.out}: flowrl sample writes a PNG grid; name a .png file, e.g. --out {out.with_suffix('.png')}"
-        )
-
-
-def cmd_sample(ns: argparse.Namespace) -> int:
-    """``flowrl sample``: sample ``ns.seeds`` images per prompt (optionally with a LoRA) and save a PNG grid.
-
-    Args:
-        ns: parsed arguments (``args``, ``lora``, ``prompt``, ``seeds``, ``seed``, ``steps``, ``out``).
-
-    Returns:
-        The exit code, 0.
-
-    Raises:
-        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a non-PNG file name.
-    """
-    import torch
-
-    from .config import load_config
-    from .export import run_config_file
-    from .outputs import image_grid, save_png
-    from .policy import build_policy
-    from .prompts.sets import load_prompts
-    from .resources import check_machine
-    from .rollouts.chunked import sample_images
-    from .runtime import configure_threads
-
-    _check_sample_args(ns)
-    config, overrides = _split_config_args(ns.args)
-    run_config = run_config_file(ns.lora) if config is None and ns.lora is not None else None
-    if run_config is not None:
-        config = [str(run_config)]  # the run's own model, guidance and sigma grid; overrides on top
-    cfg = load_config(config, overrides)
-    check_machine(cfg, training=False)
-    configure_threads(cfg.train.threads)
-    policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
-    texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
-    prompts = [t for t in texts for _ in range(ns.seeds)]
-    seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    # the run's evaluation grid, as its own samples, flowrl eval, gallery and demo use it
-    sigmas = policy.sigmas(ns.steps or cfg.train.eval_steps or cfg.sampler.num_steps)
-    with torch.no_grad():
-        images = sample_images(
-            policy.model, prompts, seeds, sigmas, resolution=policy.resolution, frames=cfg.model.num_frames
-        )
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_png(image_grid(images, len(texts), scale=max(1, 64 // policy.resolution[0])), out)
-    print(f"wrote {len(prompts)} samples ({len(texts)} prompts x {ns.seeds} seeds) to {out}")
-    return 0
-
-
-def _out_folder(out: str, example: str) -> Path:
-    """The ``--out`` folder of a command that writes several files, checked before any work starts.
-
-    Args:
-        out: the ``--out`` value.
-        example: a folder name to suggest instead of a file.
-
-    Returns:
-        ``out`` as a path.
-
-    Raises:
-        ValueError: ``out`` is an existing file.
-    """
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out} is a file; name a folder to write into, e.g. --out {path.parent / example}")
-    return path
-
-
-def cmd_export(ns: argparse.Namespace) -> int:
-    """``flowrl export --merge``: write the base model with the trained LoRA fused in, as a diffusers folder.
-
-    Args:
-        ns: parsed arguments (``merge``, ``out``, ``base``, ``dtype``, ``overwrite``).
-
-    Returns:
-        The exit code, 0.
-
-    Raises:
-        ValueError: ``--merge`` is missing, or ``--out`` is a file.
-    """
-    from .export import export_merged
-
-    if not ns.merge:
-        raise ValueError(
-            "flowrl export needs --merge RUN_OR_LORA (the only export kind: base + LoRA fused, diffusers format)"
-        )
-    out = export_merged(ns.merge, _out_folder(ns.out, "merged"), base=ns.base, dtype=ns.dtype, overwrite=ns.overwrite)
-    print(
-        f"wrote merged diffusers model to {out}; "
-        f"load it with {_pipeline_class(out)}.from_pretrained({str(out)!r}) or model.path={out}"
-    )
-    return 0
-
-
-def _pipeline_class(folder: Path) -> str:
-    """The diffusers pipeline class a model folder names in its ``model_index.json`` (``DiffusionPipeline`` if none)."""
-    import json
-
-    try:
-        return str(json.loads((Path(folder) / "model_index.json").read_text())["_class_name"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "DiffusionPipeline"
-
-
-def cmd_pretrain_digits(ns: argparse.Namespace) -> int:
-    """``flowrl pretrain-digits``: rebuild the embedded digits model (its own parser reads ``ns.args``).
-
-    Args:
-        ns: parsed arguments (``args``: the raw arguments after the subcommand).
-
-    Returns:
-        The exit code of the pretraining script.
-    """
-    from .models.digits.pretrain import main as pretrain_main
-
-    return pretrain_main(ns.args)
-
-
-def cmd_eval(ns: argparse.Namespace) -> int:
-    """``flowrl eval``: score the runs' checkpoints and the base model on a prompt set (fixed seeds, ODE).
-
-    Args:
-        ns: parsed arguments (``runs``, ``prompts``, ``rewards``, ``seeds``, ``seed``, ``steps``, ``out``).
-
-    Returns:
-        The exit code, 0.
-    """
-    from .comparison.checkpoints import CheckpointBank
-    from .comparison.evaluate import (
-        EvalSettings,
-        checkpoints_of,
-        eval_meta,
-        evaluate_checkpoints,
-        guard_spec,
-        reward_spec,
-        write_report,
-    )
-    from .prompts.sets import load_prompts
-    from .runtime import configure_threads
-
-    out = _out_folder(ns.out, "eval")
-    configure_threads(None)
-    runs = [Path(r) for r in ns.runs]
-    prompts = load_prompts(ns.prompts, split="test")
-    names = [n.strip() for n in ns.rewards.split(",") if n.strip()] if ns.rewards else None
-    rewards = reward_spec(runs, names)
-    settings = EvalSettings(seeds=ns.seeds, first_seed=ns.seed, steps=ns.steps)
-    rows = evaluate_checkpoints(CheckpointBank(), checkpoints_of(runs), prompts, rewards, guard_spec(runs), settings)
-    paths = write_report(rows, out, eval_meta(runs, ns.prompts, len(prompts), settings, rewards))
-    print((out / "eval.md").read_text(), end="")
-    print(f"wrote {', '.join(map(str, paths))}")
-    return 0
-
-
-def cmd_demo(ns: argparse.Namespace) -> int:
-    """``flowrl demo``: serve the Gradio comparison app (127.0.0.1 unless ``--host``; ``--share`` is opt-in).
-
-    Args:
-        ns: parsed arguments (``runs``, ``host``, ``port``, ``share``, ``device``).
-
-    Returns:
-        The exit code, 0 (after the server stops).
-    """
-    from .comparison.checkpoints import CheckpointBank
-    from .demo.app import build_app, check_port, launch
-    from .demo.registry import RunRegistry
-    from .runtime import configure_threads
-
-    check_port(ns.port)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # started with `&`, SIGINT comes ignored: Ctrl-C stops
-    configure_threads(None)
-    registry = RunRegistry(ns.runs)
-    app = build_app(registry, CheckpointBank(device=ns.device))
-    print(f"flowrl demo: {len(registry.labels)} checkpoints ({', '.join(registry.labels)}); Ctrl-C stops", flush=True)
-    launch(app, host=ns.host, port=ns.port, share=ns.share)
-    return 0
-
-
-def cmd_gallery(ns: argparse.Namespace) -> int:
-    """``flowrl gallery``: regenerate the README images (before/after grids, reward curves, algorithm plots).
-
-    Args:
-        ns: parsed arguments (``runs``, ``out``, ``benchmarks``, ``seeds``, ``prompts``, ``steps``).
-
-    Returns:
-        The exit code, 0.
-    """
-    from .demo.gallery import DEFAULT_BENCHMARKS, build_gallery
-    from .runtime import configure_threads
-
-    out = _out_folder(ns.out, "gallery")
-    configure_threads(None)
-    benchmarks = ns.benchmarks if ns.benchmarks is not None else [p for p in DEFAULT_BENCHMARKS if Path(p).is_file()]
-    written = build_gallery(
-        [Path(r) for r in ns.runs],
-        out,
-        benchmarks=[Path(b) for b in benchmarks],
-        seeds=ns.seeds,
-        prompts=ns.prompts,
-        steps=ns.steps,
-    )
-    for path in written:
-        print(f"wrote {path} ({path.stat().st_size / 1024:.1f} KB)")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

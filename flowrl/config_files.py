@@ -124,3 +124,23 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model:, sampler:, ...)")
     return data
+
+
+def split_config_args(args: list[str]) -> tuple[list[str] | None, list[str]]:
+    """Split CLI positionals into config files and ``key=value`` overrides.
+
+    Positionals without ``=`` are config files, merged in order (model config, then presets);
+    ``key=value`` positionals are overrides applied last.
+    """
+    configs, overrides = [], []
+    for arg in args:  # a file that exists is a config even when its path holds "=" (runs/lr=0.1/config.yaml)
+        (overrides if "=" in arg and not _is_file(arg) else configs).append(arg)
+    return configs or None, overrides
+
+
+def _is_file(arg: str) -> bool:
+    """Whether ``arg`` names an existing file; False for text no filesystem takes as a path (too long, NUL)."""
+    try:
+        return Path(arg).is_file()
+    except (OSError, ValueError):
+        return False

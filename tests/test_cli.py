@@ -201,13 +201,13 @@ def test_overrides_are_accepted_anywhere_on_the_command_line():
 
 
 def test_a_config_file_whose_path_holds_an_equals_sign_is_a_config(tmp_path):
-    from flowrl.cli import _split_config_args
+    from flowrl.config_files import split_config_args
 
     config = tmp_path / "lr=0.1" / "config.yaml"
     config.parent.mkdir()
     config.write_text("train:\n  iterations: 3\n")
-    assert _split_config_args([str(config), "optim.lr=0.1"]) == ([str(config)], ["optim.lr=0.1"])
-    assert _split_config_args(["a.yaml", "x=1"]) == (["a.yaml"], ["x=1"])
+    assert split_config_args([str(config), "optim.lr=0.1"]) == ([str(config)], ["optim.lr=0.1"])
+    assert split_config_args(["a.yaml", "x=1"]) == (["a.yaml"], ["x=1"])
 
 
 def test_a_path_the_filesystem_refuses_is_one_line(tmp_path, capsys):
@@ -283,7 +283,7 @@ def test_an_out_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsy
 
 def test_export_names_the_pipeline_class_to_load_with():
     import flowrl
-    from flowrl.cli import _pipeline_class
+    from flowrl.output_commands import _pipeline_class
 
     assets = Path(flowrl.__file__).parent / "assets"
     assert _pipeline_class(assets / "flowrl-digits") == "StableDiffusion3Pipeline"

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import _split_config_args, main
+from flowrl.cli import main
 from flowrl.config import ConfigError, load_config
+from flowrl.config_files import split_config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(
@@ -61,7 +62,7 @@ def test_header_names_weights_and_a_launch_command_that_validates(path, monkeypa
     assert commands, f"{path} has no launch command in its header"
     monkeypatch.chdir(ROOT)  # the commands name configs relative to the repository root
     for command in commands:
-        files, overrides = _split_config_args([a for a in _train_args(command) if not a.startswith("--")])
+        files, overrides = split_config_args([a for a in _train_args(command) if not a.startswith("--")])
         assert files[0] == str(path)
         load_config(files, overrides)
 

@@ -28,8 +28,9 @@ import pytest
 import tomllib
 import yaml
 
-from flowrl.cli import _split_config_args, build_parser, parse_command_line
+from flowrl.cli import build_parser, parse_command_line
 from flowrl.config import load_config
+from flowrl.config_files import split_config_args
 from flowrl.local_launch import check_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +151,7 @@ def _check_flowrl(argv: list[str], whole: bool = True, processes: int = 1) -> No
     if ns is None:
         return
     if argv[0] in ("train", "sample"):
-        files, overrides = _split_config_args(ns.args)
+        files, overrides = split_config_args(ns.args)
         for name in files or []:
             if name.startswith("configs/"):
                 assert (ROOT / name).is_file(), f"{name} does not exist"

@@ -8,7 +8,6 @@ Its whole state (LoRA weights, optimizer, RNGs, counters) round-trips through
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import Tensor
 from .advantages import AdvantageEstimator
 from .advantages.group import AdvantageStats
 from .config import Config
+from .console import stderr_line
 from .distributed import (
     Collective,
     agree_fault,
@@ -316,11 +316,10 @@ class Trainer:
     def _warn_empty_plan(self) -> None:
         """Say (rank 0) that the objective planned nothing though rows were kept: no rollout step has a density."""
         if self.collective.is_main:
-            print(
+            stderr_line(
                 f"flowrl: warning: iteration {self.iteration + 1}: {self.objective.name} planned no optimizer step "
                 "(no rollout step has noise: sampler.noise_level, sampler.window, or cps's step to sigma 0); "
-                "nothing to train on this iteration",
-                file=sys.stderr,
+                "nothing to train on this iteration"
             )
 
     def _step(self) -> str | None:
@@ -399,10 +398,9 @@ class Trainer:
             stats = {"skipped_updates": 1.0}
         elif not bool(batch.global_keep.any()):
             if self.collective.is_main:  # every rank sees the same global batch: rank 0 says it for the launch
-                print(
+                stderr_line(
                     f"flowrl: warning: iteration {self.iteration + 1}: every prompt group was dropped (constant "
-                    "rewards within each group, or no applicable reward); nothing to train on this iteration",
-                    file=sys.stderr,
+                    "rewards within each group, or no applicable reward); nothing to train on this iteration"
                 )
             stats = {"skipped_updates": 0.0}
         else:

@@ -218,6 +218,7 @@ class CheckpointBank:
     def _attach_checkpoint_state(self, checkpoint: Checkpoint, model: ModelAdapter, taken: set[str]) -> str:
         """Attach the newest checkpoint's trained ("default") or EMA adapter under a fresh name."""
         from peft import LoraConfig
+        from peft.tuners.tuners_utils import cast_adapter_dtype
 
         from ..policy.lora import load_lora_state
 
@@ -230,7 +231,8 @@ class CheckpointBank:
         name = f"{checkpoint.kind}_{len(taken)}"
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets))
         model.transformer.add_adapter(config, adapter_name=name)
-        load_lora_state(model.transformer, {k: v.to(model.dtype) for k, v in state.items()}, name)
+        cast_adapter_dtype(model.transformer, name)  # fp32 LoRA on a bf16 model, as the run trained and evaluated it
+        load_lora_state(model.transformer, {k: v.float() for k, v in state.items()}, name)
         model.transformer.requires_grad_(False)
         return name
 

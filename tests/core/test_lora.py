@@ -164,3 +164,63 @@ def test_a_lora_target_that_names_no_module_is_refused(tiny_sd3):
     policy = build_policy(cfg, model=tiny_sd3, trainable=True)
     adapted = {n.split(".lora_A")[0] for n, _ in policy.model.transformer.named_parameters() if "lora_A" in n}
     assert adapted == {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k"}
+
+
+def test_a_bf16_models_saved_lora_reloads_in_fp32_as_it_trained(tmp_path):
+    """flowrl trains the LoRA in fp32 on a bf16 denoiser; diffusers' loader would make it bf16 (other velocities
+    than the run evaluated). load_saved_lora restores the file's fp32 weights: the same velocity, bit for bit."""
+    from flowrl.policy.lora import load_saved_lora, restore_fp32_lora
+
+    def bf16_model():
+        return SD3Adapter(tiny_sd3_pipeline().to(torch.bfloat16), max_sequence_length=2, resolution=(8, 8))
+
+    model = bf16_model()
+    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    for name, p in model.transformer.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.1)
+    x, s, c = _inputs(model)
+    trained = model.velocity(x, s, c)
+    file = model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    plain = bf16_model()
+    plain.pipe.load_lora_weights(str(tmp_path))  # diffusers alone: bf16 LoRA layers
+    assert {p.dtype for n, p in plain.transformer.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    assert not torch.equal(plain.velocity(x, s, c), trained)
+    fresh = bf16_model()
+    load_saved_lora(fresh, tmp_path)
+    lora = {n: p for n, p in fresh.transformer.named_parameters() if "lora_" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.float32}
+    assert {p.dtype for n, p in fresh.transformer.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    torch.testing.assert_close(fresh.velocity(x, s, c), trained, rtol=0, atol=0)
+    assert not restore_fp32_lora(fresh.transformer, file, next(iter(fresh.transformer.peft_config)))  # already fp32
+
+
+def test_a_frozen_copy_on_a_bf16_model_keeps_fp32_and_its_ema_the_small_steps():
+    """DiffusionNFT's old / EMA, AWM's EMA and SAGE's adapters copy the fp32 LoRA; on a bf16 denoiser peft would make
+    them bf16, where an EMA of decay 0.9 over steps of 3e-4 drifted 5e-3 from its float64 value. Now fp32: ~1e-7."""
+    from flowrl.policy.lora import adapter_parameters, add_frozen_copy, soft_update, use_adapter
+
+    model = SD3Adapter(tiny_sd3_pipeline().to(torch.bfloat16), max_sequence_length=2, resolution=(8, 8))
+    params = add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    add_frozen_copy(model.transformer, "ema")
+    ema = adapter_parameters(model.transformer, "ema")
+    assert {p.dtype for p in ema.values()} == {torch.float32} and not any(p.requires_grad for p in ema.values())
+    x, s, c = _inputs(model)
+    with torch.no_grad():
+        trained_velocity = model.velocity(x, s, c)
+        with use_adapter(model.transformer, "ema"):
+            torch.testing.assert_close(model.velocity(x, s, c), trained_velocity, rtol=0, atol=0)  # an exact copy
+    reference = {k: v.double().clone() for k, v in adapter_parameters(model.transformer, "default").items()}
+    for _ in range(50):
+        with torch.no_grad():
+            for p in params:
+                p.add_(3e-4 * torch.sign(torch.randn(p.shape, generator=gen)) + 2e-4)
+        soft_update(model.transformer, "ema", keep=0.9)
+        trained = adapter_parameters(model.transformer, "default")
+        reference = {k: 0.9 * v + 0.1 * trained[k].double() for k, v in reference.items()}
+    ema = adapter_parameters(model.transformer, "ema")
+    assert max((ema[k].double() - v).abs().max().item() for k, v in reference.items()) < 1e-6

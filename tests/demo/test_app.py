@@ -155,6 +155,33 @@ def test_a_run_with_an_ema_checkpoint_offers_trained_and_ema(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_bf16_runs_loras_load_in_fp32_with_the_values_it_saved(tmp_path):
+    """On a bf16 model the run trained (and evaluated) its LoRA in fp32; its final LoRA, trained and EMA adapters
+    load in fp32 with the saved values bit for bit (they were rounded to bf16 before)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from flowrl.comparison.checkpoints import _newest_adapters, run_checkpoints
+
+    run = make_run(
+        tmp_path / "nft", seed=3, config="configs/nft/digits_fast.yaml", ema=True, overrides=["model.dtype=bfloat16"]
+    )
+    state = _newest_adapters(run)[1]
+    file = run / "lora" / "pytorch_lora_weights.safetensors"
+    final = {k.removeprefix("transformer."): v for k, v in load_file(file).items()}
+    saved = {"final": final, "trained": state["lora"], "ema": state["adapters"]["ema"]}
+    bank = CheckpointBank()
+    for checkpoint in run_checkpoints(run):
+        name = bank.adapter_name(checkpoint)
+        transformer = bank.model(checkpoint).transformer
+        assert transformer.dtype == torch.bfloat16
+        loaded = get_peft_model_state_dict(transformer, adapter_name=name)
+        assert loaded.keys() == saved[checkpoint.kind].keys()
+        for key, value in loaded.items():
+            assert value.dtype == torch.float32 and torch.equal(value, saved[checkpoint.kind][key].float()), key
+
+
+@pytest.mark.slow
 def test_video_checkpoints_play_as_clips_with_a_frame_strip(tmp_path):
     from PIL import Image
     from run_folders import make_wan_run

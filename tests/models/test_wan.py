@@ -442,6 +442,28 @@ def test_one_lora_adapter_spans_both_experts(tmp_path):
         torch.testing.assert_close(via_adapter.velocity(x, sigma, cond), trained, rtol=1e-5, atol=1e-5)
 
 
+def test_a_bf16_two_expert_lora_reloads_in_fp32_in_both_experts(tmp_path):
+    """Both experts' files of a bf16 Wan2.2 reload with the fp32 weights trained (load_saved_lora), so the reloaded
+    velocity is the trained one bit for bit, in each expert; diffusers alone makes both LoRAs bf16."""
+    from flowrl.policy.lora import load_saved_lora
+
+    def bf16_wan(**kwargs):
+        pipe = tiny_wan_pipeline(two_experts=True, boundary_ratio=0.6).to(torch.bfloat16)
+        return WanAdapter(pipe, max_sequence_length=8, resolution=(16, 16), num_frames=5, **kwargs)
+
+    model = bf16_wan(lora_expert="both")
+    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    _randomize_lora(model.transformer)
+    model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    fresh = bf16_wan()
+    load_saved_lora(fresh, tmp_path)
+    for expert in (fresh.pipe.transformer, fresh.pipe.transformer_2):
+        assert {p.dtype for n, p in expert.named_parameters() if "lora_" in n} == {torch.float32}
+    cond, x, sigma = model.encode_prompt(PROMPTS), _latents(model), torch.tensor([0.9, 0.3])  # one per expert
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.velocity(x, sigma, cond), model.velocity(x, sigma, cond), rtol=0, atol=0)
+
+
 def test_both_experts_state_round_trips_through_the_trainer():
     model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.6, lora_expert="both")
     trainer = _two_expert_trainer(model)

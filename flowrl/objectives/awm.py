@@ -190,7 +190,9 @@ class AWM(Objective):
         for name, weight, adapter in self.penalties():
             if weight > 0:
                 v_other = self.frozen.velocity(model, adapter, mb, x_t, sigma, cond)
-                penalty = velocity_penalty(model, x_t, sigma, cond, v_theta, adapter, v_other=v_other)
+                penalty = velocity_penalty(
+                    model, x_t, sigma, cond, v_theta, adapter, v_other=v_other, keep=batch.keep[idx]
+                )
                 loss = loss + weight * penalty
                 stats[name] = float(penalty.detach())
         return (loss * mb.weight).float(), stats

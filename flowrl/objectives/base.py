@@ -290,16 +290,24 @@ def velocity_penalty(
     v_theta: Tensor,
     adapter: str | None,
     v_other: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """``mean (v_theta - v_other)^2`` (fp64) against the base model (adapter None) or a named adapter.
 
     The velocity-space "KL" used by DiffusionNFT and AWM; the other velocity carries no gradient.
-    ``v_other`` is that velocity when the caller has it already (:class:`FrozenVelocities`).
+    ``v_other`` is that velocity when the caller has it already (:class:`FrozenVelocities`). With ``keep``
+    ((B,) bool, the chunk's ``batch.keep``) the mean runs over the kept rows only, as the policy loss's does,
+    so :func:`~flowrl.objectives.planning.weigh_by_kept` makes the step's penalty the mean over its kept rows
+    whatever the chunk size; when every row is kept it is the plain mean (the same bits as without ``keep``).
     """
     if v_other is None:
         with torch.no_grad(), adapter_switch(model, adapter):
             v_other = model.velocity(x_t, sigma, cond)
-    return ((v_theta.double() - v_other.double()) ** 2).mean()
+    squared = (v_theta.double() - v_other.double()) ** 2
+    if keep is None or bool(keep.all()):
+        return squared.mean()
+    weights = keep.to(squared.dtype)
+    return (squared.flatten(1).mean(1) * weights).sum() / weights.sum().clamp(min=1.0)
 
 
 FROZEN_CACHE_BYTES = 256 * 2**20

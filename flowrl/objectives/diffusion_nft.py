@@ -169,7 +169,7 @@ class DiffusionNFT(Objective):
         stats = {"policy_loss": float(loss.detach()), "r_mean": float(r.mean())}
         if self.kl_beta > 0:
             v_ref = self.frozen.velocity(model, None, mb, x_t, sigma, cond)
-            kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None, v_other=v_ref)
+            kl = velocity_penalty(model, x_t, sigma, cond, v_theta, None, v_other=v_ref, keep=batch.keep[idx])
             loss = loss + self.kl_beta * kl
             stats["kl"] = float(kl.detach())
         return (loss * mb.weight).float(), stats

@@ -69,7 +69,15 @@ def test_sde_objectives_update_alike_for_every_chunk_size(setup, make):
         torch.testing.assert_close(_gradient(model, objective, small, group), whole, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("make", [lambda: DiffusionNFT(kl_beta=0.0), lambda: AWM(kl_beta=0.0, ema_beta=0.0)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DiffusionNFT(kl_beta=0.0),
+        lambda: AWM(kl_beta=0.0, ema_beta=0.0),
+        lambda: DiffusionNFT(kl_beta=0.5),  # the velocity penalties average over kept rows too
+        lambda: AWM(kl_beta=0.3, ema_beta=1.0),
+    ],
+)
 def test_forward_objectives_update_alike_for_every_chunk_size(setup, make):
     model, batch = setup
     objective = make()
@@ -85,3 +93,16 @@ def test_weights_make_the_step_a_mean_over_kept_rows():
     group = [Microbatch(torch.tensor([0, 1, 2, 3]), 0), Microbatch(torch.tensor([4, 5]), 0)]
     (weighed,) = weigh_by_kept([group], KEEP)
     assert [mb.weight for mb in weighed] == [2 * 3 / 5, 2 * 2 / 5]  # n_mb * kept_mb / kept_step
+
+
+def test_the_velocity_penalty_is_the_mean_over_kept_rows(tiny_sd3):
+    from flowrl.objectives.base import velocity_penalty
+
+    gen = torch.Generator().manual_seed(0)
+    v_theta, v_other = torch.randn(3, 4, 2, 2, generator=gen), torch.randn(3, 4, 2, 2, generator=gen)
+    args = (tiny_sd3, None, None, None, v_theta, None)
+    squared = (v_theta.double() - v_other.double()) ** 2
+    kept = velocity_penalty(*args, v_other=v_other, keep=torch.tensor([True, False, True]))
+    torch.testing.assert_close(kept, squared[[0, 2]].mean(), rtol=1e-15, atol=0)
+    every = velocity_penalty(*args, v_other=v_other, keep=torch.ones(3, dtype=torch.bool))
+    assert torch.equal(every, squared.mean()) and torch.equal(velocity_penalty(*args, v_other=v_other), every)

@@ -9,7 +9,8 @@ it into the trainer live elsewhere.
 Precisions (``PRECISIONS``):
 
 - ``"fp32"``, ``"bf16"``: the whole copy cast; floating inputs of rank >= 2 are cast in and
-  outputs cast back (1-d timesteps stay as given, as diffusers pipelines pass them).
+  outputs cast back; timesteps (``timestep``, 1-d, or 2-d per token as Wan2.2-TI2V's) stay as given,
+  as diffusers pipelines pass them.
 - ``"nvfp4"``: NVFP4 emulated: each selected Linear weight is quantise-dequantised through
   :func:`flowrl.kernels.nvfp4_fake_quantize` (blocks of 16 along ``in_features``); with
   ``activations=True`` a forward pre-hook does the same to its input (W4A4 numerics).
@@ -413,8 +414,13 @@ def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
     return module
 
 
+UNCAST_INPUTS = ("timestep",)
+"""Keyword inputs a cast copy receives as given: diffusers pipelines pass timesteps in fp32 (Wan2.2-TI2V's are
+(B, tokens), which a bf16 cast would round: 937.5 to 936)."""
+
+
 def _cast_io(module: nn.Module, dtype: torch.dtype, io_dtype: torch.dtype) -> None:
-    """Cast floating inputs of rank >= 2 to ``dtype`` and floating outputs back to ``io_dtype``."""
+    """Cast floating inputs of rank >= 2 (but :data:`UNCAST_INPUTS`) to ``dtype``, floating outputs to ``io_dtype``."""
 
     def cast(value: Any, to: torch.dtype, min_rank: int) -> Any:
         if isinstance(value, Tensor):
@@ -426,7 +432,9 @@ def _cast_io(module: nn.Module, dtype: torch.dtype, io_dtype: torch.dtype) -> No
                 value[key] = cast(value[key], to, min_rank)
         return value
 
-    module.register_forward_pre_hook(
-        lambda m, args, kwargs: (cast(args, dtype, 2), cast(kwargs, dtype, 2)), with_kwargs=True
-    )
+    def cast_inputs(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        kept = {k: kwargs.pop(k) for k in UNCAST_INPUTS if k in kwargs}
+        return cast(args, dtype, 2), {**cast(kwargs, dtype, 2), **kept}
+
+    module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     module.register_forward_hook(lambda m, args, out: cast(out, io_dtype, 0))

@@ -278,3 +278,23 @@ def test_fp8_fake_quantize_refuses_nan_and_inf(scaling, bad):
     x = torch.tensor([[bad, 1.0], [2.0, 3.0]])
     with pytest.raises(ValueError, match="fp8_e4m3 input holds NaN or inf"):
         fp8_fake_quantize(x, scaling)
+
+
+def test_a_cast_copy_takes_per_token_timesteps_as_given():
+    """Wan2.2-TI2V passes one fp32 timestep per token ((B, tokens), rank 2); a bf16 copy casts the latents and the
+    text but not the timesteps, as diffusers' bf16 pipeline passes them (937.5 would round to 936)."""
+    from tiny_wan import tiny_wan_adapter
+
+    model = tiny_wan_adapter(expand_timesteps=True)
+    explore = build_explore(model.transformer, "bf16")
+    seen = {}
+    explore.module.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    x = torch.randn(2, *model.latent_shape(16, 16), generator=torch.Generator().manual_seed(0))
+    tokens = x.shape[2] * (x.shape[3] // 2) * (x.shape[4] // 2)  # patch (1, 2, 2), as WanAdapter._run counts
+    timestep = torch.tensor([937.5, 312.25])[:, None].expand(-1, tokens)
+    text = model.encode_prompt(["a red fox running", "a blue cat jumping slowly"])["encoder_hidden_states"]
+    with torch.no_grad():
+        out = explore.module(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    assert seen["timestep"].dtype == torch.float32 and torch.equal(seen["timestep"], timestep)
+    assert seen["hidden_states"].dtype == seen["encoder_hidden_states"].dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and out.shape == x.shape

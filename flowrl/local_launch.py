@@ -19,6 +19,7 @@ batch splits over.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -179,6 +180,7 @@ def run_launcher(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    quiet_elastic_warnings()
     try:
         launch_command(launch_command_parser().parse_args(argv))
     except SignalException as err:
@@ -188,6 +190,20 @@ def run_launcher(argv: list[str]) -> int:
             stderr_line(failure_line(rank, failure.exitcode))
         return 1
     return 0
+
+
+def quiet_elastic_warnings() -> None:
+    """Show only errors from torch elastic's loggers in the launcher (each sets its own level, from ``LOGLEVEL``).
+
+    On a Ctrl-C or SIGTERM it warns "Sending process N closing signal SIGINT" once per rank and that it
+    received a death signal, before flowrl's one line says the same; a failed rank gets flowrl's own line
+    (:func:`failure_line`).
+    """
+    import torch.distributed.run  # noqa: F401  (creates the launcher's loggers: accelerate imports it on launch)
+
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.ERROR)
 
 
 def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:

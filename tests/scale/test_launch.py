@@ -237,6 +237,7 @@ def test_sigterm_stops_the_whole_launch_and_leaves_no_process(supervised, tmp_pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "flowrl: the launch was stopped by a signal" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]  # not torchrun's SignalException out of the launcher
+    assert "closing signal" not in err, err[-3000:]  # nor torch elastic's warning per rank before flowrl's line
     deadline = time.monotonic() + 30  # the ranks' exit is asynchronous to the launcher's
     while processes_running(str(out)) and time.monotonic() < deadline:
         time.sleep(0.2)

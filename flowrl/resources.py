@@ -139,8 +139,8 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
 def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> Estimate | None:
     """Check a validated config against this machine before any model is built.
 
-    Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the work of one
-    iteration and one evaluation (training only), and the memory estimate when the model folder
+    Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the precision (no fp16 training)
+    and the work of one iteration and one evaluation (training only), and the memory estimate when the model folder
     is available locally.
 
     Args:
@@ -161,6 +161,9 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
     check_threads(cfg.train.threads)
     train_prompts, eval_prompts = prompt_counts(cfg) if training else (0, 0)
     if training:
+        from .policy.memory import check_trainable_precision
+
+        check_trainable_precision(cfg.model.dtype, cfg.memory.autocast)
         check_work(cfg, eval_prompts, processes)
     folder = model_folder(cfg.model.path)
     geometry = read_geometry(folder, cfg.lora.targets) if folder is not None else None

@@ -20,7 +20,7 @@ from ..models.pipeline_schedule import run_sigmas
 from .counting import CountingAdapter
 from .guidance import apply_guidance
 from .lora import add_lora, check_lora_targets, load_saved_lora
-from .memory import apply_memory_settings
+from .memory import apply_memory_settings, check_trainable_precision
 from .wrapper import AdapterWrapper
 
 if TYPE_CHECKING:
@@ -90,8 +90,8 @@ def build_policy(
     Raises:
         FileNotFoundError: no LoRA at ``lora``, or the model's weights are missing.
         TypeError: ``model`` is already wrapped (pass the bare adapter).
-        ValueError: ``lora`` together with ``trainable``, or a setting the model cannot honour
-            (guidance kind, memory settings, resolution; one line with the fix).
+        ValueError: ``lora`` together with ``trainable``, training in fp16 (``model.dtype``, ``memory.autocast``),
+            or a setting the model cannot honour (guidance kind, memory settings, resolution; one line with the fix).
     """
     if isinstance(model, AdapterWrapper):
         raise TypeError(
@@ -101,6 +101,9 @@ def build_policy(
         raise ValueError(
             "build_policy: a saved LoRA (lora=...) and a fresh trainable LoRA (trainable=True) can't be combined"
         )
+    if trainable:
+        dtype = cfg.model.dtype if model is None else str(model.dtype).removeprefix("torch.")
+        check_trainable_precision(dtype, cfg.memory.autocast)
     if model is None:
         m = cfg.model
         model = load_adapter(m.path, dtype=m.dtype, device=m.device, distilled_guidance=m.distilled_guidance)

@@ -48,6 +48,29 @@ TRAINABLE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 """The SDPA kernels :func:`trainable_attention` allows: every one but cuDNN's."""
 
 
+def check_trainable_precision(dtype: str, autocast: str) -> None:
+    """Refuse training in fp16 (``model.dtype: float16`` or ``memory.autocast: fp16``): flowrl has no loss scaling.
+
+    The log-probs are means over a sample's latent elements, so the gradients flowing back through an fp16
+    denoiser are tiny and fp16's range loses them: at SD3.5-M's 512 px latent (16 x 64 x 64) 80 % of the
+    LoRA's gradient entries came out zero (relative error 0.84 against fp32; bf16: 0.015, none zero).
+    Sampling in fp16 (``flowrl sample``) is unaffected.
+
+    Args:
+        dtype: the denoiser's weight dtype (``model.dtype``: "float32", "bfloat16" or "float16").
+        autocast: ``memory.autocast`` ("none", "bf16" or "fp16").
+
+    Raises:
+        ValueError: either setting is fp16 (one line naming it and the fix).
+    """
+    key = "model.dtype=float16" if dtype == "float16" else "memory.autocast=fp16" if autocast == "fp16" else None
+    if key is not None:
+        raise ValueError(
+            f"{key} can't train: flowrl has no loss scaling, and fp16 gradients underflow (most of a LoRA's gradient "
+            "entries become zero); use model.dtype=bfloat16 or memory.autocast=bf16 (fp16 is fine for flowrl sample)"
+        )
+
+
 def enable_gradient_checkpointing(transformer: nn.Module) -> None:
     """Turn on activation checkpointing in a diffusers denoiser.
 

@@ -89,6 +89,26 @@ def test_bf16_autocast_training_keeps_ratio_one_and_fp32_log_probs(tiny_sd3):
     assert stats["first_ratio"] == 1.0 and torch.isfinite(torch.tensor(stats["loss"]))
 
 
+@pytest.mark.parametrize("setting", ["memory.autocast=fp16", "model.dtype=float16"])
+def test_fp16_training_is_refused_before_the_model_loads_but_fp16_sampling_builds(tiny_sd3, setting):
+    """No loss scaling: fp16 gradients underflow (80 % of the LoRA's gradient entries zero at a 16x64x64 latent)."""
+    from conftest import tiny_sd3_pipeline
+
+    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.resources import check_machine
+
+    cfg = load_config(None, FAST + [setting])
+    with pytest.raises(ValueError, match=rf"{setting} can't train: flowrl has no loss scaling.*model.dtype=bfloat16"):
+        build_policy(cfg, trainable=True)  # model.path is never read: the refusal comes first
+    with pytest.raises(ValueError, match=rf"{setting} can't train"):
+        check_machine(cfg)  # flowrl train --check says it too
+    check_machine(cfg, training=False)
+    half = SD3Adapter(tiny_sd3_pipeline().to(torch.float16), max_sequence_length=2, resolution=(8, 8))
+    with pytest.raises(ValueError, match="model.dtype=float16 can't train"):
+        build_policy(load_config(None, FAST), model=half, trainable=True)  # the model's own dtype counts
+    assert build_policy(cfg, model=tiny_sd3).params == []  # sampling in fp16 is fine
+
+
 def test_vae_tiling_and_slicing(tiny_sd3):
     latents = torch.randn(3, *tiny_sd3.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
     plain = tiny_sd3.decode(latents)

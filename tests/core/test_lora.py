@@ -14,6 +14,16 @@ def _inputs(model):
     return x, torch.tensor([0.9, 0.3]), model.encode_prompt(["a bold handwritten 1", "a thin handwritten 2"])
 
 
+def _trained_and_saved(model, folder):
+    """Attach a LoRA with random weights to ``model``, save it to ``folder``; the inputs, trained velocity, file."""
+    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
+    for name, p in model.transformer.named_parameters():
+        if "lora_" in name:
+            p.data.normal_(0, 0.1)
+    x, s, c = _inputs(model)
+    return x, s, c, model.velocity(x, s, c), model.save_lora(folder, lora_state_dict(model.transformer))
+
+
 def test_new_lora_leaves_outputs_unchanged_and_trains_only_itself(tiny_sd3):
     x, s, c = _inputs(tiny_sd3)
     before = tiny_sd3.velocity(x, s, c)
@@ -25,13 +35,7 @@ def test_new_lora_leaves_outputs_unchanged_and_trains_only_itself(tiny_sd3):
 
 
 def test_saved_lora_loads_into_a_diffusers_pipeline(tiny_sd3, tmp_path):
-    add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
-    for name, p in tiny_sd3.transformer.named_parameters():
-        if "lora_" in name:
-            p.data.normal_(0, 0.1)
-    x, s, c = _inputs(tiny_sd3)
-    trained = tiny_sd3.velocity(x, s, c)
-    path = tiny_sd3.save_lora(tmp_path, lora_state_dict(tiny_sd3.transformer))
+    x, s, c, trained, path = _trained_and_saved(tiny_sd3, tmp_path)
     assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
     fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
     base = fresh.velocity(x, s, c)
@@ -174,14 +178,7 @@ def test_a_bf16_models_saved_lora_reloads_in_fp32_as_it_trained(tmp_path):
     def bf16_model():
         return SD3Adapter(tiny_sd3_pipeline().to(torch.bfloat16), max_sequence_length=2, resolution=(8, 8))
 
-    model = bf16_model()
-    add_lora(model.transformer, rank=4, alpha=8, targets=model.lora_target_modules)
-    for name, p in model.transformer.named_parameters():
-        if "lora_" in name:
-            p.data.normal_(0, 0.1)
-    x, s, c = _inputs(model)
-    trained = model.velocity(x, s, c)
-    file = model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    x, s, c, trained, file = _trained_and_saved(bf16_model(), tmp_path)
     plain = bf16_model()
     plain.pipe.load_lora_weights(str(tmp_path))  # diffusers alone: bf16 LoRA layers
     assert {p.dtype for n, p in plain.transformer.named_parameters() if "lora_" in n} == {torch.bfloat16}

@@ -67,7 +67,8 @@ def check_trainable_precision(dtype: str, autocast: str) -> None:
     if key is not None:
         raise ValueError(
             f"{key} can't train: flowrl has no loss scaling, and fp16 gradients underflow (most of a LoRA's gradient "
-            "entries become zero); use model.dtype=bfloat16 or memory.autocast=bf16 (fp16 is fine for flowrl sample)"
+            "entries become zero); use model.dtype=bfloat16 or memory.autocast=bf16, or float32 on a GPU without bf16 "
+            "(fp16 is fine for flowrl sample)"
         )
 
 

@@ -136,12 +136,33 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
             )
 
 
+def check_explore_precision(cfg: Config) -> None:
+    """Refuse a ``solrl.precision`` this device or ``model.dtype`` cannot run, before the model loads.
+
+    Raises:
+        ValueError: one line naming ``solrl.precision`` and the fix.
+    """
+    if cfg.solrl.mode == "off":
+        return
+    import torch
+
+    from .policy.precision import check_explore_device
+
+    dtype = getattr(torch, cfg.model.dtype)
+    try:
+        check_explore_device(
+            cfg.solrl.precision, torch.device(cfg.model.device), dtype, activations=cfg.solrl.activations
+        )
+    except ValueError as err:
+        raise ValueError(f"solrl.precision={cfg.solrl.precision}: {err}") from None
+
+
 def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> Estimate | None:
     """Check a validated config against this machine before any model is built.
 
-    Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the precision (no fp16 training)
-    and the work of one iteration and one evaluation (training only), and the memory estimate when the model folder
-    is available locally.
+    Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the precision (no fp16 training;
+    a ``solrl.precision`` the device runs) and the work of one iteration and one evaluation (training only),
+    and the memory estimate when the model folder is available locally.
 
     Args:
         cfg: a validated config (:func:`flowrl.config.load_config`).
@@ -164,6 +185,7 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
         from .policy.memory import check_trainable_precision
 
         check_trainable_precision(cfg.model.dtype, cfg.memory.autocast)
+        check_explore_precision(cfg)
         check_work(cfg, eval_prompts, processes)
     folder = model_folder(cfg.model.path)
     geometry = read_geometry(folder, cfg.lora.targets) if folder is not None else None

@@ -243,31 +243,56 @@ def _check_request(
         raise ValueError(f"activations=True applies to 'nvfp4' and 'fp8_e4m3'; got precision={precision!r}")
     if scaling not in ("tensor", "row"):
         raise ValueError(f"scaling must be 'tensor' or 'row'; got {scaling!r}")
-    device = module_device(transformer)
-    if precision == "native_nvfp4":
-        _check_native_nvfp4(device)
-    if precision == "int8_dynamic" and device.type != "cpu":
-        raise ValueError(f"int8_dynamic is torch.ao's CPU path; the policy is on {device}; use fp8_e4m3 or nvfp4")
-    if precision == "int8_dynamic" and _float_dtype(transformer) != torch.float32:
-        raise ValueError(
-            f"int8_dynamic quantises fp32 weights; the policy is {_float_dtype(transformer)}; load it in fp32"
-        )
-    if precision == "fp8_e4m3" and emulate is None:
-        emulate = device.type != "cuda"
+    emulate = check_explore_device(
+        precision, module_device(transformer), _float_dtype(transformer), activations=activations, emulate=emulate
+    )
     if fuse_under_compile and (precision != "fp8_e4m3" or emulate):
         raise ValueError(
             "fuse_under_compile applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
             f"got precision={precision!r}, emulate={emulate}"
         )
+    return emulate if precision == "fp8_e4m3" else precision == "nvfp4"
+
+
+def check_explore_device(
+    precision: str, device: torch.device, dtype: torch.dtype, *, activations: bool = False, emulate: bool | None = None
+) -> bool | None:
+    """The checks of an explore precision that need only the policy's device and dtype, not the model.
+
+    :func:`build_explore` runs them on the policy; :func:`flowrl.resources.check_machine` runs them on the
+    config (``solrl.precision``, ``model.device``, ``model.dtype``) before the model loads, so a precision this
+    GPU cannot run (``native_nvfp4`` on a Hopper) is one line at ``flowrl train --check`` and at the start,
+    not after minutes of loading a large model.
+
+    Args:
+        precision: one of ``PRECISIONS``.
+        device: the policy's device.
+        dtype: the policy's floating dtype.
+        activations: quantise the quantised layers' inputs too.
+        emulate: "fp8_e4m3" only: None emulates off CUDA and uses ``torch._scaled_mm`` on CUDA.
+
+    Returns:
+        For "fp8_e4m3" the resolved ``emulate``; None for the other precisions.
+
+    Raises:
+        ValueError: the precision cannot run on this device or dtype (one line with the fix).
+    """
+    if precision == "native_nvfp4":
+        _check_native_nvfp4(device)
+    if precision == "int8_dynamic" and device.type != "cpu":
+        raise ValueError(f"int8_dynamic is torch.ao's CPU path; the policy is on {device}; use fp8_e4m3 or nvfp4")
+    if precision == "int8_dynamic" and dtype != torch.float32:
+        raise ValueError(f"int8_dynamic quantises fp32 weights; the policy is {dtype}; load it in fp32")
     if precision != "fp8_e4m3":
-        return precision == "nvfp4"
+        return None
+    emulate = device.type != "cuda" if emulate is None else emulate
     if not emulate:
         check_scaled_mm(device, activations)
     return emulate
 
 
 def _check_native_nvfp4(device: torch.device) -> None:
-    fix = "use precision='nvfp4' (emulated) instead"
+    fix = "use precision='fp8_e4m3' on a Hopper or Ada GPU, or 'nvfp4' (emulated), instead"
     if device.type != "cuda":
         raise ValueError(
             f"native_nvfp4 needs a Blackwell GPU (compute capability >= 10.0); the policy is on {device}; {fix}"

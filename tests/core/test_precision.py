@@ -203,7 +203,7 @@ def test_refresh_of_the_fp32_copy_tracks_the_trained_lora(policy):
     "kwargs, match",
     [
         ({"precision": "fp4"}, "precision must be one of"),
-        ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='nvfp4'"),
+        ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='fp8_e4m3'"),
         ({"precision": "fp8_e4m3", "emulate": False}, r"needs CUDA \(torch._scaled_mm\)"),
         ({"precision": "int8_dynamic", "activations": True}, "activations=True applies to"),
         ({"precision": "fp8_e4m3", "scaling": "block"}, "scaling must be"),

@@ -11,7 +11,7 @@ from flowrl.config import load_config
 from flowrl.models.digits.model import DIGITS_DIR
 from flowrl.models.geometry import read_geometry
 from flowrl.policy import build_policy
-from flowrl.resources import MAX_SAMPLE_STEPS, check_work, estimate_memory, sample_sizes
+from flowrl.resources import MAX_SAMPLE_STEPS, check_machine, check_work, estimate_memory, sample_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLRL = ROOT / "configs/solrl/digits.yaml"
@@ -61,3 +61,14 @@ def test_check_refuses_an_absurd_pool_in_one_line(capsys):
     code = main(["train", "--check", str(SOLRL), "solrl.candidates=100000", "prompts.per_iteration=1000"])
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1 and "solrl.candidates=100000" in err
+
+
+def test_an_explore_precision_the_device_cannot_run_is_refused_before_the_model_loads(capsys):
+    """native_nvfp4 off a Blackwell GPU (the lent H200 is a Hopper) failed only when the trainer built the explore
+    copy, after the whole model had loaded; now --check and the start refuse it in one line."""
+    message = "solrl.precision=native_nvfp4: native_nvfp4 needs a Blackwell GPU (compute capability >= 10.0)"
+    code = main(["train", "--check", str(SOLRL), "solrl.precision=native_nvfp4"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and message in err, err
+    with pytest.raises(ValueError, match=r"needs a Blackwell GPU .*; use precision='fp8_e4m3' on a Hopper"):
+        check_machine(load_config(SOLRL, ["solrl.precision=native_nvfp4"]))

@@ -220,7 +220,7 @@ class CheckpointBank:
         from peft import LoraConfig
         from peft.tuners.tuners_utils import cast_adapter_dtype
 
-        from ..policy.lora import load_lora_state
+        from ..policy.lora import load_lora_state, several_adapters
 
         found = _newest_adapters(checkpoint.run_dir)
         if found is None:
@@ -230,7 +230,8 @@ class CheckpointBank:
         targets = lora.targets or list(model.lora_target_modules)
         name = f"{checkpoint.kind}_{len(taken)}"
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(targets))
-        model.transformer.add_adapter(config, adapter_name=name)
+        with several_adapters():
+            model.transformer.add_adapter(config, adapter_name=name)
         cast_adapter_dtype(model.transformer, name)  # fp32 LoRA on a bf16 model, as the run trained and evaluated it
         load_lora_state(model.transformer, {k: v.float() for k, v in state.items()}, name)
         model.transformer.requires_grad_(False)

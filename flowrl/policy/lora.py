@@ -129,6 +129,18 @@ def restore_fp32_lora(transformer: nn.Module, file: Path, adapter: str) -> bool:
 
 
 @contextmanager
+def several_adapters() -> Iterator[None]:
+    """Add a second adapter without peft's "Already found a `peft_config` ... Make sure to know what you are doing!".
+
+    flowrl attaches several adapters to one denoiser on purpose (DiffusionNFT's old and EMA copies, the
+    demo's checkpoints); the warning printed at every such run's start said nothing a user could act on.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        yield
+
+
+@contextmanager
 def _quiet_failed_load() -> Iterator[None]:
     """Hold back diffusers' error log and peft's warnings while a LoRA loads; re-issue the warnings if it succeeds.
 
@@ -145,7 +157,8 @@ def _quiet_failed_load() -> Iterator[None]:
     finally:
         logger.setLevel(level)
     for warning in caught:
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        if "Already found a `peft_config` attribute" not in str(warning.message):  # a second run's LoRA: on purpose
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def add_lora(transformer: nn.Module, *, rank: int, alpha: float, targets: Sequence[str]) -> list[nn.Parameter]:
@@ -313,7 +326,8 @@ def add_frozen_copy(transformer: nn.Module, name: str, source: str = "default") 
 
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
-    transformer.add_adapter(copy.deepcopy(transformer.peft_config[source]), adapter_name=name)
+    with several_adapters():
+        transformer.add_adapter(copy.deepcopy(transformer.peft_config[source]), adapter_name=name)
     transformer.set_adapter(source)
     if all(p.dtype == torch.float32 for p in adapter_parameters(transformer, source).values()):
         cast_adapter_dtype(transformer, name)

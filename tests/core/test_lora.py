@@ -221,3 +221,32 @@ def test_a_frozen_copy_on_a_bf16_model_keeps_fp32_and_its_ema_the_small_steps():
         reference = {k: 0.9 * v + 0.1 * trained[k].double() for k, v in reference.items()}
     ema = adapter_parameters(model.transformer, "ema")
     assert max((ema[k].double() - v).abs().max().item() for k, v in reference.items()) < 1e-6
+
+
+def test_a_frozen_copy_adds_its_adapter_without_pefts_multiple_adapters_warning(tiny_sd3):
+    import warnings
+
+    from flowrl.policy.lora import add_frozen_copy
+
+    add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        add_frozen_copy(tiny_sd3.transformer, "ema")
+    assert not [w for w in caught if "peft_config" in str(w.message)], [str(w.message) for w in caught]
+    assert set(tiny_sd3.transformer.peft_config) == {"default", "ema"}
+
+
+def test_a_second_saved_lora_loads_without_pefts_multiple_adapters_warning(tiny_sd3, tmp_path):
+    """The demo and `flowrl eval` load several runs' LoRAs into one model, on purpose: no peft warning."""
+    import warnings
+
+    from flowrl.policy.lora import load_saved_lora
+
+    _trained_and_saved(tiny_sd3, tmp_path)
+    fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_saved_lora(fresh, tmp_path)
+        load_saved_lora(fresh, tmp_path)
+    assert not [w for w in caught if "peft_config" in str(w.message)], [str(w.message) for w in caught]
+    assert len(fresh.transformer.peft_config) == 2

@@ -112,7 +112,7 @@ def restore_fp32_lora(transformer: nn.Module, file: Path, adapter: str) -> bool:
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    lora = [p for n, p in transformer.named_parameters() if "lora_" in n and f".{adapter}." in n]
+    lora = list(adapter_parameters(transformer, adapter).values())
     if not lora or all(p.dtype == torch.float32 for p in lora):
         return False
     prefix = "transformer."
@@ -128,6 +128,10 @@ def restore_fp32_lora(transformer: nn.Module, file: Path, adapter: str) -> bool:
     return True
 
 
+SEVERAL_ADAPTERS_WARNING = "Already found a `peft_config` attribute"
+"""How peft's warning on adding a second adapter to a model starts (:func:`several_adapters`)."""
+
+
 @contextmanager
 def several_adapters() -> Iterator[None]:
     """Add a second adapter without peft's "Already found a `peft_config` ... Make sure to know what you are doing!".
@@ -136,7 +140,7 @@ def several_adapters() -> Iterator[None]:
     demo's checkpoints); the warning printed at every such run's start said nothing a user could act on.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        warnings.filterwarnings("ignore", message=SEVERAL_ADAPTERS_WARNING)
         yield
 
 
@@ -157,7 +161,7 @@ def _quiet_failed_load() -> Iterator[None]:
     finally:
         logger.setLevel(level)
     for warning in caught:
-        if "Already found a `peft_config` attribute" not in str(warning.message):  # a second run's LoRA: on purpose
+        if not str(warning.message).startswith(SEVERAL_ADAPTERS_WARNING):  # a second run's LoRA: on purpose
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 

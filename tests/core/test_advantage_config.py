@@ -145,6 +145,8 @@ def test_estimator_rejects_bad_arguments():
         AdvantageEstimator("sum", std="batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="advantage.clip"):
         AdvantageEstimator("sum", clip=0.0)
+    with pytest.raises(ValueError, match="advantage.eps"):
+        AdvantageEstimator("sum", eps=-1e-4)
     with pytest.raises(ValueError, match="min_count <= buffer_size"):
         AdvantageEstimator("per_prompt", buffer_size=2, min_count=3)
     components, weights, group_ids, prompts = batch()

@@ -219,3 +219,70 @@ def test_stat_tracker_state_round_trip():
         twin.load_state_dict({"history": {}})
     with pytest.raises(ValueError, match="min_count"):
         StatTracker(buffer_size=2, min_count=3)
+
+
+# -- mutation-audit pins ----------------------------------------------------------------------------
+
+
+def test_zero_variance_threshold_is_relative_to_the_mean():
+    """A spread of 1e-5 is noise on rewards near 1000 (dropped) but signal near 0 (kept).
+
+    Pins the ``1 + mean**2`` scale of the zero-variance test, and that ``clipped`` counts only kept samples.
+    """
+    r = t(1000, 1000 + 1e-5, 0, 1e-5)
+    g = torch.tensor([0, 0, 1, 1])
+    # both groups: var 2.5e-11; threshold 1e-12 * (1 + 1e6) for group 0, 1e-12 * (1 + 2.5e-11) for group 1
+    adv, keep, stats = group_advantages(r, g, std="none", eps=0.0, clip=1e-6)
+    assert keep.tolist() == [False, False, True, True]
+    assert (stats.zero_std_groups, stats.kept) == (1, 2)
+    close(adv, [0.0, 0.0, -1e-6, 1e-6])  # raw +-5e-6 in both groups, clipped to 1e-6
+    assert stats.clipped == 2  # the dropped group's raw +-5e-6 also exceeds the clip but is not counted
+
+
+def test_clip_count_excludes_advantages_exactly_at_the_bound():
+    """``clipped`` counts advantages the clip changed: |A| == clip is not clipped."""
+    adv, _, stats = group_advantages(t(0, 2, 0, 6), torch.tensor([0, 0, 1, 1]), std="none", eps=0.0, clip=1.0)
+    close(adv, [-1.0, 1.0, -1.0, 1.0])  # raw (-1, 1, -3, 3)
+    assert stats.clipped == 2
+
+
+def test_weighted_sum_rejects_non_vector_rewards():
+    """Rewards must be (B,): a (B, 1) column of the same shape for every reward is refused."""
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        weighted_sum({"a": torch.zeros(3, 1), "b": torch.zeros(3, 1)}, {"a": 1.0, "b": 1.0})
+
+
+def test_compute_advantages_clips_every_method():
+    """``clip`` reaches the median and GDPO paths of :func:`compute_advantages`, not only the sum."""
+    g = torch.tensor([0, 0, 0, 1])
+    comps = {"a": t(1, 3, NAN, 0), "b": t(NAN, 1, 4, 2)}
+    w = {"a": 1.0, "b": 2.0}
+    adv, _, stats = compute_advantages(comps, w, g, method="median", std="none", eps=0.0, clip=2.0)
+    close(adv, [-2.0, 0.0, 2.0, 0.0])  # raw (-4, 0, 3, 0), see test_compute_advantages_dispatch
+    assert stats.clipped == 2
+    adv, _, stats = compute_advantages(comps, w, g, method="gdpo", eps=0.0, clip=1.0)
+    close(adv, [-0.7071068, -0.7071068, 1.0, 0.0])  # raw (-1, -1, 2) / sqrt2
+    assert stats.clipped == 1
+
+
+def test_stat_tracker_refuses_bad_input_and_bad_state():
+    """``update`` refuses +-inf and a reward count that differs from the prompt count; ``load_state_dict``
+    refuses settings that violate 1 <= min_count <= buffer_size."""
+    tracker = StatTracker(buffer_size=2, min_count=1)
+    with pytest.raises(ValueError, match="inf"):
+        tracker.update(["a", "b"], t(0, math.inf))
+    with pytest.raises(ValueError, match="len\\(prompts\\)"):
+        tracker.update(["a", "b"], t(0, 1, 2))
+    assert tracker.history == {}
+    for min_count, buffer_size in ((0, 2), (3, 2)):
+        with pytest.raises(ValueError, match="min_count <= buffer_size"):
+            tracker.load_state_dict({"buffer_size": buffer_size, "min_count": min_count, "eps": 0.0, "history": {}})
+
+
+def test_stat_tracker_state_restores_eps():
+    """A loaded state brings its own eps (here 1, not the default 1e-6) into the advantages."""
+    twin = StatTracker()
+    twin.load_state_dict({"buffer_size": 4, "min_count": 2, "eps": 1.0, "history": {"x": [0.0, 2.0]}})
+    assert twin.eps == 1.0
+    # x: (0, 2, 4) mean 2, population std sqrt(8/3) = 1.6329932 -> (4 - 2) / (1.6329932 + 1)
+    close(twin.update(["x"], t(4)), [0.7595918])

@@ -78,6 +78,21 @@ def test_tensor_and_weight_faults():
     assert weight_fault([torch.tensor([float("inf")])], 10.0) == "the updated LoRA weights are not finite"
 
 
+def test_the_bounds_are_inclusive_and_the_fault_names_the_first_bad_total():
+    """``|reward| <= max_abs_reward`` and ``|w| <= max_lora_weight`` are sane (the bound itself passes); the
+    clause quotes the first bad total of the batch; a NaN ("not applicable") component of a bad sample is not
+    blamed; an empty parameter (numel 0) is skipped, not an error.
+    """
+    assert reward_fault(torch.tensor([1e6, -1e6]), {"a": torch.tensor([1e6, -1e6])}, 1e6) is None
+    assert weight_fault([torch.tensor([2.0, -2.0])], 2.0) is None
+    fault = reward_fault(torch.tensor([0.0, 2e7, 5e8]), {"a": torch.tensor([0.0, 2e7, 5e8])}, 1e6)
+    assert "|total| 2e+07 >" in fault, fault
+    nan = float("nan")
+    fault = reward_fault(torch.tensor([3e7]), {"big": torch.tensor([3e7]), "style": torch.tensor([nan])}, 1e6)
+    assert "'big' returned 3e+07" in fault and "'style'" not in fault, fault
+    assert weight_fault([torch.zeros(0), torch.tensor([0.5])], 1.0) is None
+
+
 def test_guard_stops_after_k_consecutive_and_names_the_first_fault():
     guard = UpdateGuard(3)
     guard.skip("A", 1)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from flowrl.checkpoint import load_checkpoint
 from flowrl.cli import main
 from flowrl.config import load_config
-from flowrl.guards import UpdateGuard, UpdateGuardError, reward_fault, tensor_fault, weight_fault
+from flowrl.guards import StepSnapshot, UpdateGuard, UpdateGuardError, reward_fault, tensor_fault, weight_fault
 from flowrl.policy import build_policy
 from flowrl.prompts.sets import load_prompts
 from flowrl.rewards import build_multi_reward
@@ -106,6 +106,26 @@ def test_guard_stops_after_k_consecutive_and_names_the_first_fault():
     twin = UpdateGuard(3)
     twin.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert twin.state_dict() == guard.state_dict()
+
+
+def test_step_snapshot_restores_the_adam_moments_as_they_were_before_the_step():
+    """The snapshot holds a copy of the optimizer state: the undone step's in-place updates of Adam's moments and
+    step count are undone too (a snapshot sharing the state tensors would keep them), as are the weights.
+    """
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.tensor([0.5, 0.25])
+    optimizer.step()  # moments and step exist now
+    before = {k: v.clone() for k, v in optimizer.state[w].items()}
+    weights = w.detach().clone()
+    snapshot = StepSnapshot([w], optimizer)
+    w.grad = torch.tensor([1e3, -1e3])
+    optimizer.step()
+    snapshot.restore()
+    assert torch.equal(w.detach(), weights)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    assert state.keys() == before.keys()
+    assert all(torch.equal(state[k], before[k]) for k in before), {k: (state[k], before[k]) for k in before}
 
 
 # -- the trainer ----------------------------------------------------------------------------

@@ -110,6 +110,25 @@ def test_reference_log_prob_drops_constants_and_variance() -> None:
     assert cps_log_prob_reference(out.sample.float(), out.mean.float()).dtype == torch.float32
 
 
+def test_reference_log_prob_of_half_precision_inputs_is_computed_in_fp32() -> None:
+    """bf16 / fp16 sample and mean are upcast before the difference: an fp32 result equal to the fp64 value.
+
+    A bf16 difference (the inputs' own dtype) rounds ``x' - mean`` to 8 bits and returns bf16.
+    """
+    g = torch.Generator().manual_seed(8)
+    sample = torch.randn(3, 4, 8, 8, generator=g, dtype=F64)
+    mean = sample + 1e-3 * torch.randn(3, 4, 8, 8, generator=g, dtype=F64)  # x' close to the mean: a small difference
+    for dtype in (torch.bfloat16, torch.float16):
+        s, m = sample.to(dtype), mean.to(dtype)
+        expected = -((s.double() - m.double()) ** 2).mean(dim=(1, 2, 3))  # of the half-precision values, in fp64
+        got = cps_log_prob_reference(s, m)
+        assert got.dtype == torch.float32 and got.shape == (3,)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+    mixed = cps_log_prob_reference(sample.to(torch.bfloat16), mean)  # one fp64 input: fp64 throughout
+    assert mixed.dtype == F64
+    torch.testing.assert_close(mixed, -((sample.to(torch.bfloat16).double() - mean) ** 2).mean(dim=(1, 2, 3)))
+
+
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_prev_sample_scoring_reproduces_log_prob(rank: int) -> None:
     x, v = _xv(SHAPES[rank], seed=3)

@@ -1,6 +1,7 @@
 """Reward-hacking guards: the tracker's trip rule, the config section, and planted degradations."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -68,6 +69,48 @@ def test_parse_guards_splits_guard_keys_from_reward_options():
         "reward": "ink",
         "target": "bold",
     }
+
+
+def test_guard_spec_defaults_and_relative_tolerance_of_a_negative_best():
+    """An entry with no guard keys warns (never stops) at tolerance 0.05; a relative tolerance is a share of |best|,
+    so a guard whose best is negative still has a positive allowed fall.
+    """
+    assert parse_guards({"g": None})[0] == GuardSpec("g", 0.05, False, "warn", {})
+    assert GuardSpec("g", 0.1, relative=True).allowed_fall(-2.0) == pytest.approx(0.2)
+    tracker = GuardTracker([GuardSpec("g", 0.1, relative=True)])
+    tracker.update(0, {"g": -2.0}, reward=0.0)
+    assert tracker.update(1, {"g": -2.15}, reward=1.0) == ([], True)  # fell 0.15 <= 0.1 * |-2|
+    assert len(tracker.update(2, {"g": -2.25}, reward=1.0)[0]) == 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"tolerance": True}, "'guards.g.tolerance' must be a finite number >= 0; got True"),
+        ({"tolerance": float("nan")}, "'guards.g.tolerance' must be a finite number >= 0; got nan"),
+        ({"tolerance": float("inf")}, "'guards.g.tolerance' must be a finite number >= 0; got inf"),
+        ({"relative": "yes"}, "'guards.g.relative' must be true or false; got 'yes'"),
+    ],
+)
+def test_parse_guards_refuses_a_bad_tolerance_or_relative(entry, message):
+    """A bool, NaN or infinite tolerance (a guard that could never trip) and a non-bool ``relative`` are refused."""
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        parse_guards({"g": entry})
+
+
+def test_a_guard_is_the_trained_reward_only_with_the_same_options():
+    """Guard and trained reward are compared by reward factory and options: other options make another scorer (a
+    guard may watch the other style of the trained ``ink``), while ``timeout_s`` or ``weight`` alone do not.
+    """
+    rewards = {"ink": {"target": "thin", "weight": 1.0}}
+    assert parse_guards({"bright": {"reward": "ink", "target": "bold"}}, rewards)[0].options == {
+        "reward": "ink",
+        "target": "bold",
+    }
+    with pytest.raises(ValueError, match="'guards.same' scores what the trained reward rewards.ink scores"):
+        parse_guards({"same": {"reward": "ink", "target": "thin", "timeout_s": 30}}, rewards)
+    with pytest.raises(ValueError, match="'guards.same' scores what the trained reward rewards.ink scores"):
+        parse_guards({"same": {"reward": "ink", "target": "thin"}}, {"ink": {"target": "thin", "timeout_s": 5}})
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,23 @@ def test_clamp_and_its_validation() -> None:
         assert "\n" not in str(info.value)
 
 
+def test_fp32_variance_of_a_tiny_step_is_never_negative() -> None:
+    """The variance is >= 0 (so the std is a number) where fp32 rounding makes the integral's terms cancel below 0.
+
+    For sigma' the fp32 neighbour of sigma, ``log1p(-sigma') - log1p(-sigma) - (sigma - sigma')`` rounds to a
+    negative value at some sigmas (e.g. sigma = 2^-12); the variance there is 0 and the step is the Euler step.
+    """
+    sigma = torch.logspace(-6, -0.01, 20_000, dtype=torch.float32)
+    sigma_next = torch.nextafter(sigma, torch.zeros_like(sigma))
+    raw = torch.log1p(-sigma_next) - torch.log1p(-sigma) - (sigma - sigma_next)
+    assert bool((raw < 0).any())  # the grid holds steps whose unclamped integral is negative
+    var = sage_sde_variance(sigma, sigma_next, 0.7)
+    assert var.dtype == torch.float32 and bool((var >= 0).all())
+    x, v = _xv((sigma.shape[0], 2, 3))
+    out = sage_sde_step(x.float(), v.float(), sigma, sigma_next, 0.7, generator=torch.Generator().manual_seed(0))
+    assert bool(torch.isfinite(out.std).all() & torch.isfinite(out.mean).all() & torch.isfinite(out.log_prob).all())
+
+
 @pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("sigma,sigma_next,eta", [(1.0, 0.9, 0.5), (0.7, 0.55, 0.5), (0.2, 0.0, 1.0)])
 def test_mean_is_euler_plus_half_variance_times_score(rank: int, sigma: float, sigma_next: float, eta: float) -> None:

@@ -59,3 +59,24 @@ def test_mean_ci_covers_its_level_at_small_n():
     draws = torch.randn(20_000, 3, generator=gen, dtype=torch.float64)
     covered = sum(ci.low <= 0.0 <= ci.high for ci in map(mean_ci, draws))
     assert 0.94 < covered / len(draws) < 0.96
+
+
+def test_mean_ci_half_width_and_infinite_values_left_out():
+    """``half_width`` is half the interval (the ``±`` of eval/reward_ci95); an inf is left out like a NaN (the mean of
+    finite values), not averaged into an infinite mean.
+    """
+    ci = mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert ci.half_width == pytest.approx(3.182446305284263 * math.sqrt(5.0 / 3.0) / 2.0, abs=1e-9)
+    assert ci.half_width == pytest.approx(ci.high - ci.mean, abs=1e-12)
+    with_inf = mean_ci(torch.tensor([1.0, 2.0, 3.0, 4.0, float("inf"), -float("inf")], dtype=torch.float64))
+    assert (with_inf.mean, with_inf.n) == (2.5, 4) and with_inf.low == pytest.approx(ci.low, abs=1e-12)
+
+
+def test_diversity_refuses_flat_images_and_mismatched_group_ids():
+    """A (B,) tensor is not a batch of images, and group ids must be one per sample (one ValueError line each)."""
+    with pytest.raises(ValueError, match=r"images must be \(B, \.\.\.\) images; got shape \(4,\)"):
+        prompt_diversity(torch.rand(4), [0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"group_ids must be \(4,\) to match images; got \(3,\)"):
+        prompt_diversity(torch.rand(4, 3, 2, 2), [0, 0, 1])
+    with pytest.raises(ValueError, match=r"group_ids must be \(4,\) to match images; got \(2, 2\)"):
+        prompt_diversity(torch.rand(4, 3, 2, 2), [[0, 0], [1, 1]])

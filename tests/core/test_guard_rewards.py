@@ -1,5 +1,6 @@
 """Reward-hacking guards: the tracker's trip rule, the config section, and planted degradations."""
 
+import json
 import math
 import re
 
@@ -57,6 +58,48 @@ def test_state_round_trip():
     again.load_state_dict(tracker.state_dict())
     assert again.state_dict() == tracker.state_dict() and again.tripped == {"g"}
     assert again.update(6, {"g": 0.4}, 2.0)[0] == []  # already tripped before the resume: no second warning
+
+
+def test_trip_rule_boundaries():
+    """A fall of exactly the tolerance is within it; a reward equal to the reward at the best is not rising; a tie
+    with the best keeps the first best (its iteration and reward); a non-finite value (inf too) is not measured.
+    """
+    tracker = GuardTracker([GuardSpec("g", tolerance=0.25)])
+    tracker.update(0, {"g": 1.0}, reward=0.5)
+    assert tracker.update(1, {"g": 1.0}, reward=2.0) == ([], True)  # a tie: the best stays iteration 0's
+    assert tracker.update(2, {"g": 0.75}, reward=3.0) == ([], True)  # fell by exactly the tolerance
+    assert tracker.update(3, {"g": 0.5}, reward=0.5) == ([], False)  # fell, the reward did not rise past 0.5
+    assert tracker.update(4, {"g": math.inf}, reward=0.5) == ([], True)  # not measured: no verdict
+    assert tracker.update(5, {"g": -math.inf}, reward=0.5) == ([], True)
+    trips, healthy = tracker.update(6, {"g": 0.5}, reward=1.0)  # risen past iteration 0's 0.5, not past 2.0
+    assert [(t.best, t.best_iteration) for t in trips] == [(1.0, 0)] and not healthy
+    assert tracker.summary()["best"] == {"g": {"value": 1.0, "iteration": 0}}
+
+
+def test_one_fallen_guard_makes_the_evaluation_unhealthy_and_is_counted_without_a_trip():
+    """``healthy`` needs every guard within tolerance (the first fallen one is not forgotten by a later healthy
+    one); ``guard/tripped`` counts guards fallen now, tripped or not (here the reward fell, so no trip).
+    """
+    tracker = GuardTracker([GuardSpec("a", tolerance=0.1), GuardSpec("b", tolerance=0.1)])
+    tracker.update(0, {"a": 1.0, "b": 1.0}, reward=1.0)
+    assert tracker.update(1, {"a": 0.5, "b": 1.0}, reward=0.5) == ([], False)
+    assert tracker.metrics() == {"guard/a_best": 1.0, "guard/b_best": 1.0, "guard/tripped": 1.0}
+    assert tracker.kept_iteration == 0
+
+
+def test_state_keeps_the_reward_at_the_best_and_reads_older_checkpoints():
+    """The reward at each guard's best survives a resume (a later fall trips only past it); a checkpoint from
+    before ``fallen`` was stored counts its tripped guards as fallen.
+    """
+    tracker = GuardTracker([GuardSpec("g", 0.05)])
+    tracker.update(0, {"g": 1.0}, reward=1.0)
+    again = GuardTracker([GuardSpec("g", 0.05)])
+    again.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
+    assert again.update(1, {"g": 0.5}, reward=0.5) == ([], False)  # the reward fell below 1.0: no trip
+    old = {"best": {"g": [1.0, 0, 1.0]}, "tripped": ["g"], "trips": [], "kept_iteration": 0}
+    older = GuardTracker([GuardSpec("g", 0.05)])
+    older.load_state_dict(old)
+    assert older.fallen == {"g"} and older.metrics()["guard/tripped"] == 1.0
 
 
 def test_parse_guards_splits_guard_keys_from_reward_options():

@@ -198,3 +198,25 @@ def test_unknown_sde_names_the_choices():
 
     with pytest.raises(ValueError, match="sampler.sde"):
         get_sde_step("langevin")
+
+
+def test_the_flow_step_uses_the_step_registered_for_the_latents_device_only(monkeypatch):
+    """``flow_step`` looks the accelerated step up by x's device type: one registered for another device is not used.
+
+    A step registered for "meta" runs for meta latents; CPU latents still get :func:`flow_sde_step` bit for bit.
+    """
+    from flowrl.samplers import get_sde_step
+    from flowrl.samplers.sde_steps import ACCELERATED_STEPS
+
+    calls = []
+
+    def accelerated(x, *args, **kwargs):
+        calls.append(x.device.type)
+        return "accelerated"
+
+    monkeypatch.setitem(ACCELERATED_STEPS, ("flow", "meta"), accelerated)
+    x, v, z = _init((2, 3, 4)), _init((2, 3, 4), seed=1), _init((2, 3, 4), seed=2)
+    got = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, noise=z)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(got, flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z)))
+    assert get_sde_step("flow")(x.to("meta"), v.to("meta"), 0.7, 0.6, 0.7) == "accelerated"
+    assert calls == ["meta"]

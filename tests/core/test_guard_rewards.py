@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, load_config
+from flowrl.evaluation import mean_ci
 from flowrl.evaluation.guard_rewards import GuardSpec, GuardTracker, parse_guards
-from flowrl.evaluation.heldout import HeldOutEvaluation
+from flowrl.evaluation.heldout import HeldOutEvaluation, as_uint8, heldout_inputs
 from flowrl.prompts.batch import collate
 from flowrl.prompts.files import Prompt
 from flowrl.rewards import build_multi_reward
@@ -239,3 +240,42 @@ def test_collapsed_samples_trip_the_diversity_guard():
 
     result = ev.run(collapsed, base, 5)
     assert result.metrics["eval/diversity"] == 0.0 and [t.name for t in result.trips] == ["diversity"]
+
+
+def test_heldout_inputs_and_quantisation():
+    """Each prompt gets the seeds ``seed_base + j`` (the same for every prompt), grouped prompt-major; samples are
+    clamped to [0, 1] and rounded (not truncated) to 8 bits, as a PNG holds them.
+    """
+    rows, seeds, groups = heldout_inputs(["a", "b"], 3, 100)
+    assert rows == ["a", "a", "a", "b", "b", "b"] and seeds == [100, 101, 102, 100, 101, 102]
+    assert groups.tolist() == [0, 0, 0, 1, 1, 1]
+    assert as_uint8(torch.tensor([-0.5, 0.0, 0.999, 1.0, 2.0])).tolist() == [0, 0, 255, 255, 255]
+
+
+def test_heldout_run_reads_nan_means_samples_the_base_once_and_builds_only_reward_guards():
+    """Components and guards that do not apply to a prompt (NaN) are nan-means over the rest; eval/reward_ci95 is
+    the interval's half width; the base model is sampled at the first evaluation only; ``from_config`` scores the
+    reward guards (weight 1) and leaves the monitors to the evaluation.
+    """
+    prompts = [Prompt("a bold 3", {}), Prompt("a 5", {})]  # the second has no style: ink_band/stroke_width NaN
+    specs = parse_guards({"stroke": {"reward": "stroke_width"}})
+    trained = build_multi_reward({"ink_band": {}})
+    ev = HeldOutEvaluation(
+        prompts, 2, 0, trained, specs, build_multi_reward({"stroke": {"reward": "stroke_width"}}), collate=collate
+    )
+    calls = []
+
+    def base(prompts, seeds):
+        calls.append(len(seeds))
+        return _sampler(lambda x: x)(prompts, seeds)
+
+    for it in range(3):
+        result = ev.run(_sampler(lambda x: x), base, it)
+    assert calls == [4]
+    scored = trained(result.images, ev.batch.texts, **ev.batch.metadata)
+    assert math.isfinite(result.metrics["eval/ink_band"]) and math.isfinite(result.metrics["guard/stroke"])
+    assert result.metrics["eval/ink_band"] == pytest.approx(float(scored.components["ink_band"][:2].mean()))
+    assert result.metrics["eval/reward_ci95"] == pytest.approx(mean_ci(scored.total).half_width)
+    cfg = load_config(None, ["guards.diversity.tolerance=0.2", "guards.bright.reward=ink", "train.eval_seeds=2"])
+    built = HeldOutEvaluation.from_config(cfg, PROMPTS, trained, 0, collate)
+    assert built.guard_reward.weights == {"bright": 1.0} and built.has_guards

@@ -247,6 +247,39 @@ def test_float32_inputs_compute_in_float32_and_float64_in_float64() -> None:
     torch.testing.assert_close(out32.sample.double(), out64.sample, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("sde", ["flow", "dance", "cps", "sage"])
+def test_half_precision_and_mixed_inputs_compute_in_the_compute_dtype(sde: str) -> None:
+    """The compute dtype is fp32 for bf16 / fp16 inputs and fp64 when x or v is fp64 (either one).
+
+    bf16 x and v give the fp32 step of their upcast values (not a bf16 one); an fp32 x with an fp64 v
+    gives the fp64 step, bit for bit; a bf16 stored x' is scored as fp32 and returned as fp32; fp64 noise
+    for fp32 inputs is rounded to fp32 before it is scaled (the fused kernel's order), not the sum after.
+    """
+    from flowrl.samplers import get_sde_step
+
+    step = get_sde_step(sde)
+    x, v = _xv(SHAPES[4], seed=12)
+    z = torch.randn(SHAPES[4], generator=torch.Generator().manual_seed(13))
+    for half in (torch.bfloat16, torch.float16):
+        xh, vh = x.to(half), v.to(half)
+        got = step(xh, vh, 0.7, 0.6, 0.7, noise=z)
+        want = step(xh.float(), vh.float(), 0.7, 0.6, 0.7, noise=z)
+        assert got.sample.dtype == got.mean.dtype == got.log_prob.dtype == torch.float32
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        scored = step(xh, vh, 0.7, 0.6, 0.7, prev_sample=got.sample.to(half))
+        assert scored.sample.dtype == torch.float32 and torch.equal(scored.sample, got.sample.to(half).float())
+    for xm, vm in ((x.float(), v), (x, v.float())):
+        got = step(xm, vm, 0.7, 0.6, 0.7, noise=z)
+        want = step(xm.double(), vm.double(), 0.7, 0.6, 0.7, noise=z)
+        assert got.mean.dtype == got.log_prob.dtype == F64
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    z64 = torch.randn(SHAPES[4], generator=torch.Generator().manual_seed(14), dtype=F64)
+    wide_noise = step(x.float(), v.float(), 0.7, 0.6, 0.7, noise=z64)  # the noise is cast to fp32, not the sample
+    assert all(
+        torch.equal(a, b) for a, b in zip(wide_noise, step(x.float(), v.float(), 0.7, 0.6, 0.7, noise=z64.float()))
+    )
+
+
 # --------------------------------------------------------------------------- gaussian_log_prob
 
 

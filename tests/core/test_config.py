@@ -46,6 +46,7 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["sampler.window=fixed", "sampler.window_start=50"], "'sampler.window_start' (50) + window_size (2)"),
         (["sampler.window=random", "sampler.num_steps=5"], "'sampler.window_range' [0, 9) must lie in [0, sampler"),
         (["output.dir="], "'output.dir' is empty; set it to a path"),
+        (["output.dir=' '"], "'output.dir' is empty; set it to a path"),  # blank, not only empty
         (["rewards.drift.weight=1"], "'rewards.drift' is named like an evaluation figure (eval/drift)"),
         (["rewards.remote:http://127.0.0.1:8765.weight=1"], "rewards.judge.reward=remote rewards.judge.url=http://"),
     ],
@@ -57,6 +58,14 @@ def test_bad_values_give_one_line_errors(override, fragment):
     assert fragment in message
     assert "\n" not in message
     assert "command line" in message
+
+
+def test_a_file_with_an_empty_rewards_section_is_refused(tmp_path):
+    """A file's ``rewards: {}`` replaces the defaults whole, so it would leave nothing to train on: one line."""
+    path = tmp_path / "none.yaml"
+    path.write_text("rewards: {}\n")
+    with pytest.raises(ConfigError, match=r"none.yaml: 'rewards' is empty; name at least one reward"):
+        load_config(path)
 
 
 def test_yaml_file_errors_name_the_file(tmp_path):

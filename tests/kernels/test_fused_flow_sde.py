@@ -365,3 +365,12 @@ def test_the_registry_flow_step_runs_the_kernel_on_cuda():
     scored = get_sde_step("flow")(x, v, 0.7, 0.6, 0.7, prev_sample=got.sample)
     assert type(scored.log_prob.grad_fn).__name__ == "_FusedScoreBackward"
     assert torch.equal(scored.log_prob.detach(), got.log_prob)
+
+
+def test_bytes_moved_per_element_sampling_and_scoring():
+    """The roofline's byte model: sampling reads x, v, z and writes x' and the mean (20 B per fp32 element);
+    scoring reads x, v, x' and writes the mean only (16 B); bf16 inputs save 2 B on each read."""
+    from flowrl.kernels.flow_sde import flow_sde_bytes
+
+    assert flow_sde_bytes(1000, 4) == 20_000 and flow_sde_bytes(1000, 4, score=True) == 16_000
+    assert flow_sde_bytes(1000, 2) == 14_000 and flow_sde_bytes(1000, 2, score=True) == 10_000

@@ -158,6 +158,19 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
         resolve_backend("triton", torch.ones(2))
 
 
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [(v, True) for v in ("1", "true", "TRUE", "yes", "on")]
+    + [(v, False) for v in ("0", "false", "no", "off", "", "2")],
+)
+def test_the_interpreter_switch_reads_the_usual_truthy_spellings(monkeypatch, value, on):
+    """``TRITON_INTERPRET`` is on for 1 / true / yes / on in any case (Triton reads each as on), else off."""
+    from flowrl.kernels import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() is on
+
+
 # --------------------------------------------------------------------------- Triton vs reference
 
 

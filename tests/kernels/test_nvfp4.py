@@ -171,6 +171,22 @@ def test_the_interpreter_switch_reads_the_usual_truthy_spellings(monkeypatch, va
     assert interpreting() is on
 
 
+@pytest.mark.skipif(not triton_installed(), reason="without triton every call runs the reference")
+def test_auto_picks_triton_only_when_every_input_can_run_it(monkeypatch):
+    """Without the interpreter, "auto" is Triton only if all inputs are CUDA tensors: one CPU input means torch.
+
+    (A CUDA-looking stand-in, as this check reads ``is_cuda`` only, so it runs without a GPU.)
+    """
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda_like = SimpleNamespace(is_cuda=True)
+    assert resolve_backend("auto", cuda_like, cuda_like) == "triton"
+    assert resolve_backend("auto", cuda_like, torch.ones(2)) == "torch"
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", torch.ones(2), cuda_like)
+
+
 # --------------------------------------------------------------------------- Triton vs reference
 
 

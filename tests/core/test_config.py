@@ -68,6 +68,30 @@ def test_a_file_with_an_empty_rewards_section_is_refused(tmp_path):
         load_config(path)
 
 
+RANDOM = "sampler.window=random"
+
+
+@pytest.mark.parametrize(
+    "override, refused",
+    [
+        (["sampler.sde=cps", "sampler.noise_level=1"], ["sampler.sde=cps", "sampler.noise_level=1.01"]),
+        (["sampler.sde_window=[0.5,0.5]"], ["sampler.sde_window=[0.6,0.5]"]),
+        (["sampler.window=fixed", "sampler.window_size=4"], ["sampler.window=fixed", "sampler.window_size=5"]),
+        (["sampler.window=fixed", "sampler.window_start=2"], ["sampler.window=fixed", "sampler.window_start=3"]),
+        ([RANDOM, "sampler.window_range=[2,4]"], [RANDOM, "sampler.window_range=[3,4]"]),
+        ([RANDOM, "sampler.window_range=[0,4]"], [RANDOM, "sampler.window_range=[0,5]"]),
+    ],
+)
+def test_sampler_cross_key_bounds_are_inclusive(override, refused):
+    """Each cross-key sampler bound admits its edge (noise_level 1 with cps, lo == hi, a window filling the steps,
+    a random range exactly window_size long or ending at num_steps) and refuses one step past it.
+    """
+    steps = ["sampler.num_steps=4", "sampler.window_size=2"]
+    assert load_config(None, steps + override) is not None
+    with pytest.raises(ConfigError, match="'sampler."):
+        load_config(None, steps + refused)
+
+
 def test_yaml_file_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sampler:\n  noise_levl: 0.5\n")

@@ -374,3 +374,17 @@ def test_bytes_moved_per_element_sampling_and_scoring():
 
     assert flow_sde_bytes(1000, 4) == 20_000 and flow_sde_bytes(1000, 4, score=True) == 16_000
     assert flow_sde_bytes(1000, 2) == 14_000 and flow_sde_bytes(1000, 2, score=True) == 10_000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 3, 4), (2, 0, 4)], ids=str)
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_empty_latents_give_the_reference_step(device, shape, reduce):
+    """An empty batch or empty samples skip the kernel (whose per-sample scale 1 / N would divide by 0): the
+    result is the reference's, shapes, dtypes and (NaN for a mean over no element) log-probs included."""
+    x, v, z = inputs(shape, torch.float32, device)
+    got = fused_flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z, reduce=reduce, backend="triton")
+    ref = flow_sde_step(x, v, 0.7, 0.6, 0.7, noise=z, reduce=reduce)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, equal_nan=True)

@@ -29,6 +29,20 @@ def test_step_general() -> None:
     torch.testing.assert_close(euler_step(x, v, 0.9, 0.65), x + (0.65 - 0.9) * v, rtol=0, atol=1e-15)
 
 
+def test_step_returns_the_latents_dtype_whatever_the_velocitys() -> None:
+    """The result is in x's dtype: a wider v (fp32 or fp64 velocity for a bf16 / fp32 latent) is cast to it first."""
+    x, v = _data((3, 2, 4, 4), seed=1)
+    for x_dtype, v_dtype in (
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.float16, torch.float64),
+    ):
+        xl, vw = x.to(x_dtype), v.to(v_dtype)
+        out = euler_step(xl, vw, 0.75, 0.5)  # dt = -0.25, exact in every dtype
+        assert out.dtype == x_dtype
+        assert torch.equal(out, xl - 0.25 * vw.to(x_dtype))
+
+
 GRIDS = {
     "linear7": linear_sigmas(7),
     "shift3": make_sigmas("shift", 11, shift=3.0),

@@ -119,3 +119,85 @@ def test_per_branch_width_pruning_keeps_the_best_children_of_each_last_split_nod
     assert all(m.tolist() == [True, False, True, False] for m in masks[2:])  # child 0 beats 1, child 2 beats 3
     with pytest.raises(ValueError, match="width_mode"):
         train_masks(adv, factors, levels, 1, width_keep=0.5, width_mode="middle")
+
+
+# -- mutation-audit pins ----------------------------------------------------------------------------
+
+
+def test_an_unknown_fusion_is_refused():
+    """A misspelt fusion raises instead of silently falling through to the softmax fusion."""
+    factors, log_probs = _one_tree()
+    with pytest.raises(ValueError, match="sampler.tree.fusion"):
+        fuse_rewards(torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=D), tree_widths(factors), log_probs, 1, "max")
+
+
+def test_softmax_fusion_weights_are_float64_for_float32_log_probs():
+    """The sampler's float32 edge log-probs are cast to the rewards' float64 before the softmax."""
+    widths = tree_widths(split_factors(1, [0], [2]))  # 1, 2
+    log_probs = [torch.tensor([0.1, 0.7], dtype=torch.float32)]
+    leaves = torch.tensor([1.0, 2.0], dtype=D)
+    root = fuse_rewards(leaves, widths, log_probs, 1, "softmax")[0]
+    expected = (torch.softmax(log_probs[0].double(), dim=0) * leaves).sum()
+    torch.testing.assert_close(root, expected.reshape(1), rtol=0, atol=1e-15)
+
+
+def test_a_depth_with_a_tiny_spread_gets_zero_advantage():
+    """Depth rewards (0, 1e-7): unbiased std 7.1e-8 < 1e-6 counts as no signal (not +-0.6 of noise)."""
+    widths = tree_widths(split_factors(1, [0], [2]))
+    lps = [torch.zeros(2, dtype=D)]
+    (adv,) = depthwise_advantages(fuse_rewards(torch.tensor([0.0, 1e-7], dtype=D), widths, lps, 1), 1)
+    assert torch.equal(adv, torch.zeros(2))
+
+
+def test_width_pruning_gives_the_odd_edge_to_the_worst_half():
+    """keep = int(3/8 * 8) = 3 edges: the best one (0.9) and the two worst (-1.0, -0.2)."""
+    adv = [torch.tensor([0.1, 0.5, 0.3, -0.2, 0.0, 0.9, -1.0, 0.2])]
+    (mask,) = width_prune_masks(adv, [0], 1, 0.375)
+    assert mask.tolist() == [False, False, False, True, False, True, True, False]
+
+
+def test_per_branch_keep_count_rounds_down():
+    """fraction 0.6 of 3 children keeps int(1.8) = 1 child per branch, the best."""
+    (mask,) = branch_prune_masks([torch.tensor([0.2, 0.9, 0.5, 0.4, -0.1, 0.3])], [0], 3, 0.6)
+    assert mask.tolist() == [False, True, False, True, False, False]
+
+
+def test_prune_until_is_exclusive_and_stop_depth_is_honoured():
+    """Pruning stops at iteration == prune_until; an explicit stop_depth replaces the last split as the
+    sliding window's stop."""
+    factors = split_factors(5, [0, 1], [2])  # last split at step 1
+    levels = torch.full((5,), 0.7, dtype=D)
+    adv = [torch.arange(w, dtype=torch.float32) for w in tree_widths(factors)[1:]]
+    still = train_masks(adv, factors, levels, 1, iteration=4, depth_prune=[2], prune_until=5)
+    assert not still[1].any()
+    free = train_masks(adv, factors, levels, 1, iteration=5, depth_prune=[2], prune_until=5)
+    assert all(m.all() for m in free)
+    # window {4}, one depth per iteration: stops at depth 3 (stop_depth) instead of depth 1 (the last split)
+    masks = train_masks(adv, factors, levels, 1, iteration=10, depth_prune=[4], slide_every=1, stop_depth=3)
+    assert [bool(m.any()) for m in masks] == [True, True, False, True, True]
+    default = train_masks(adv, factors, levels, 1, iteration=10, depth_prune=[4], slide_every=1)
+    assert [bool(m.any()) for m in default] == [False, True, True, True, True]
+
+
+def test_chunked_tree_rollout_uses_the_split_noise_scale():
+    """``split_noise_scale`` reaches the tree sampler: split steps record it, other steps record 1."""
+    from flowrl.tree.rollouts import chunked_tree_rollout
+
+    class Zero:
+        def velocity(self, x, sigma, cond):
+            return torch.zeros_like(x)
+
+    factors = split_factors(3, [1], [2])
+    sigmas = torch.tensor([1.0, 0.7, 0.4, 0.0], dtype=D)
+    tree = chunked_tree_rollout(
+        Zero(),
+        {"c": torch.zeros(1, 2)},
+        torch.randn(1, 4, generator=torch.Generator().manual_seed(0)),
+        sigmas,
+        torch.full((3,), 0.7, dtype=D),
+        factors,
+        chunk_size=2,
+        split_noise_scale=0.5,
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert tree.noise_scales.tolist() == [1.0, 0.5, 1.0]

@@ -256,3 +256,38 @@ def test_a_depth_prune_outside_the_child_depths_is_refused(depths):
 
     slide = ["sampler.tree.depth_prune=[15,16]", "sampler.tree.depth_prune_slide_every=2"]
     assert tree_spec(load_config(REPO / "configs/branch/digits.yaml", slide))  # a slide brings them in
+
+
+def test_pruning_options_carry_every_tree_pruning_key():
+    """Each ``sampler.tree`` pruning key reaches :func:`train_masks` under its keyword (none left at its default)."""
+    from flowrl.tree.rollouts import pruning_options
+
+    keys = [
+        "sampler.tree.depth_prune=[5]",
+        "sampler.tree.depth_prune_slide_every=2",
+        "sampler.tree.depth_prune_stop=3",
+        "sampler.tree.width_keep=0.5",
+        "sampler.tree.width_mode=per_branch",
+        "sampler.tree.prune_until=7",
+        "sampler.num_steps=12",
+    ]
+    options = pruning_options(load_config(REPO / "configs/branch/digits.yaml", keys).sampler.tree)
+    assert options == {
+        "depth_prune": [5],
+        "slide_every": 2,
+        "stop_depth": 3,
+        "width_keep": 0.5,
+        "width_mode": "per_branch",
+        "prune_until": 7,
+    }
+
+
+def test_a_tree_without_noise_is_refused():
+    """Solver objectives on tree leaves may load with sampler.noise_level=0; the tree geometry refuses it."""
+    from flowrl.tree.rollouts import tree_spec
+
+    cfg = load_config(
+        REPO / "configs/nft/digits.yaml", ["sampler.solver=tree", "prompts.group_size=16", "sampler.noise_level=0"]
+    )
+    with pytest.raises(ConfigError, match="sampler.noise_level must be > 0 for tree rollouts"):
+        tree_spec(cfg)

@@ -12,6 +12,7 @@ from kernel_devices import DEVICES
 
 from flowrl.kernels import (
     NVFP4Tensor,
+    interpreting,
     nvfp4_dequantize,
     nvfp4_fake_quantize,
     nvfp4_quantize,
@@ -238,3 +239,17 @@ def test_kernel_small_and_zero_blocks(device):
     got = nvfp4_quantize(x, backend="triton")
     assert_same(got, nvfp4_quantize(x, backend="torch"))
     assert bits(got.scales).cpu()[1].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"), pytest.param("triton", id="triton")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_dequantize_returns_the_requested_dtype(backend, dtype):
+    """``nvfp4_dequantize(q, dtype=...)`` is the fp32 dequantisation cast to ``dtype``, on either backend."""
+    if backend == "triton" and not (triton_installed() and interpreting()):
+        pytest.skip("the Triton backend on CPU needs triton and TRITON_INTERPRET=1")
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(21)) * 3
+    q = nvfp4_quantize(x, backend="torch")
+    fp32 = nvfp4_dequantize(q, backend=backend)
+    out = nvfp4_dequantize(q, dtype=dtype, backend=backend)
+    assert fp32.dtype == torch.float32 and out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, fp32.to(dtype))

@@ -86,3 +86,9 @@ def test_rank_statistics_extremes():
     assert extreme_overlap(a, b, 2) == 0.5
     with pytest.raises(ValueError, match="k=6 must be between 1 and N // 2 = 5"):
         extreme_overlap(a, a, 6)
+
+
+def test_max_variance_ties_prefer_the_split_closest_to_half():
+    """(10, 0, 0, 0, 0, -10), K = 4: top 1, 2 or 3 give the same variance; the rule takes 2 top + 2 bottom."""
+    rewards = torch.tensor([10.0, 0.0, 0.0, 0.0, 0.0, -10.0], dtype=torch.float64)
+    assert select_seeds(rewards, 4, "max_variance").tolist() == [0, 1, 4, 5]

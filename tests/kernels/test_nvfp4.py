@@ -241,6 +241,25 @@ def test_kernel_small_and_zero_blocks(device):
     assert bits(got.scales).cpu()[1].tolist() == [1, 1, 1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_dequantises_subnormal_block_scales(device):
+    """Blocks whose E4M3 scale is subnormal (k * 2^-9, codes 1..7) dequantise as the reference, bit for bit.
+
+    Block 0 holds 2688 (tensor scale exactly 1); block k holds 6 k 2^-9 and -3 k 2^-9, so its scale is k 2^-9.
+    """
+    x = torch.zeros(2, 16 * 8)
+    x[:, 0] = 2688.0
+    for k in range(1, 8):
+        x[:, 16 * k] = 6 * k * 2.0**-9
+        x[:, 16 * k + 1] = -3 * k * 2.0**-9
+    q = nvfp4_quantize(x, backend="torch")
+    assert bits(q.scales)[0, 1:].tolist() == list(range(1, 8))  # the subnormal E4M3 codes
+    q = NVFP4Tensor(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in q))
+    got = nvfp4_dequantize(q, backend="triton").cpu()
+    assert torch.equal(bits(got), bits(nvfp4_dequantize(q, backend="torch").cpu()))
+    assert torch.equal(got[:, 16::16], x[:, 16::16]) and torch.equal(got[:, 17::16], x[:, 17::16])  # exact values
+
+
 @pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"), pytest.param("triton", id="triton")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
 def test_dequantize_returns_the_requested_dtype(backend, dtype):

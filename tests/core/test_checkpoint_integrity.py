@@ -140,12 +140,38 @@ def test_negative_counter_is_named(tmp_path):
         ({"heldout": 3}, "trainer.json 'heldout' must be a mapping (got int)"),
         ({"config": [1]}, "trainer.json 'config' must be a mapping (got list)"),
         ({"nfe": "x"}, "trainer.json 'nfe' must be a non-negative integer"),
+        ({"iteration": True}, "trainer.json 'iteration' must be a non-negative integer (got True)"),
     ],
 )
 def test_a_signed_but_inconsistent_state_is_named(tmp_path, edit, fragment):
     """A checkpoint whose manifest was recomputed after an edit (checksums pass) is still checked after parsing."""
     folder = save_checkpoint({**_state(), **edit}, tmp_path / "iter-000007")
     _one_line_error(folder, fragment)
+
+
+def _resign(folder: Path, edit) -> None:
+    """Edit the manifest's body and recompute its own checksum, as a tool that rewrites checkpoints would."""
+    body = {k: v for k, v in json.loads((folder / "manifest.json").read_text()).items() if k != "sha256"}
+    edit(body)
+    (folder / "manifest.json").write_text(json.dumps({**body, "sha256": ck._digest(body)}))
+
+
+def test_a_re_signed_manifest_is_still_checked(saved):
+    """A manifest that passes its own checksum must still be of this format version, list every required file,
+    and account for every ``.json`` file in the folder (not only ``.safetensors``).
+    """
+    extra = saved.parent / "extra"
+    shutil.copytree(saved, extra)
+    odd = shutil.copytree(saved, saved.parent / "odd")
+    (extra / "notes.json").write_text("{}")
+    _one_line_error(extra, "notes.json is not listed in manifest.json")
+    _resign(saved, lambda body: body.update(version=2))
+    _one_line_error(saved, "manifest.json has format version 2; this flowrl reads 1")
+    _resign(saved, lambda body: (body.update(version=1), body["files"].pop("rng.safetensors")))
+    (saved / "rng.safetensors").unlink()
+    _one_line_error(saved, "manifest.json does not list rng.safetensors")
+    _resign(odd, lambda body: body["files"].update({"sub/lora.safetensors": body["files"]["lora.safetensors"]}))
+    _one_line_error(odd, "manifest.json lists 'sub/lora.safetensors', which is not a file of the folder")
 
 
 def test_stale_partial_is_cleaned_and_failed_save_leaves_nothing(tmp_path, monkeypatch):

@@ -179,3 +179,23 @@ def test_ode_steps_in_a_tree_are_euler_steps_with_zero_log_prob():
         torch.testing.assert_close(tree.nodes[t + 1].double(), euler, rtol=0, atol=1e-6)  # nodes are stored in fp32
         assert torch.equal(tree.log_probs[t], torch.zeros_like(tree.log_probs[t]))
     assert all(torch.isfinite(lp).all() and (lp != 0).all() for lp in (tree.log_probs[0], tree.log_probs[2]))
+
+
+def test_widths_trees_and_parents_of_a_stored_tree_by_hand():
+    """``width(d)`` is ``n_d`` (the product of the factors of steps before d), ``trees(d)`` the tree of each node
+    at depth d and ``parents(t)`` each child's row in ``nodes[t]``, for splits at consecutive steps.
+
+    factors (2, 3, 1, 2) give widths 1, 2, 6, 6, 12; for N = 2 trees, depth 2 holds rows 0..11 (tree j // 6) and
+    the children of step 1 have parents j // 3 among the 4 nodes of depth 1.
+    """
+    from flowrl.samplers.tree import TreeRollout
+
+    factors = torch.tensor([2, 3, 1, 2])
+    tree = TreeRollout([], [], factors, torch.ones(4, dtype=torch.float64), linear_sigmas(4), torch.ones(4), "flow", 2)
+    assert [tree.width(d) for d in range(5)] == tree_widths(factors) == [1, 2, 6, 6, 12]
+    for d, w in enumerate([1, 2, 6, 6, 12]):
+        assert torch.equal(tree.trees(d), torch.arange(2 * w) // w)
+    assert torch.equal(tree.parents(0), torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(tree.parents(1), torch.arange(12) // 3)
+    assert torch.equal(tree.parents(2), torch.arange(12))
+    assert torch.equal(tree.parents(3), torch.arange(24) // 2)

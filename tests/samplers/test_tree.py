@@ -89,7 +89,7 @@ def test_uneven_factors_and_bad_schedules():
     f = split_factors(5, [1, 3], [3, 2])
     assert f.tolist() == [1, 3, 1, 2, 1] and tree_widths(f) == [1, 1, 3, 3, 6, 6]
     assert tree_nfe(f) == 1 + 1 + 3 + 3 + 6 and tree_edges(f) == 1 + 3 + 3 + 6 + 6
-    for splits, factors in [([3, 1], [2]), ([1, 1], [2]), ([10], [2]), ([1, 2], [2, 2, 2]), ([1], [0])]:
+    for splits, factors in [([3, 1], [2]), ([1, 1], [2]), ([10], [2]), ([1, 2], [2, 2, 2]), ([1], [0]), ([1], [2.5])]:
         with pytest.raises(ValueError, match="sampler.tree"):
             split_factors(10, splits, factors)
     with pytest.raises(ValueError, match="noise level 0"):

@@ -127,6 +127,13 @@ def test_missing_optimizer_key_is_named(tmp_path):
     _one_line_error(save_checkpoint(state, tmp_path / "ck"), "optimizer.safetensors", "'exp_avg'")
 
 
+def test_missing_adam_step_is_named(tmp_path):
+    """Every AdamW key is required per parameter, the step count included."""
+    state = _state()
+    del state["optimizer"]["state"][0]["step"]
+    _one_line_error(save_checkpoint(state, tmp_path / "ck"), "optimizer.safetensors has no 'step' for parameter 0")
+
+
 def test_negative_counter_is_named(tmp_path):
     _one_line_error(save_checkpoint(_state(iteration=-1), tmp_path / "ck"), "trainer.json", "'iteration'")
 
@@ -141,6 +148,11 @@ def test_negative_counter_is_named(tmp_path):
         ({"config": [1]}, "trainer.json 'config' must be a mapping (got list)"),
         ({"nfe": "x"}, "trainer.json 'nfe' must be a non-negative integer"),
         ({"iteration": True}, "trainer.json 'iteration' must be a non-negative integer (got True)"),
+        ({"samples_seen": -1}, "trainer.json 'samples_seen' must be a non-negative integer (got -1)"),
+        (
+            {"adapters": {"ema": {"a.lora_A.weight": torch.zeros(2, 2, dtype=torch.int64)}}},
+            "adapter-ema.safetensors holds int64 tensor 'a.lora_A.weight' (training keeps LoRA weights in floating",
+        ),
     ],
 )
 def test_a_signed_but_inconsistent_state_is_named(tmp_path, edit, fragment):

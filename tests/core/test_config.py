@@ -47,6 +47,8 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["sampler.window=random", "sampler.num_steps=5"], "'sampler.window_range' [0, 9) must lie in [0, sampler"),
         (["output.dir="], "'output.dir' is empty; set it to a path"),
         (["output.dir=' '"], "'output.dir' is empty; set it to a path"),  # blank, not only empty
+        (["prompts.group_size=1"], "'prompts.group_size' must be >= 2 for advantage.method=sum"),
+        (["sampler.noise_level=0"], "'sampler.noise_level' is 0: objective.name=flow_grpo trains on stochastic"),
         (["rewards.drift.weight=1"], "'rewards.drift' is named like an evaluation figure (eval/drift)"),
         (["rewards.remote:http://127.0.0.1:8765.weight=1"], "rewards.judge.reward=remote rewards.judge.url=http://"),
     ],
@@ -90,6 +92,19 @@ def test_sampler_cross_key_bounds_are_inclusive(override, refused):
     assert load_config(None, steps + override) is not None
     with pytest.raises(ConfigError, match="'sampler."):
         load_config(None, steps + refused)
+
+
+def test_default_weights_a_later_file_s_rewards_and_a_group_as_large_as_the_candidates(tmp_path):
+    """The embedded job weights digit_correctness 0.5; a later file's ``rewards`` replaces the earlier one's whole
+    (not merged); solrl.mode=regenerate keeps K <= N seeds, K == N included.
+    """
+    assert load_config().rewards == {"ink_band": {"weight": 1.0}, "digit_correctness": {"weight": 0.5}}
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("rewards:\n  ink: {target: bold}\n")
+    second.write_text("rewards:\n  ink_band: {weight: 2.0}\n")
+    assert load_config([first, second]).rewards == {"ink_band": {"weight": 2.0}}
+    regenerate = ["objective.name=diffusion_nft", "solrl.mode=regenerate", "solrl.candidates=4"]
+    assert load_config(None, regenerate + ["prompts.group_size=4"]).prompts.group_size == 4
 
 
 def test_yaml_file_errors_name_the_file(tmp_path):

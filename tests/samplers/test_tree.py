@@ -110,6 +110,16 @@ def test_uneven_factors_and_bad_schedules():
         cps_tree(2)  # CPS's std is sigma_next sin(a pi / 2): 0 on the step to sigma 0 whatever its level
     tree = cps_tree(1)
     assert not torch.equal(tree.leaves[0], tree.leaves[1])
+    for bad in (0.0, -1.0):  # a split whose children carry no noise (or a negative std) is refused
+        with pytest.raises(ValueError, match="split_noise_scale must be > 0"):
+            tree_rollout(
+                _tree_velocity(),
+                torch.randn(1, 2, 4, 4),
+                linear_sigmas(3),
+                torch.full((3,), 0.5, dtype=torch.float64),
+                split_factors(3, [1], [2]),
+                split_noise_scale=bad,
+            )
 
 
 @pytest.mark.parametrize("sde", list(SDE_STEPS))

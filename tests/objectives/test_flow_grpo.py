@@ -43,6 +43,16 @@ def test_kl_of_shared_variance_gaussians():
     torch.testing.assert_close(gaussian_mean_kl(mean, ref, s), torch.distributions.kl_divergence(p, q).mean(1))
 
 
+def test_transition_kl_is_zero_on_a_deterministic_step():
+    """A step with std 0 (e.g. CPS to sigma 0) has no kernel: its KL is 0, not the KL at a stand-in std of 1."""
+    from flowrl.objectives.flow_grpo import transition_kl
+
+    mean = torch.ones(2, 3, dtype=torch.float64)
+    ref = torch.zeros(2, 3, dtype=torch.float64)
+    std = torch.tensor([0.0, 2.0], dtype=torch.float64).view(2, 1, 1)
+    torch.testing.assert_close(transition_kl(mean, ref, std), torch.tensor([0.0, 0.125], dtype=torch.float64))
+
+
 def _rollout_batch(model, chunk=3, groups=2, k=3, steps=4, sde="flow"):
     prompts = [f"a handwritten {d}" for d in range(groups) for _ in range(k)]
     cond = model.encode_prompt(prompts)

@@ -149,6 +149,7 @@ def test_negative_counter_is_named(tmp_path):
         ({"nfe": "x"}, "trainer.json 'nfe' must be a non-negative integer"),
         ({"iteration": True}, "trainer.json 'iteration' must be a non-negative integer (got True)"),
         ({"samples_seen": -1}, "trainer.json 'samples_seen' must be a non-negative integer (got -1)"),
+        ({"generator": torch.Generator().get_state().to(torch.int16)}, "rng.safetensors has no uint8 'generator'"),
         (
             {"adapters": {"ema": {"a.lora_A.weight": torch.zeros(2, 2, dtype=torch.int64)}}},
             "adapter-ema.safetensors holds int64 tensor 'a.lora_A.weight' (training keeps LoRA weights in floating",
@@ -184,6 +185,8 @@ def test_a_re_signed_manifest_is_still_checked(saved):
     _one_line_error(saved, "manifest.json does not list rng.safetensors")
     _resign(odd, lambda body: body["files"].update({"sub/lora.safetensors": body["files"]["lora.safetensors"]}))
     _one_line_error(odd, "manifest.json lists 'sub/lora.safetensors', which is not a file of the folder")
+    _resign(odd, lambda body: body["files"].update({"lora.safetensors": 5}))
+    _one_line_error(odd, "manifest.json has no valid file list")
 
 
 def test_stale_partial_is_cleaned_and_failed_save_leaves_nothing(tmp_path, monkeypatch):

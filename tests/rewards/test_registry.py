@@ -275,3 +275,18 @@ def test_build_multi_reward_bad_specs() -> None:
         build_multi_reward({"nope": {"weight": 1.0}})
     with pytest.raises(RewardError, match="'ink'"):
         build_multi_reward({"ink": {"weight": 1.0, "target": "huge"}})
+
+
+def test_weight_bound_is_on_the_magnitude_and_inclusive_and_entries_are_pairs_or_triples() -> None:
+    """``|weight| <= 1e6`` (a large negative weight is refused too, 1e6 itself passes), a bool is no weight, and an
+    entry must be (fn, weight) or (fn, weight, timeout_s).
+    """
+    from flowrl.rewards.combine import check_weight
+
+    assert check_weight("r", 1e6) == 1e6 and check_weight("r", -1e6) == -1e6
+    with pytest.raises(ValueError, match=r"weight of reward 'r' must be a number with \|weight\| <= 1e\+06"):
+        check_weight("r", -1e7)
+    with pytest.raises(ValueError, match="weight of reward 'r' must be a finite number; got True"):
+        check_weight("r", True)
+    with pytest.raises(ValueError, match=r"reward 'x' must be given as \(reward_fn, weight\[, timeout_s\]\)"):
+        MultiReward({"x": (constant_reward([1.0]), 1.0, 5.0, "extra")})

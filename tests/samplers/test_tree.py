@@ -209,3 +209,32 @@ def test_widths_trees_and_parents_of_a_stored_tree_by_hand():
     assert torch.equal(tree.parents(1), torch.arange(12) // 3)
     assert torch.equal(tree.parents(2), torch.arange(12))
     assert torch.equal(tree.parents(3), torch.arange(24) // 2)
+
+
+def test_velocity_sees_each_rows_tree_and_store_keeps_the_chosen_trees_rows():
+    """``velocity_fn`` gets each frontier row's tree (``row // n_t``, trees are contiguous), and ``store`` keeps
+    exactly the rows of the chosen trees at every depth (the roots too), the same values as the full rollout.
+    """
+    roots, sigmas = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(5)), linear_sigmas(4)
+    levels, factors = torch.full((4,), 0.5, dtype=torch.float64), split_factors(4, [0, 2], [2, 3])
+    seen = []
+
+    def fn(x, sigma, trees):
+        seen.append(trees.clone())
+        return _velocity(x, sigma) * (1 + trees.view(-1, 1, 1, 1))  # a field that differs per tree
+
+    full = tree_rollout(fn, roots, sigmas, levels, factors, generator=torch.Generator().manual_seed(6))
+    assert [t.tolist() for t in seen] == [
+        [0, 1, 2],
+        [0, 0, 1, 1, 2, 2],
+        [0, 0, 1, 1, 2, 2],
+        [i // 6 for i in range(18)],
+    ]
+    store = torch.tensor([True, False, True])
+    kept = tree_rollout(fn, roots, sigmas, levels, factors, generator=torch.Generator().manual_seed(6), store=store)
+    assert kept.num_trees == 2 and full.num_trees == 3
+    for d, width in enumerate(tree_widths(factors)):
+        rows = torch.cat([torch.arange(width), torch.arange(2 * width, 3 * width)])  # trees 0 and 2
+        assert torch.equal(kept.nodes[d], full.nodes[d][rows])
+        if d:
+            assert torch.equal(kept.log_probs[d - 1], full.log_probs[d - 1][rows])

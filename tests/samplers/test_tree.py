@@ -238,3 +238,15 @@ def test_velocity_sees_each_rows_tree_and_store_keeps_the_chosen_trees_rows():
         assert torch.equal(kept.nodes[d], full.nodes[d][rows])
         if d:
             assert torch.equal(kept.log_probs[d - 1], full.log_probs[d - 1][rows])
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_branch_step_sums_when_asked(scale):
+    """``reduce="sum"`` reaches the density with and without a noise scale: the sum of the element log-probs."""
+    gen = torch.Generator().manual_seed(3)
+    x, z = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, 4, generator=gen)
+    sigma, sigma_next = torch.full((2,), 0.7, dtype=torch.float64), torch.full((2,), 0.6, dtype=torch.float64)
+    v = _velocity(x, sigma)
+    step = branch_step(get_sde_step("flow"), x, v, sigma, sigma_next, 0.5, scale, noise=z, reduce="sum")
+    normal = torch.distributions.Normal(step.mean, step.std.expand_as(step.mean))
+    torch.testing.assert_close(step.log_prob, normal.log_prob(step.sample).sum(dim=(1, 2, 3)))

@@ -25,9 +25,10 @@ def test_weights_are_the_truncated_density_ratio_in_float64():
     assert torch.equal(masked[:, 1], torch.ones(2, dtype=torch.float64)) and torch.equal(masked[:, 0], w[:, 0])
 
 
-@pytest.mark.parametrize("bad", [{"clip": 0.5}, {"shape": (2, 4)}])
+@pytest.mark.parametrize("bad", [{"clip": 0.5}, {"shape": (2, 4)}, {"shape": (6,), "p_shape": (6,)}])
 def test_weights_refuse_bad_input(bad):
-    log_p = torch.zeros(2, 3, dtype=torch.float64)
+    """C < 1, mismatched shapes and matching shapes that are not (B, T) are refused."""
+    log_p = torch.zeros(bad.get("p_shape", (2, 3)), dtype=torch.float64)
     log_q = torch.zeros(bad.get("shape", (2, 3)), dtype=torch.float64)
     with pytest.raises(ValueError):
         truncated_importance_weights(log_p, log_q, clip=bad.get("clip", 2.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -92,3 +93,14 @@ def test_max_variance_ties_prefer_the_split_closest_to_half():
     """(10, 0, 0, 0, 0, -10), K = 4: top 1, 2 or 3 give the same variance; the rule takes 2 top + 2 bottom."""
     rewards = torch.tensor([10.0, 0.0, 0.0, 0.0, 0.0, -10.0], dtype=torch.float64)
     assert select_seeds(rewards, 4, "max_variance").tolist() == [0, 1, 4, 5]
+
+
+def test_rank_statistics_need_two_scores_and_are_nan_for_a_constant_vector():
+    """One seed has no ranking (refused); a constant score vector has no correlation (NaN, not 0)."""
+    one = torch.tensor([1.0])
+    for statistic in (kendall_tau, spearman_rho):
+        with pytest.raises(ValueError, match="N >= 2"):
+            statistic(one, one)
+        with pytest.raises(ValueError, match="N >= 2"):
+            statistic(torch.zeros(2, 2), torch.zeros(2, 2))
+        assert math.isnan(statistic(torch.ones(4), torch.arange(4.0)))

@@ -73,6 +73,7 @@ def test_strided_rows_and_fp64_match_the_reference(device, scaling):
     wide = torch.randn(9, 80, generator=torch.Generator().manual_seed(1)).to(device)
     assert_matches_reference(wide[:, 5:69], scaling)  # row stride 80, K 64
     assert_matches_reference(wide.double() * 3, scaling)  # fp64 rounds to fp32 first, as the reference's x.float()
+    assert_matches_reference(wide[:, :40].t(), scaling)  # column stride 80 (a transposed view): read as its values
 
 
 @pytest.mark.parametrize("device", DEVICES)

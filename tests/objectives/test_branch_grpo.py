@@ -67,6 +67,16 @@ def test_ratio_is_exactly_one_on_the_first_update_with_width_pruning():
     assert all(s["ratio"] == 1.0 for s in stats), stats
     edges = sum(int(s["edges"]) for s in stats)
     assert edges == sum(int(m.sum()) for m in batch.tree.train) < sum(m.numel() for m in batch.tree.train)
+    # each optimizer step's n micro-batches weigh n / E, so the loop's 1 / n leaves every trained edge 1 / E
+    from flowrl.objectives.planning import chunk_children
+
+    tree = batch.tree
+    for group in trainer.objective.plan(batch, torch.Generator().manual_seed(0)):
+        counts = [
+            len(chunk_children(mb.index, int(tree.rollout.factors[mb.step]), tree.train[mb.step])[0]) for mb in group
+        ]
+        assert sum(mb.weight * c for mb, c in zip(group, counts)) == pytest.approx(len(group))
+        assert all(mb.weight == pytest.approx(len(group) / sum(counts)) for mb in group)
 
 
 def test_group_size_must_equal_the_leaves():

@@ -30,8 +30,11 @@ def triton_installed() -> bool:
 
 
 def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET=1`` is set, so Triton kernels run on CPU tensors in the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    """Whether ``TRITON_INTERPRET`` is on, so Triton kernels run on CPU tensors in the interpreter.
+
+    On means 1 / true / yes / on / y in any case: the spellings Triton itself reads as on.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 def resolve_backend(backend: Backend, *tensors: Tensor) -> Literal["torch", "triton"]:

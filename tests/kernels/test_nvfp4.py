@@ -161,15 +161,21 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize(
     ("value", "on"),
-    [(v, True) for v in ("1", "true", "TRUE", "yes", "on")]
-    + [(v, False) for v in ("0", "false", "no", "off", "", "2")],
+    [(v, True) for v in ("1", "true", "TRUE", "yes", "on", "y", "Y")]
+    + [(v, False) for v in ("0", "false", "no", "off", "", "2", "n")],
 )
 def test_the_interpreter_switch_reads_the_usual_truthy_spellings(monkeypatch, value, on):
-    """``TRITON_INTERPRET`` is on for 1 / true / yes / on in any case (Triton reads each as on), else off."""
+    """``TRITON_INTERPRET`` is on for 1 / true / yes / on / y in any case, else off, as Triton reads it.
+
+    Triton's own reading is checked too where it is installed: a spelling it took as on and the dispatcher as off
+    ran the torch reference on CPU while the tests believed they ran the kernel in the interpreter ("y" did).
+    """
     from flowrl.kernels import interpreting
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreting() is on
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    assert libtriton.getenv_bool("TRITON_INTERPRET", False) is on
 
 
 @pytest.mark.skipif(not triton_installed(), reason="without triton every call runs the reference")

@@ -267,8 +267,12 @@ CTRL_C_ON_ANOTHER_THREAD = """
 import os, signal, sys, time, torch
 from flowrl.rewards.deadline import call_with_deadline
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as a console Python; a background job inherits SIG_IGN
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # so the kernel hands the SIGINT to the worker thread
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # blocked in main and in the threads it starts
 def reward():
+    # The worker is the one thread that takes SIGINT, so the kernel hands it the signal. (The worker inherits
+    # main's mask; without this the signal waited for a thread torch happened to start before the block, and there
+    # is none with OMP_NUM_THREADS=1.)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.kill(os.getpid(), signal.SIGINT)  # to the process, as `kill -INT` or a supervisor sends it
     time.sleep(10)
 start = time.monotonic()
@@ -301,7 +305,10 @@ class Slow:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a console Python
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the kernel hands the SIGINT to another thread
+    # A thread started before main blocks SIGINT is the one that takes it (threads started later inherit the block;
+    # relying on one torch starts failed with OMP_NUM_THREADS=1), so the kernel hands the SIGINT to another thread.
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     reward = MultiReward({"slow": (Slow(), 1.0)})
     mode = sys.argv[1]
     worker = ScoringProcess(reward, torch.nn.Identity()) if mode == "process" else None

@@ -234,6 +234,40 @@ def test_multi_reward_batch_of_one() -> None:
     assert out.total.shape == (1,) and out.total.tolist() == [1.0]
 
 
+def test_score_parts_accepts_an_all_nan_part_and_combine_keeps_only_configured_components() -> None:
+    """A chunk may be NaN for every sample (``score_parts``); ``combine`` refuses that only for the whole batch
+    (unless ``allow_all_nan``), and its components are exactly the configured rewards, in their order.
+    """
+    nan = math.nan
+    multi = MultiReward(
+        {"a": (constant_reward([1.0, 2.0]), 2.0), "b": (constant_reward([nan, nan], allows_nan=True), 1.0)}
+    )
+    part = multi.score_parts(torch.rand(2, 3, 8, 8), ["p", "q"])
+    assert list(part) == ["a", "b"] and part["a"].tolist() == [1.0, 2.0] and bool(part["b"].isnan().all())
+    whole = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([nan, nan, 4.0]), "stale": torch.zeros(3)}
+    out = multi.combine(whole)
+    assert list(out.components) == ["a", "b"]
+    assert out.total.tolist() == [2.0, 4.0, 10.0]
+    all_nan = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([nan, nan])}
+    with pytest.raises(RewardError, match="'b'.*every sample"):
+        multi.combine(all_nan, batch_index=5)
+    assert multi.combine(all_nan, allow_all_nan=True).total.tolist() == [2.0, 4.0]
+
+
+def test_a_reward_that_bounds_its_own_time_gets_no_default_deadline() -> None:
+    """Without a timeout in its entry, a reward declaring ``bounds_own_time`` (a remote one) gets deadline None;
+    any other gets ``DEFAULT_TIMEOUT_S``; an explicit timeout wins for both.
+    """
+    from flowrl.rewards.deadline import DEFAULT_TIMEOUT_S
+
+    own = constant_reward([1.0])
+    own.bounds_own_time = True
+    multi = MultiReward(
+        {"own": (own, 1.0), "plain": (constant_reward([1.0]), 1.0), "given": (own, 1.0, 3.0), "off": (own, 1.0, None)}
+    )
+    assert multi.timeouts == {"own": None, "plain": DEFAULT_TIMEOUT_S, "given": 3.0, "off": None}
+
+
 def test_build_multi_reward_matches_components() -> None:
     multi = build_multi_reward(
         {

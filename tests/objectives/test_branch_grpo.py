@@ -301,3 +301,22 @@ def test_a_tree_without_noise_is_refused():
     )
     with pytest.raises(ConfigError, match="sampler.noise_level must be > 0 for tree rollouts"):
         tree_spec(cfg)
+
+
+def test_a_cps_tree_step_to_sigma_zero_is_not_trained():
+    """CPS's last step (to sigma 0) has noise level 0.5 but std 0: no density, so none of its edges is trained.
+
+    Pins ``has_density`` in ``edge_advantages``: with the noise levels alone that step's edges were masked in.
+    """
+    trainer = _trainer(
+        "sampler.sde=cps",
+        "sampler.noise_level=0.5",
+        "sampler.num_steps=4",
+        "sampler.tree.split_steps=[0,1]",
+        "prompts.group_size=4",
+    )
+    batch, _ = trainer.collect()
+    assert batch.tree.rollout.noise_levels.tolist() == [0.5] * 4 and float(batch.tree.rollout.sigmas[-1]) == 0.0
+    assert [bool(m.any()) for m in batch.tree.train] == [True, True, True, False]
+    stats = trainer.update(batch)
+    assert stats["first_ratio"] == 1.0 and all(math.isfinite(v) for v in stats.values())

@@ -6,6 +6,7 @@ docs/reliability.md lists these cases and their messages.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -187,6 +188,23 @@ def test_a_re_signed_manifest_is_still_checked(saved):
     _one_line_error(odd, "manifest.json lists 'sub/lora.safetensors', which is not a file of the folder")
     _resign(odd, lambda body: body["files"].update({"lora.safetensors": 5}))
     _one_line_error(odd, "manifest.json has no valid file list")
+
+
+def test_a_bf16_extra_adapter_and_a_null_config_load(tmp_path):
+    """Extra adapters (``adapter-*.safetensors``) may follow the model's dtype: a bf16 one loads as saved; and a
+    ``trainer.json`` with ``"config": null`` (a checkpoint written without the resolved config) loads with config None.
+    """
+    ema = {"a.lora_A.weight": torch.randn(2, 2).to(torch.bfloat16)}
+    folder = save_checkpoint({**_state(), "adapters": {"ema": ema}}, tmp_path / "ck")
+    back = load_checkpoint(folder)["adapters"]["ema"]["a.lora_A.weight"]
+    assert back.dtype == torch.bfloat16 and torch.equal(back, ema["a.lora_A.weight"])
+    meta = json.loads((folder / "trainer.json").read_text())
+    data = json.dumps({**meta, "config": None}).encode()
+    (folder / "trainer.json").write_bytes(data)
+    entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _resign(folder, lambda body: body["files"].update({"trainer.json": entry}))
+    loaded = load_checkpoint(folder)
+    assert loaded["config"] is None and loaded["iteration"] == 7
 
 
 def test_stale_partial_is_cleaned_and_failed_save_leaves_nothing(tmp_path, monkeypatch):

@@ -133,3 +133,39 @@ def test_score_reward_passes_metadata_and_supports_batch_of_one() -> None:
     assert isinstance(by_digit, RewardFn)
     out = score_reward("by_digit", by_digit, torch.rand(1, 3, 8, 8), ["a 4"], {"digit": [4]})
     assert out.dtype == torch.float32 and out.tolist() == [4.0]
+
+
+def test_check_images_takes_clips_only_with_video() -> None:
+    """A (B, F, 3, H, W) clip is refused by default (with the frame-reduction hint) and accepted with
+    ``video=True``; a 6-D tensor is refused either way (pins the rank check's ``video`` branch)."""
+    clip = torch.rand(2, 4, 3, 8, 8)
+    with pytest.raises(ValueError) as exc:
+        check_images(clip)
+    assert "(2, 4, 3, 8, 8)" in one_line(exc) and "video: mean" in str(exc.value)
+    assert check_images(clip, video=True) is clip
+    with pytest.raises(ValueError, match=r"\(B, F, 3, H, W\)"):
+        check_images(torch.rand(1, 2, 4, 3, 8, 8), video=True)
+
+
+@pytest.mark.parametrize("value", [1.002, -0.002, 1.05, -0.05])
+def test_check_images_range_tolerance_is_one_thousandth(value: float) -> None:
+    """Values more than 1e-3 outside [0, 1] are refused (the docstring's tolerance, not a looser one)."""
+    images = torch.rand(1, 3, 4, 4)
+    images[0, 1, 2, 3] = value
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        check_images(images)
+
+
+def test_score_reward_passes_allow_all_nan_to_the_output_check() -> None:
+    """score_reward refuses an all-NaN output of an allows_nan reward unless ``allow_all_nan=True`` is given,
+    then returns it unchanged (MultiReward scores a batch in parts this way)."""
+
+    def not_applicable(images, prompts, **metadata):
+        return torch.full((2,), math.nan)
+
+    not_applicable.allows_nan = True
+    images = torch.rand(2, 3, 8, 8)
+    with pytest.raises(RewardError, match="every sample"):
+        score_reward("na", not_applicable, images, ["a", "b"])
+    out = score_reward("na", not_applicable, images, ["a", "b"], allow_all_nan=True)
+    assert out.shape == (2,) and bool(torch.isnan(out).all())

@@ -62,3 +62,20 @@ def test_style_from_prompt_or_metadata_and_nan_without_one():
 def test_bad_band_is_one_line():
     with pytest.raises(ValueError, match="ink band needs 0 <= low < high <= 1"):
         get_reward("ink_band", low=0.5, high=0.4)
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.3, 0.3), (-0.1, 0.5), (0.2, 1.1)])
+def test_band_must_be_a_proper_sub_interval_of_unit(low: float, high: float):
+    """An empty band (low == high: u would divide by zero) and one reaching outside [0, 1] are refused."""
+    with pytest.raises(ValueError, match="ink band needs 0 <= low < high <= 1"):
+        band_score(torch.tensor([0.3]), torch.ones(1, dtype=torch.bool), low, high)
+
+
+def test_overshoot_falls_four_times_as_fast_as_the_band_rises():
+    """Past its own end the score falls at 4x the in-band rate (the shipped OVERSHOOT_SLOPE, stated as a number):
+    10% of the band past the bold end scores 0.6, 10% below the thin end (thin prompt) too."""
+    assert OVERSHOOT_SLOPE == 4.0
+    width = 0.5
+    ink = torch.tensor([0.75 + 0.1 * width, 0.25 - 0.1 * width], dtype=torch.float64)
+    out = band_score(ink, torch.tensor([True, False]), 0.25, 0.75).double()
+    assert out.tolist() == pytest.approx([0.6, 0.6], abs=1e-6)

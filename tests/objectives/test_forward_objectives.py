@@ -68,13 +68,18 @@ def test_nft_gradient_direction_follows_the_advantage():
 
 
 def test_awm_without_transform_and_unit_advantage_is_flow_matching():
+    """p = None and A = 1: the AWM loss is the flow-matching MSE (equal sizes: a mean of means, to rounding).
+
+    ``v`` comes from a seeded generator: drawn from the global RNG, about 1% of its states gave a
+    rounding difference above an absolute 1e-15 and the test failed at random.
+    """
     x0, eps, sigma, x_t = _setup()
-    v = torch.randn_like(x0, requires_grad=True)
+    v = torch.randn(x0.shape, generator=torch.Generator().manual_seed(3), dtype=F64).requires_grad_(True)
     mse = ((v - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
     adv = torch.ones(4, dtype=F64)
     awm = (-adv * weighted_log_likelihood(mse, sigma, power=None)).mean()
     fm = ((v - (eps - x0)) ** 2).mean()
-    torch.testing.assert_close(awm, fm, rtol=0, atol=1e-15)
+    torch.testing.assert_close(awm, fm, rtol=1e-14, atol=0)
 
 
 def test_awm_power_transform_formula_and_gradient_signs():

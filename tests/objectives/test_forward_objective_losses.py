@@ -78,7 +78,7 @@ def test_nft_loss_matches_its_formula_in_float64():
 
 
 def test_awm_loss_matches_its_formula_in_float64():
-    """``-A lp`` over kept rows (A clipped, / c; lp the sigma-weighted power transform) + both penalties, times weight."""
+    """``-A lp`` over kept rows (A clipped, / c; lp the sigma-weighted power transform) + penalties, times weight."""
     batch = _batch()
     g = torch.Generator().manual_seed(2)
     mb = Microbatch(torch.arange(4), 3, torch.randn(4, 2, 3, 3, generator=g), weight=1.5)

@@ -97,3 +97,96 @@ def test_registered_and_draw_strokes_checks_shapes() -> None:
     assert float(reward(torch.zeros(1, 3, 16, 16), ["a bold 1"])[0]) <= 0.0
     with pytest.raises(ValueError, match="radii"):
         draw_strokes(torch.zeros(2, 8, 8), torch.ones(3))
+
+
+def _zhang_suen_reference(mask: list[list[int]]) -> list[list[int]]:
+    """Zhang & Suen (1984) thinning, pixel by pixel: P2..P9 clockwise from north; each sub-pass removes at once."""
+    x = [row[:] for row in mask]
+    h, w = len(x), len(x[0])
+
+    def at(i: int, j: int) -> int:
+        return x[i][j] if 0 <= i < h and 0 <= j < w else 0
+
+    while True:
+        changed = False
+        for first in (True, False):
+            remove = []
+            for i in range(h):
+                for j in range(w):
+                    if not x[i][j]:
+                        continue
+                    p = [at(i - 1, j), at(i - 1, j + 1), at(i, j + 1), at(i + 1, j + 1)]
+                    p += [at(i + 1, j), at(i + 1, j - 1), at(i, j - 1), at(i - 1, j - 1)]
+                    b = sum(p)
+                    a = sum(p[k] == 0 and p[(k + 1) % 8] == 1 for k in range(8))
+                    p2, p4, p6, p8 = p[0], p[2], p[4], p[6]
+                    c1, c2 = (p2 * p4 * p6, p4 * p6 * p8) if first else (p2 * p4 * p8, p2 * p6 * p8)
+                    if 2 <= b <= 6 and a == 1 and c1 == 0 and c2 == 0:
+                        remove.append((i, j))
+            for i, j in remove:
+                x[i][j] = 0
+            changed = changed or bool(remove)
+        if not changed:
+            return x
+
+
+def test_skeleton_matches_a_pixel_by_pixel_zhang_suen() -> None:
+    """skeletonize equals a plain loop implementation of Zhang-Suen on blobs, a solid block and an L
+    (pins the 2 <= B <= 6 neighbour count and which of P2/P4/P6/P8 each sub-pass tests)."""
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.rand(4, 1, 5, 6, generator=gen)
+    blobs = torch.nn.functional.interpolate(noise, size=(15, 18), mode="bilinear")[:, 0] > 0.5
+    block = torch.zeros(1, 15, 18, dtype=torch.bool)
+    block[0, 3:12, 4:14] = True
+    ell = torch.zeros(1, 15, 18, dtype=torch.bool)
+    ell[0, 2:13, 3:7] = True
+    ell[0, 9:13, 3:16] = True
+    masks = torch.cat([blobs, block, ell])
+    bones = skeletonize(masks)
+    for mask, bone in zip(masks, bones):
+        expected = _zhang_suen_reference(mask.to(torch.int64).tolist())
+        assert bone.to(torch.int64).tolist() == expected
+
+
+def test_width_threshold_includes_pixels_at_exactly_half_the_peak() -> None:
+    """Pixels at exactly THRESHOLD x peak are ink (``>=``): the width is the same as with them a hair brighter."""
+    images = torch.zeros(1, 3, 16, 16)
+    images[..., 3:13, 4:6] = 1.0  # the peak
+    at_half = images.clone()
+    at_half[..., 3:13, 6:9] = 0.5
+    above = images.clone()
+    above[..., 3:13, 6:9] = 0.501
+    torch.testing.assert_close(stroke_width(at_half), stroke_width(above))
+
+
+def test_ink_fainter_than_a_thousandth_has_width_zero() -> None:
+    """An image whose peak is below 1e-3 has width 0, not the width of its faint stroke."""
+    images = torch.zeros(1, 3, 16, 16)
+    images[..., 3:13, 6:9] = 9e-4
+    assert stroke_width(images).tolist() == [0.0]
+    assert float(stroke_width(images * 1000)[0]) > 1.0  # the same stroke, visible, has a width
+
+
+def test_band_score_is_clamped_at_minus_one() -> None:
+    """A width far beyond either end scores -1, not below (1 - 2 x overshoot clamped)."""
+    widths = torch.tensor([WIDTH_BOLD + 10.0, WIDTH_BOLD + 0.25 * (WIDTH_BOLD - WIDTH_THIN)])
+    assert band_score(widths, torch.ones(2)).tolist() == pytest.approx([-1.0, 0.5])
+
+
+def test_full_contrast_images_score_their_band_score_unscaled(pens) -> None:
+    """A peak above FULL_CONTRAST gives factor 1 (clamped), so a bright image scores exactly its band score (<= 1)."""
+    drawn, labels = pens
+    images = drawn[2][:6]
+    out = stroke_width_reward()(images, [f"a bold handwritten {int(d)}" for d in labels[:6]])
+    torch.testing.assert_close(out, band_score(stroke_width(images), torch.ones(6)))
+    assert bool((out <= 1.0).all())
+
+
+def test_peak_is_taken_on_the_channel_mean() -> None:
+    """A stroke in one colour channel has the width of its gray (channel-mean) image: peak and mask use the mean."""
+    red = torch.zeros(1, 3, 16, 16)
+    red[:, 0, 3:13, 6:9] = 0.9
+    gray = red.mean(dim=1, keepdim=True).expand(-1, 3, -1, -1)
+    width = stroke_width(red)
+    assert float(width[0]) > 1.0
+    torch.testing.assert_close(width, stroke_width(gray))

@@ -133,3 +133,39 @@ def test_model_rewards_score_video_frame_by_frame(name, tiny_model_weights):
     expected = (image_reward(clip[:, 0], prompts) + image_reward(clip[:, 1], prompts)) / 2
     assert torch.allclose(build_reward(name, **options, video="mean")(clip, prompts), expected, atol=1e-5)
     assert scores.shape == (4,)
+
+
+def test_frame_reward_repeats_tensor_metadata_clip_by_clip():
+    """A (B,) tensor of per-clip metadata reaches the image reward as each clip's value repeated for its frames
+    (``repeat_interleave``: [a, a, a, b, b, b]), so a reward echoing it scores each clip its own value."""
+    from flowrl.rewards import frame_reward
+
+    def echo(images, prompts, value):
+        return value.float()
+
+    out = frame_reward(echo, "mean")(clips(batch=2, frames=3), ["p", "q"], value=torch.tensor([1.0, 5.0]))
+    assert out.tolist() == [1.0, 5.0]
+
+
+def test_frame_reward_refuses_one_prompt_per_frame():
+    """Prompts count clips, not frames: 6 prompts for 2 clips of 3 frames is refused with the fix."""
+    from flowrl.rewards import frame_reward
+
+    with pytest.raises(ValueError, match="one prompt per clip"):
+        frame_reward(ink, "mean")(clips(batch=2, frames=3), ["a bold 1"] * 6)
+
+
+def test_frame_differences_downsample_a_frame_wider_than_size():
+    """Frames area-average to size whenever either side exceeds it: a 4 x 32 frame goes to 4 x 8 before comparing."""
+    x = clips(batch=1, frames=2, size=32, seed=2)[..., :4, :].double()
+    pooled = torch.nn.functional.adaptive_avg_pool2d(x.reshape(2, 3, 4, 32), (4, 8)).reshape(1, 2, 3, 4, 8)
+    expected = (pooled[:, 1] - pooled[:, 0]).abs().mean(dim=(1, 2, 3))
+    torch.testing.assert_close(frame_differences(x, size=8).double(), expected[:, None], rtol=0, atol=1e-6)
+
+
+def test_temporal_consistency_refuses_single_frames_and_bool_size():
+    """One frame has no transition to score (refused, not 1.0); ``size: true`` is not the integer 1."""
+    with pytest.raises(ValueError, match="F >= 2"):
+        temporal_consistency()(clips(batch=2, frames=1), ["p", "q"])
+    with pytest.raises(ValueError, match="positive integer"):
+        temporal_consistency(size=True)

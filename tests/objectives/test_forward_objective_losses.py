@@ -209,3 +209,28 @@ def test_nft_trains_at_least_one_sigma_per_chunk_on_a_short_grid():
     assert DiffusionNFT().noise_per_row(10) == 9
     plan = DiffusionNFT().plan(_batch(steps=1), torch.Generator().manual_seed(0))
     assert [(mb.index.tolist(), mb.step) for mb in plan[0]] == [([0, 1, 2, 3], 0)]
+
+
+def test_awm_strata_cover_exactly_the_usable_steps():
+    """Steps run over ``[skip_first, min(T - 1, int(T * fraction))]``: one per stratum, sorted, never sigma 0."""
+    from flowrl.objectives.awm import stratified_steps
+
+    gen = torch.Generator().manual_seed(0)
+    assert stratified_steps(10, 9, 1.0, gen) == list(range(1, 10))  # one stratum per usable step: all of them
+    assert stratified_steps(10, 10, 1.0, gen, skip_first=False) == list(range(10))
+    assert stratified_steps(20, 10, 0.5, gen) == list(range(1, 11))  # int(20 * 0.5) = 10 is the last
+    for seed in range(20):  # more strata than steps: distinct, sorted, within [1, T - 1]
+        steps = stratified_steps(4, 6, 1.0, torch.Generator().manual_seed(seed))
+        assert steps == sorted(set(steps)) and set(steps) <= {1, 2, 3}
+        steps = stratified_steps(12, 3, 1.0, torch.Generator().manual_seed(seed))
+        assert len(steps) == 3 and steps[0] <= 4 and 8 <= steps[-1] <= 11
+    with pytest.raises(ValueError, match="sampler.num_steps >= 2"):
+        stratified_steps(1, 1, 1.0, gen)
+    assert stratified_steps(1, 1, 1.0, gen, skip_first=False) == [0]
+
+
+def test_awm_noise_per_row_counts_the_usable_steps():
+    """``min(num_timesteps, hi - lo + 1)``: a short grid trains (and draws noise for) fewer sigmas."""
+    assert AWM().noise_per_row(3) == 2  # steps 1..2
+    assert AWM(skip_first=False).noise_per_row(3) == 3
+    assert AWM().noise_per_row(14) == 6 and AWM(timestep_fraction=0.5).noise_per_row(8) == 4

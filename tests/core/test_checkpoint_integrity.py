@@ -446,3 +446,23 @@ def test_resume_alone_reads_the_run_s_config_even_after_the_folder_moved(tmp_pat
     resolved = load_config([moved / "config.yaml"])
     assert resolved.rewards == load_config(["configs/grpo/digits_ink.yaml"]).rewards  # not the default job's
     assert resolved.train.iterations == 4 and Path(resolved.output.dir) == moved
+
+
+def test_checkpoint_folders_sort_by_iteration_number(tmp_path):
+    """Newest first by the number, not the name: iter-1000000 (past the 6-digit padding) is newer than iter-999999;
+    other names and plain files in checkpoints/ are ignored."""
+    from flowrl.resume import checkpoint_folders
+
+    for name in ("iter-000009", "iter-999999", "iter-1000000", "iter-000010", "iter-000011.partial", "notes"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "iter-000012").write_text("a file")
+    names = [p.name for p in checkpoint_folders(tmp_path)]
+    assert names == ["iter-1000000", "iter-999999", "iter-000010", "iter-000009"]
+
+
+def test_the_last_logged_step_is_the_highest_not_the_last_row(tmp_path):
+    """A row of a lower step written after the newest one (rows out of order) does not hide a logged checkpoint."""
+    run = _run_with(tmp_path, 4)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (0, 1, 2, 3, 4, 1)))
+    found = latest_good_checkpoint(run)
+    assert found.path.name == "iter-000004" and found.warnings == []

@@ -324,3 +324,25 @@ def test_weight_bound_is_on_the_magnitude_and_inclusive_and_entries_are_pairs_or
         check_weight("r", True)
     with pytest.raises(ValueError, match=r"reward 'x' must be given as \(reward_fn, weight\[, timeout_s\]\)"):
         MultiReward({"x": (constant_reward([1.0]), 1.0, 5.0, "extra")})
+
+
+def test_overwrite_replaces_a_builtin_for_build_reward(clean_registry: None) -> None:
+    """``register_reward(builtin, overwrite=True)`` takes precedence: build_reward then builds the new factory."""
+
+    @register_reward("ink", overwrite=True)
+    def constant():
+        return lambda images, prompts, **metadata: torch.full((images.shape[0],), 0.25)
+
+    assert build_reward("ink")(torch.zeros(2, 3, 8, 8), ["a", "b"]).tolist() == [0.25, 0.25]
+
+
+def test_the_video_option_wraps_and_is_not_a_factory_option() -> None:
+    """``video`` is taken off the options (not passed to the factory, not refused by the option check) and wraps
+    the reward in a FrameReward; check_reward_options accepts it too."""
+    from flowrl.rewards.video import FrameReward
+
+    reward = build_reward("ink", target="bold", video="min")
+    assert isinstance(reward, FrameReward) and reward.reduce == "min"
+    registry.check_reward_options({"ink": {"target": "bold", "video": "mean", "weight": 2.0, "timeout_s": 5.0}})
+    with pytest.raises(RewardError, match="frames"):
+        registry.check_reward_options({"ink": {"frames": 2}})

@@ -346,3 +346,40 @@ def test_the_video_option_wraps_and_is_not_a_factory_option() -> None:
     registry.check_reward_options({"ink": {"target": "bold", "video": "mean", "weight": 2.0, "timeout_s": 5.0}})
     with pytest.raises(RewardError, match="frames"):
         registry.check_reward_options({"ink": {"frames": 2}})
+
+
+def test_required_options_are_the_parameters_without_a_default(clean_registry: None) -> None:
+    """required_options lists only parameters with no default (positional or keyword-only), in order."""
+
+    @register_reward("needs")
+    def needs(url, retries=2, *, token, scale=1.0):
+        return ink()
+
+    assert registry.required_options("needs") == ["url", "token"]
+    assert registry.required_options("ink") == []
+
+
+def test_a_broken_offline_check_means_not_offline(clean_registry: None) -> None:
+    """A factory whose ``offline()`` check raises is listed as not offline (can't tell), without an error."""
+
+    @register_reward("flaky")
+    def flaky():
+        """Flaky."""
+        return ink()
+
+    def check():
+        raise OSError("cache unreadable")
+
+    flaky.offline = check
+    info = {i.name: i for i in list_rewards()}["flaky"]
+    assert info.offline is False and info.error is None and info.description == "Flaky."
+
+
+def test_the_first_of_two_entry_points_with_one_name_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two installed ``flowrl.rewards`` entry points with the same name: the first found is used, not the last."""
+    from importlib.metadata import EntryPoint
+
+    first = EntryPoint("twin", "flowrl.rewards.digits:ink", registry.ENTRY_POINT_GROUP)
+    second = EntryPoint("twin", "flowrl.rewards.jpeg:jpeg_compressibility", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry.importlib_metadata, "entry_points", lambda group=None: [first, second])
+    assert registry._entry_points()["twin"] is first

@@ -466,3 +466,13 @@ def test_the_last_logged_step_is_the_highest_not_the_last_row(tmp_path):
     (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (0, 1, 2, 3, 4, 1)))
     found = latest_good_checkpoint(run)
     assert found.path.name == "iter-000004" and found.warnings == []
+
+
+def test_resume_from_the_checkpoints_folder_is_the_run_s_latest_good(tmp_path):
+    """``--resume RUN/checkpoints`` resumes like ``--resume RUN``: its newest good checkpoint, with fallback."""
+    from flowrl.resume import find_resume
+
+    run = _run_with(tmp_path, 3)
+    (run / "checkpoints" / "iter-000003" / "rng.safetensors").write_bytes(b"junk")
+    found = find_resume(run / "checkpoints")
+    assert found.path.name == "iter-000002" and len(found.warnings) == 1

@@ -476,3 +476,16 @@ def test_resume_from_the_checkpoints_folder_is_the_run_s_latest_good(tmp_path):
     (run / "checkpoints" / "iter-000003" / "rng.safetensors").write_bytes(b"junk")
     found = find_resume(run / "checkpoints")
     assert found.path.name == "iter-000002" and len(found.warnings) == 1
+
+
+def test_resumable_keys_are_exact_names_unless_they_end_in_a_dot():
+    """train.sharding may change on resume (every checkpoint holds full tensors), but a key that merely starts with a
+    resumable key's name (train.threads_per_rank vs train.threads) is compared like any other."""
+    saved = to_dict(load_config(None, []))
+    current = json.loads(json.dumps(saved))
+    current["train"]["sharding"] = "fsdp2" if saved["train"]["sharding"] != "fsdp2" else "zero1"
+    check_resume_config(saved, current)
+    longer = json.loads(json.dumps(saved))
+    longer["train"]["threads_per_rank"] = 2
+    with pytest.raises(ValueError, match=r"train.threads_per_rank changed from 2 to \(absent\)"):
+        check_resume_config(longer, saved)

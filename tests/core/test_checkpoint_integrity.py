@@ -489,3 +489,14 @@ def test_resumable_keys_are_exact_names_unless_they_end_in_a_dot():
     longer["train"]["threads_per_rank"] = 2
     with pytest.raises(ValueError, match=r"train.threads_per_rank changed from 2 to \(absent\)"):
         check_resume_config(longer, saved)
+
+
+def test_an_empty_section_gained_on_resume_is_a_change():
+    """A guard added with no options (``guards.ink: {}``) where the checkpoint had none is a changed config,
+    though it flattens to no leaf key (an empty mapping compares as a value)."""
+    saved = to_dict(load_config(None, []))
+    saved["guards"] = {}
+    current = json.loads(json.dumps(saved))
+    current["guards"] = {"ink": {}}
+    with pytest.raises(ValueError, match=r"^--resume: guards"):
+        check_resume_config(saved, current)

@@ -94,3 +94,30 @@ def test_kl_bounds_are_checked():
             SageGRPO(**{key: value})
     assert SageGRPO(kl_init=0.0, kl_min=0.0, kl_max=0.0).beta == 0.0
     assert torch.isfinite(torch.tensor(SageGRPO(kl_rate=0.0).kl_rate))
+
+
+def test_equaliser_scales_skip_zero_and_non_finite_sensitivities():
+    """``median / g`` over the finite, positive g only (lower median); a zero or NaN g gets the scale 1."""
+    from flowrl.objectives.sage_grpo import equaliser_scales
+
+    g = torch.tensor([0.0, 1.0, 2.0, 4.0, float("nan")], dtype=torch.float64)
+    assert equaliser_scales(g).tolist() == [1.0, 2.0, 1.0, 0.5, 1.0]
+    assert equaliser_scales(torch.tensor([0.0, float("nan")])).tolist() == [1.0, 1.0]
+
+
+def test_flat_edges_weigh_the_kept_rows_of_the_chunk():
+    """A flat chunk's edge weights are ``keep * mb.weight / kept`` (unkept rows weigh 0), on j -> j + 1."""
+    from types import SimpleNamespace
+
+    from flowrl.objectives.base import Microbatch, RolloutBatch
+    from flowrl.objectives.sage_grpo import flat_edges
+
+    latents = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(4, 3, 2)
+    traj = SimpleNamespace(latents=latents, log_probs=torch.zeros(4, 2), sigmas=None, noise_levels=None, sde="sde")
+    keep = torch.tensor([True, False, True, True])
+    batch = RolloutBatch(["p"] * 4, torch.zeros(4), {}, latents[:, -1], traj, None, None, torch.ones(4),
+                         torch.arange(4.0), keep, 4)  # fmt: skip
+    edges = flat_edges(batch, Microbatch(torch.tensor([0, 1, 2]), 1, weight=0.8))
+    torch.testing.assert_close(edges.weights, torch.tensor([0.4, 0.0, 0.4]), rtol=0, atol=0)
+    assert torch.equal(edges.x, latents[:3, 1]) and torch.equal(edges.x_next, latents[:3, 2])
+    assert edges.advantages.tolist() == [0.0, 1.0, 2.0] and edges.noise_scale == 1.0

@@ -201,3 +201,25 @@ def test_check_pixels():
         check_pixels([(10, 10)], PixelLimits(100, 20_000), count=300)
     with pytest.raises(ValueError, match="--max-image-pixels must be a whole number of pixels >= 1; got 0"):
         RewardServer(ink("bold"), "ink", port=0, max_image_pixels=0)
+
+
+def test_every_frame_of_a_clip_counts_toward_the_request_limit():
+    """A (B, F, 3, H, W) header declares B x F images: 2 clips of 50 frames of 64 x 64 are 100 images of the
+    request's pixels, refused from the header alone (TooLarge, not a later parse error)."""
+    from flowrl.rewards.wire import decode_batch
+
+    header = {"images": {"dtype": "U8", "shape": [2, 50, 3, 64, 64], "data_offsets": [0, 4]}}
+    raw = json.dumps(header).encode()
+    body = struct.pack("<Q", len(raw)) + raw + b"\x00" * 4
+    with pytest.raises(TooLarge, match="request holds 100 images"):
+        decode_batch(body, PixelLimits(per_request=20 * 64 * 64))
+
+
+def test_a_header_length_past_the_body_is_named():
+    """A safetensors length prefix claiming more bytes than follow it is refused with that reason."""
+    from flowrl.rewards.wire import WireError, decode_batch
+
+    raw = json.dumps({"images": {"dtype": "U8", "shape": [1, 3, 1, 1], "data_offsets": [0, 3]}}).encode()
+    body = struct.pack("<Q", len(raw) + 4) + raw + b"\x00" * 3  # claims 1 byte more than the body has
+    with pytest.raises(WireError, match="exceeds the"):
+        decode_batch(body)

@@ -500,3 +500,17 @@ def test_an_empty_section_gained_on_resume_is_a_change():
     current["guards"] = {"ink": {}}
     with pytest.raises(ValueError, match=r"^--resume: guards"):
         check_resume_config(saved, current)
+
+
+def test_the_objective_section_compares_as_stored():
+    """The objective section compares as stored, never filled from defaults: an awm run resumes with its own config,
+    a changed option is refused, and an objective key the checkpoint lacks is a change even at the default value."""
+    saved = to_dict(load_config(None, ["objective.name=awm"]))
+    check_resume_config(saved, to_dict(load_config(None, ["objective.name=awm"])))
+    with pytest.raises(ValueError, match=r"objective.power changed from 0.25 to 0.5"):
+        check_resume_config(saved, to_dict(load_config(None, ["objective.name=awm", "objective.power=0.5"])))
+    current = to_dict(load_config(None, []))
+    older = json.loads(json.dumps(current))
+    del older["objective"]["kl_beta"]
+    with pytest.raises(ValueError, match=r"objective.kl_beta changed from \(absent\) to 0.004"):
+        check_resume_config(older, current)

@@ -223,3 +223,23 @@ def test_a_header_length_past_the_body_is_named():
     body = struct.pack("<Q", len(raw) + 4) + raw + b"\x00" * 3  # claims 1 byte more than the body has
     with pytest.raises(WireError, match="exceeds the"):
         decode_batch(body)
+
+
+def test_a_reply_with_more_than_scores_is_refused():
+    """A safetensors reply must hold exactly one tensor, ``scores``: an extra tensor means it is not our format."""
+    from flowrl.rewards.wire import WireError, decode_scores
+
+    body = save({"scores": torch.zeros(2), "extra": torch.zeros(1)}, metadata={"allows_nan": "0"})
+    with pytest.raises(WireError, match=r"reply holds tensors \['extra', 'scores'\]"):
+        decode_scores(body)
+
+
+def test_png_size_needs_the_ihdr_chunk_first():
+    """png_size reads the size only from an IHDR chunk right after the signature; other bytes there are refused."""
+    from flowrl.rewards.wire import WireError, png_size
+
+    good = base64.b64decode(json.loads(encode_batch_png(torch.rand(1, 3, 5, 7), ["a"]))["images"][0])
+    assert png_size(base64.b64encode(good).decode()) == (5, 7)
+    bad = good[:12] + b"XXXX" + good[16:]
+    with pytest.raises(WireError, match="not a PNG"):
+        png_size(base64.b64encode(bad).decode())

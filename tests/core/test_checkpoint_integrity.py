@@ -479,12 +479,14 @@ def test_resume_from_the_checkpoints_folder_is_the_run_s_latest_good(tmp_path):
 
 
 def test_resumable_keys_are_exact_names_unless_they_end_in_a_dot():
-    """train.sharding may change on resume (every checkpoint holds full tensors), but a key that merely starts with a
+    """train.sharding and a guard's on_trip may change on resume, but a key that merely starts with a
     resumable key's name (train.threads_per_rank vs train.threads) is compared like any other."""
     saved = to_dict(load_config(None, []))
     current = json.loads(json.dumps(saved))
     current["train"]["sharding"] = "fsdp2" if saved["train"]["sharding"] != "fsdp2" else "zero1"
     check_resume_config(saved, current)
+    guarded = to_dict(load_config(None, ["guards.ink.tolerance=0.1"]))
+    check_resume_config(guarded, to_dict(load_config(None, ["guards.ink.tolerance=0.1", "guards.ink.on_trip=stop"])))
     longer = json.loads(json.dumps(saved))
     longer["train"]["threads_per_rank"] = 2
     with pytest.raises(ValueError, match=r"train.threads_per_rank changed from 2 to \(absent\)"):

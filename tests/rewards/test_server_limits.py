@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import math
 import struct
 import time
 import zlib
@@ -243,3 +244,23 @@ def test_png_size_needs_the_ihdr_chunk_first():
     bad = good[:12] + b"XXXX" + good[16:]
     with pytest.raises(WireError, match="not a PNG"):
         png_size(base64.b64encode(bad).decode())
+
+
+def test_json_scores_write_nan_as_null_and_default_to_no_nan():
+    """A JSON reply is strict JSON (NaN as ``null``, read back as NaN); a reply without ``allows_nan`` allows none."""
+    from flowrl.rewards.wire import decode_scores_json, encode_scores_json
+
+    body = encode_scores_json(torch.tensor([0.5, float("nan")]), True)
+    assert json.loads(body) == {"scores": [0.5, None], "allows_nan": True}
+    scores, allows_nan = decode_scores_json(body)
+    assert scores[0].item() == 0.5 and math.isnan(scores[1].item()) and allows_nan is True
+    assert decode_scores_json(b'{"scores": [1.0]}')[1] is False
+
+
+@pytest.mark.parametrize("key", ["images", "prompts"])
+def test_request_metadata_may_not_shadow_the_reward_s_own_arguments(key):
+    """Metadata named ``images`` or ``prompts`` is refused (it would collide with the reward's own arguments)."""
+    from flowrl.rewards.wire import WireError, check_batch_metadata
+
+    with pytest.raises(WireError, match=f"may not be named '{key}'"):
+        check_batch_metadata({key: ["a"]}, 1)

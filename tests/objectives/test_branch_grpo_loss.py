@@ -30,3 +30,7 @@ def test_first_update_loss_is_minus_the_weighted_sum_of_the_edge_advantages():
         assert stats["edges"] == len(children) and stats["clipfrac"] == 0.0 and stats["kl"] > 0
         edges.append(len(children))
     assert all(mb.weight == pytest.approx(len(group) / sum(edges)) for mb in group)
+    loss, stats = trainer.objective.loss(trainer.model, batch, group[0])
+    twice, stats2 = trainer.objective.loss(trainer.model, batch, group[0]._replace(weight=2 * group[0].weight))
+    assert stats2["kl"] == pytest.approx(2 * stats["kl"], rel=1e-6)  # the KL term carries the weight too
+    torch.testing.assert_close(twice.double(), 2 * loss.double(), rtol=1e-6, atol=0)

@@ -264,3 +264,16 @@ def test_request_metadata_may_not_shadow_the_reward_s_own_arguments(key):
 
     with pytest.raises(WireError, match=f"may not be named '{key}'"):
         check_batch_metadata({key: ["a"]}, 1)
+
+
+def test_request_encoding_and_decoding_refuse_what_the_format_cannot_carry():
+    """NaN metadata cannot be sent as strict JSON (TypeError naming the key); integer images other than uint8 and an
+    empty JSON 'images' list are refused with their own reasons."""
+    from flowrl.rewards.wire import WireError, decode_batch, decode_batch_png
+
+    with pytest.raises(TypeError, match="metadata 'w' cannot be sent"):
+        encode_batch(torch.rand(1, 3, 4, 4), ["a"], {"w": [float("nan")]})
+    with pytest.raises(WireError, match=r"float32 in \[0, 1\] or uint8; got torch.int32"):
+        decode_batch(_safetensors(torch.zeros(1, 3, 4, 4, dtype=torch.int32)))
+    with pytest.raises(WireError, match="non-empty 'images' list"):
+        decode_batch_png(json.dumps({"prompts": [], "images": []}).encode())

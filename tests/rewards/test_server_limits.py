@@ -277,3 +277,13 @@ def test_request_encoding_and_decoding_refuse_what_the_format_cannot_carry():
         decode_batch(_safetensors(torch.zeros(1, 3, 4, 4, dtype=torch.int32)))
     with pytest.raises(WireError, match="non-empty 'images' list"):
         decode_batch_png(json.dumps({"prompts": [], "images": []}).encode())
+
+
+@pytest.mark.parametrize("shape", [[1, 3, "4", 4], [1, 3, -4, 4], [1, 3, True, 4], [1, 3, 4.0, 4]])
+def test_a_header_shape_of_non_integers_is_refused_before_the_limits(shape):
+    """Every declared dimension must be an int >= 0 (not a bool, float or string) before the pixel arithmetic."""
+    from flowrl.rewards.wire import WireError, decode_batch
+
+    raw = json.dumps({"images": {"dtype": "U8", "shape": shape, "data_offsets": [0, 4]}}).encode()
+    with pytest.raises(WireError, match="must have shape"):
+        decode_batch(struct.pack("<Q", len(raw)) + raw + b"\x00" * 4, PixelLimits(per_image=10**6))

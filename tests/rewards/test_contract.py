@@ -169,3 +169,21 @@ def test_score_reward_passes_allow_all_nan_to_the_output_check() -> None:
         score_reward("na", not_applicable, images, ["a", "b"])
     out = score_reward("na", not_applicable, images, ["a", "b"], allow_all_nan=True)
     assert out.shape == (2,) and bool(torch.isnan(out).all())
+
+
+def test_inf_names_every_bad_sample() -> None:
+    """The inf error lists the indices of all +inf and -inf samples."""
+    with pytest.raises(RewardError, match=r"inf at samples \[1, 3\]"):
+        check_reward_output("r", torch.tensor([0.0, math.inf, 0.5, -math.inf]), 4)
+
+
+def test_a_reward_error_raised_inside_a_reward_is_not_rewrapped() -> None:
+    """A RewardError a reward raises itself (e.g. a remote reward's one line) reaches the caller as it is."""
+    from flowrl.rewards import RewardError as Error
+
+    def remote_like(images, prompts, **metadata):
+        raise Error("reward 'remote' got HTTP 503 from the server; check it is up")
+
+    with pytest.raises(RewardError) as exc:
+        score_reward("remote", remote_like, torch.rand(1, 3, 4, 4), ["a"])
+    assert str(exc.value) == "reward 'remote' got HTTP 503 from the server; check it is up"

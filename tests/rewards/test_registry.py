@@ -383,3 +383,11 @@ def test_the_first_of_two_entry_points_with_one_name_wins(monkeypatch: pytest.Mo
     second = EntryPoint("twin", "flowrl.rewards.jpeg:jpeg_compressibility", registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry.importlib_metadata, "entry_points", lambda group=None: [first, second])
     assert registry._entry_points()["twin"] is first
+
+
+def test_a_remote_reward_gets_timeout_s_itself_and_no_outer_deadline() -> None:
+    """``remote:URL`` resolves to a partial of a bounds_own_time factory: its timeout_s goes to the client (one HTTP
+    attempt) and MultiReward sets no deadline of its own around it."""
+    multi = build_multi_reward({"r": {"reward": "remote:http://127.0.0.1:9", "timeout_s": 7}})
+    assert multi.timeouts == {"r": None}
+    assert multi.rewards["r"][0].timeout_s == 7.0

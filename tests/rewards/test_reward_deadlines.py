@@ -394,3 +394,17 @@ def test_an_interrupted_wait_abandons_the_worker():
     assert time.perf_counter() - start < 8  # the wait ends with the signal, not with the call (10 s)
     MultiReward({"q": (record, 1.0)})(IMAGES, PROMPTS)
     assert ran[1] is not ran[0]  # the next call did not queue behind the interrupted one
+
+
+def test_the_call_after_an_overrun_does_not_queue_behind_it() -> None:
+    """A call that overran its deadline is left on its own worker: the thread's next call runs at once on a fresh
+    one (it would otherwise wait behind the hung call and overrun too)."""
+    release = threading.Event()
+    try:
+        with pytest.raises(DeadlineExceeded):
+            call_with_deadline(release.wait, 0.2, (30.0,))
+        start = time.monotonic()
+        assert call_with_deadline(lambda: 7, 5.0) == 7
+        assert time.monotonic() - start < 2.0
+    finally:
+        release.set()

@@ -234,3 +234,11 @@ def test_awm_noise_per_row_counts_the_usable_steps():
     assert AWM().noise_per_row(3) == 2  # steps 1..2
     assert AWM(skip_first=False).noise_per_row(3) == 3
     assert AWM().noise_per_row(14) == 6 and AWM(timestep_fraction=0.5).noise_per_row(8) == 4
+
+
+def test_awm_plan_follows_skip_first():
+    """``skip_first=False`` (the reference's "discrete") lets the plan train at step 0; True never does."""
+    batch = _batch(steps=10)
+    steps = lambda awm: sorted({mb.step for mb in awm.plan(batch, torch.Generator().manual_seed(0))[0]})  # noqa: E731
+    assert steps(AWM(skip_first=False, num_timesteps=10, timestep_fraction=1.0)) == list(range(10))
+    assert steps(AWM(skip_first=True, num_timesteps=10, timestep_fraction=1.0)) == list(range(1, 10))

@@ -242,3 +242,12 @@ def test_awm_plan_follows_skip_first():
     steps = lambda awm: sorted({mb.step for mb in awm.plan(batch, torch.Generator().manual_seed(0))[0]})  # noqa: E731
     assert steps(AWM(skip_first=False, num_timesteps=10, timestep_fraction=1.0)) == list(range(10))
     assert steps(AWM(skip_first=True, num_timesteps=10, timestep_fraction=1.0)) == list(range(1, 10))
+
+
+def test_awm_one_step_plan_weighs_chunks_by_their_kept_rows():
+    """One optimizer step: ``weight = n_mb * kept / total_kept``, so the step's loss is the mean over its kept rows."""
+    batch = _batch(steps=10)._replace(chunk_size=2)  # chunks {0, 1} (2 kept) and {2, 3} (1 kept)
+    (group,) = AWM().plan(batch, torch.Generator().manual_seed(0))
+    assert len(group) == 12
+    for mb in group:
+        assert mb.weight == pytest.approx(12 * int(batch.keep[mb.index].sum()) / 18)

@@ -404,9 +404,7 @@ def test_the_call_after_an_overrun_does_not_queue_behind_it() -> None:
     try:
         with pytest.raises(DeadlineExceeded):
             call_with_deadline(release.wait, 0.2, (30.0,))
-        start = time.monotonic()
-        assert call_with_deadline(lambda: 7, 5.0) == 7
-        assert time.monotonic() - start < 2.0
+        assert call_with_deadline(lambda: 7, 5.0) == 7  # queued behind the hung call, it would overrun its 5 s
     finally:
         release.set()
 

@@ -383,3 +383,22 @@ def test_tree_rollouts_ratio_one_and_split_step_equaliser():
     assert edges == 58  # every edge of the tree once (2 + 2 + 2 + 4 + ... as in BranchGRPO)
     metrics = trainer.train_step()
     assert metrics["train/first_ratio"] == 1.0 and metrics["train/updates"] == 1.0
+
+
+def test_the_kl_term_weighs_the_anchor_and_step_kls(tiny_sd3):
+    """loss = policy + beta * (anchor_weight * KL_anchor + step_kl_weight * KL_step) at a second update, where both
+    KLs are live (the base model as anchor; theta has left the rollout policy). A large beta makes the KL term
+    dominate the fp32 loss, so each weight shows."""
+    _lora(tiny_sd3)
+    objective = SageGRPO(
+        anchor_every=0, updates_per_iteration=2, anchor_weight=0.5, step_kl_weight=0.3, kl_init=1e6, kl_max=1e6
+    )
+    objective.setup(tiny_sd3)
+    batch = _batch(tiny_sd3)
+    _perturb(tiny_sd3, scale=0.1)
+    objective.after_update(tiny_sd3)  # also steps beta (the adaptive controller)
+    loss, stats = objective.loss(tiny_sd3, batch, Microbatch(torch.arange(3), 1))
+    assert stats["kl_anchor"] > 0 and stats["kl_step"] > 0.02 * stats["kl_anchor"]
+    kl_eff = 0.5 * stats["kl_anchor"] + 0.3 * stats["kl_step"]
+    assert abs(stats["policy_loss"]) < 0.1 * stats["kl_beta"] * kl_eff
+    assert float(loss.detach()) == pytest.approx(stats["policy_loss"] + stats["kl_beta"] * kl_eff, rel=1e-5)

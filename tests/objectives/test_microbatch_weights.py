@@ -106,3 +106,20 @@ def test_the_velocity_penalty_is_the_mean_over_kept_rows(tiny_sd3):
     torch.testing.assert_close(kept, squared[[0, 2]].mean(), rtol=1e-15, atol=0)
     every = velocity_penalty(*args, v_other=v_other, keep=torch.ones(3, dtype=torch.bool))
     assert torch.equal(every, squared.mean()) and torch.equal(velocity_penalty(*args, v_other=v_other), every)
+    none = velocity_penalty(*args, v_other=v_other, keep=torch.zeros(3, dtype=torch.bool))
+    assert none.item() == 0.0  # no kept row: no penalty (not 0 / 0)
+
+
+def test_split_even_gives_consecutive_near_equal_groups_and_no_empty_one():
+    """The optimizer steps of an iteration: consecutive groups whose sizes differ by at most one, the larger ones
+    where ``round`` puts them, and never an empty group when there are fewer items than parts."""
+    from flowrl.objectives.base import split_even
+
+    assert split_even(list(range(7)), 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert split_even(list(range(6)), 4) == [[0, 1], [2], [3], [4, 5]]
+    assert split_even([1, 2], 5) == [[1], [2]] and split_even([1, 2, 3], 0) == [[1, 2, 3]]
+    for n in range(1, 12):
+        for parts in range(1, 14):
+            groups = split_even(list(range(n)), parts)
+            sizes = [len(g) for g in groups]
+            assert sum(groups, []) == list(range(n)) and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1

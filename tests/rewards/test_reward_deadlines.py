@@ -434,3 +434,49 @@ def test_a_forked_child_starts_its_own_worker() -> None:
     """
     out = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "child exit 0", out.stdout + out.stderr
+
+
+def test_an_idle_worker_keeps_nothing_of_the_call_it_ran_alive():
+    """After a call returns, its worker idles without holding the call's result or arguments (a large reward
+    output or a batch of images would otherwise live until the thread's next reward call)."""
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    arg = Big()
+    ref_arg = weakref.ref(arg)
+    out = call_with_deadline(lambda a: Big(), 5.0, (arg,))
+    ref_out = weakref.ref(out)
+    del arg, out
+    for _ in range(200):  # the worker drops its job right after signalling the caller
+        gc.collect()
+        if ref_arg() is None and ref_out() is None:
+            break
+        time.sleep(0.05)
+    assert ref_arg() is None and ref_out() is None
+
+
+STOP_AT_EXIT = """
+import threading, time
+from flowrl.rewards import deadline
+try:
+    deadline.call_with_deadline(time.sleep, 0.05, (60,), name="hung")
+except deadline.DeadlineExceeded:
+    pass
+deadline.call_with_deadline(lambda: 1, 5.0, name="idle")  # a new worker for the main thread, idle now
+start = time.monotonic()
+deadline._stop_idle_workers(timeout_s=30.0)  # what runs at exit, while the calling thread is still alive
+alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("reward-") and t.is_alive())
+print(f"{time.monotonic() - start:.2f}", alive)
+"""
+
+
+def test_the_exit_hook_ends_idle_workers_at_once_and_leaves_a_hung_one():
+    """The exit hook retires the idle workers (they end at once, though their calling thread lives on) and does not
+    wait for a worker that is still in a call that overran (it may never return)."""
+    out = subprocess.run([sys.executable, "-c", STOP_AT_EXIT], capture_output=True, text=True, timeout=120)
+    took, alive = out.stdout.split(maxsplit=1)
+    assert float(took) < 15.0, out.stdout + out.stderr  # 30 s: it waited for the hung worker or a live owner
+    assert alive.strip() == "['reward-hung@MainThread']", out.stdout + out.stderr

@@ -34,3 +34,24 @@ def test_first_update_loss_is_minus_the_weighted_sum_of_the_edge_advantages():
     twice, stats2 = trainer.objective.loss(trainer.model, batch, group[0]._replace(weight=2 * group[0].weight))
     assert stats2["kl"] == pytest.approx(2 * stats["kl"], rel=1e-6)  # the KL term carries the weight too
     torch.testing.assert_close(twice.double(), 2 * loss.double(), rtol=1e-6, atol=0)
+
+
+def test_ratio_norm_divides_each_edge_term_by_its_step_length():
+    """With ``objective.ratio_norm`` (GRPO-Guard's RatioNorm) the first update's loss is ``-w * sum_e A_e / dt``,
+    ``dt = sigma_t - sigma_{t+1}`` of the micro-batch's step; without it, ``-w * sum_e A_e``."""
+    small = ["sampler.num_steps=4", "sampler.tree.split_steps=[0,1]", "prompts.group_size=4", "objective.kl_beta=0"]
+    for norm in (False, True):
+        trainer = _trainer(*small, f"objective.ratio_norm={str(norm).lower()}")
+        batch, _ = trainer.collect()
+        gen = torch.Generator().manual_seed(5)
+        tb = batch.tree._replace(advantages=[torch.randn(a.shape, generator=gen) for a in batch.tree.advantages])
+        batch, sigmas = batch._replace(tree=tb), tb.rollout.sigmas
+        (group,) = trainer.objective.plan(batch, torch.Generator().manual_seed(0))
+        assert {mb.step for mb in group} == {0, 1, 2, 3}
+        for mb in group:
+            children, _ = chunk_children(mb.index, int(tb.rollout.factors[mb.step]), tb.train[mb.step])
+            loss, stats = trainer.objective.loss(trainer.model, batch, mb)
+            dt = float(sigmas[mb.step] - sigmas[mb.step + 1]) if norm else 1.0
+            expected = -tb.advantages[mb.step][children].double().sum() * mb.weight / dt
+            torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-9)
+            assert stats["ratio"] == pytest.approx(1.0, abs=1e-6)

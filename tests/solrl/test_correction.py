@@ -71,3 +71,24 @@ def test_importance_weighted_loss_is_the_inner_loss_with_scaled_advantages():
     scaled = batch._replace(advantages=batch.advantages * weights[:, 1])
     inner, _ = objective.inner.loss(trainer.model, scaled, mb)
     assert torch.equal(loss.detach(), inner.detach())
+
+
+def test_weight_metrics_cover_the_stochastic_steps_only():
+    """With an SDE window, steps outside it are Euler steps of weight exactly 1: the logged weight statistics
+    read only the stochastic steps (a mean over every step would be pulled towards 1)."""
+    cfg = small_config(
+        "solrl.mode=correct",
+        "solrl.precision=int8_dynamic",
+        "sampler.window=fixed",
+        "sampler.window_start=0",
+        "sampler.window_size=2",
+        path="configs/grpo/digits.yaml",
+    )
+    trainer = small_trainer(cfg)
+    batch, info = trainer.collect()
+    stochastic = batch.trajectory.noise_levels > 0
+    assert stochastic.tolist() == [True, True, False]
+    weights = trainer.objective.weights
+    assert bool((weights[:, ~stochastic] == 1).all()) and bool((weights[:, stochastic] != 1).any())
+    assert float(info["solrl/is_weight_mean"]) == pytest.approx(float(weights[:, stochastic].mean()), rel=1e-6)
+    assert float(info["solrl/is_weight_min"]) == pytest.approx(float(weights[:, stochastic].min()), rel=1e-6)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from solrl_setup import small_config, small_trainer
 
@@ -132,3 +135,33 @@ def test_a_candidate_with_every_reward_not_applicable_counts_as_its_prompts_wors
     assert pipeline.not_applicable(
         {"a": torch.tensor([float("nan"), 1.0]), "b": torch.tensor([float("nan")] * 2)}
     ).tolist() == [True, False]
+
+
+def test_diagnostics_average_per_prompt_agreement_over_prompts_that_have_one():
+    """Per-prompt tau / rho / overlap (top and bottom K // 2) are averaged over the prompts whose rewards can be
+    ranked; a prompt with constant stage-2 rewards (NaN tau) is left out rather than making the mean NaN."""
+    stage1 = pipeline.Stage1(torch.arange(24).reshape(2, 12), torch.rand(2, 12, dtype=torch.float64), 2.0)
+    explored = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    regenerated = torch.tensor([[4.0, 3.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0]], dtype=torch.float64)
+    out = pipeline.SolRL.diagnostics(None, stage1, explored, regenerated, 0.5)
+    assert float(out["solrl/kendall_tau"]) == pytest.approx(4 / 6)  # prompt 0 only: one discordant pair of six
+    assert float(out["solrl/spearman_rho"]) == pytest.approx(0.8)  # 1 - 6 * 2 / (4 * 15)
+    # overlap of the top-2 and bottom-2 sets: prompt 0 keeps both (1.0); prompt 1's ties break by index, which
+    # puts its explored top-2 (positions 3, 2) at the bottom (0.0)
+    assert float(out["solrl/extreme_overlap"]) == pytest.approx((1.0 + 0.0) / 2)
+    assert float(out["solrl/explore_candidates_per_s"]) == 12.0  # 24 candidates in 2 s
+    assert float(out["solrl/regenerate_candidates_per_s"]) == 16.0  # 8 kept in 0.5 s
+    assert pipeline.nan_mean([0.5, math.nan, 1.0]) == 0.75 and math.isnan(pipeline.nan_mean([math.nan]))
+
+
+def test_the_random_rule_draws_a_new_selection_every_iteration():
+    """``solrl.selection=random`` (the control) must not keep the same candidate positions every iteration."""
+    trainer = small_trainer(small_config("solrl.selection=random", "solrl.candidates=16"))
+    stage1 = pipeline.Stage1(torch.arange(32).reshape(2, 16), torch.zeros(2, 16, dtype=torch.float64), 1.0)
+    picks = []
+    for iteration in range(4):
+        trainer.iteration = iteration
+        picks.append(trainer.solrl.select(stage1, 4))
+    trainer.iteration = 0
+    assert torch.equal(trainer.solrl.select(stage1, 4), picks[0])  # a function of the seed and the iteration
+    assert len({tuple(p.reshape(-1).tolist()) for p in picks}) == 4

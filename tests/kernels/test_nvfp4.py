@@ -170,8 +170,6 @@ def test_the_interpreter_switch_reads_the_usual_truthy_spellings(monkeypatch, va
     Triton's own reading is checked too where it is installed: a spelling it took as on and the dispatcher as off
     ran the torch reference on CPU while the tests believed they ran the kernel in the interpreter ("y" did).
     """
-    from flowrl.kernels import interpreting
-
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreting() is on
     libtriton = pytest.importorskip("triton._C.libtriton")

@@ -387,8 +387,8 @@ def test_tree_rollouts_ratio_one_and_split_step_equaliser():
 
 def test_the_kl_term_weighs_the_anchor_and_step_kls(tiny_sd3):
     """loss = policy + beta * (anchor_weight * KL_anchor + step_kl_weight * KL_step) at a second update, where both
-    KLs are live (the base model as anchor; theta has left the rollout policy). A large beta makes the KL term
-    dominate the fp32 loss, so each weight shows."""
+    KLs are live (the base model as anchor; theta has left the rollout policy), with the adapted beta (not
+    ``kl_init``). A large beta makes the KL term dominate the fp32 loss, so each weight shows."""
     _lora(tiny_sd3)
     objective = SageGRPO(
         anchor_every=0, updates_per_iteration=2, anchor_weight=0.5, step_kl_weight=0.3, kl_init=1e6, kl_max=1e6
@@ -399,6 +399,7 @@ def test_the_kl_term_weighs_the_anchor_and_step_kls(tiny_sd3):
     objective.after_update(tiny_sd3)  # also steps beta (the adaptive controller)
     loss, stats = objective.loss(tiny_sd3, batch, Microbatch(torch.arange(3), 1))
     assert stats["kl_anchor"] > 0 and stats["kl_step"] > 0.02 * stats["kl_anchor"]
+    assert stats["kl_beta"] == objective.beta < 1e6  # the controller moved beta off kl_init
     kl_eff = 0.5 * stats["kl_anchor"] + 0.3 * stats["kl_step"]
     assert abs(stats["policy_loss"]) < 0.1 * stats["kl_beta"] * kl_eff
     assert float(loss.detach()) == pytest.approx(stats["policy_loss"] + stats["kl_beta"] * kl_eff, rel=1e-5)

@@ -121,19 +121,3 @@ def test_flat_edges_weigh_the_kept_rows_of_the_chunk():
     torch.testing.assert_close(edges.weights, torch.tensor([0.4, 0.0, 0.4]), rtol=0, atol=0)
     assert torch.equal(edges.x, latents[:3, 1]) and torch.equal(edges.x_next, latents[:3, 2])
     assert edges.advantages.tolist() == [0.0, 1.0, 2.0] and edges.noise_scale == 1.0
-
-
-def test_loss_adds_the_current_beta_times_kl_eff(tiny_sd3):
-    """``L = L_pg + beta (w_anc KL_anc + w_stp KL_stp)`` with the adapted beta (not ``kl_init``), from the stats."""
-    from test_sage_grpo import _batch, _lora
-
-    from flowrl.objectives.base import Microbatch
-
-    _lora(tiny_sd3)
-    sage = SageGRPO(anchor_every=0, anchor_weight=0.7)  # the anchor is the base model: KL_anc > 0 with a LoRA
-    sage.beta = 0.5
-    batch = _batch(tiny_sd3)
-    loss, stats = sage.loss(tiny_sd3, batch, Microbatch(torch.arange(3), 1))
-    assert stats["kl_anchor"] > 0 and stats["kl_beta"] == 0.5
-    expected = stats["policy_loss"] + 0.5 * (0.7 * stats["kl_anchor"] + sage.step_kl_weight * stats["kl_step"])
-    assert float(loss) == pytest.approx(expected, rel=1e-6)

@@ -85,10 +85,14 @@ def test_request_pixels_are_bounded_as_a_whole(server):
     assert post(server, json.dumps({"prompts": ["a"] * 10, "images": [tiny] * 10}).encode())[0] == 200
 
 
+def _declared(shape: list) -> bytes:
+    """A safetensors body whose header declares uint8 ``images`` of ``shape`` over 4 bytes of data."""
+    raw = json.dumps({"images": {"dtype": "U8", "shape": shape, "data_offsets": [0, 4]}}).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\x00" * 4
+
+
 def test_safetensors_shape_is_checked_from_the_header(server):
-    header = {"images": {"dtype": "U8", "shape": [1000, 3, 4096, 4096], "data_offsets": [0, 4]}}
-    raw = json.dumps(header).encode()
-    status, error = post(server, struct.pack("<Q", len(raw)) + raw + b"\x00" * 4, SAFETENSORS)
+    status, error = post(server, _declared([1000, 3, 4096, 4096]), SAFETENSORS)
     assert status == 413 and "request holds 1000 images" in error  # refused before safetensors reads a byte
 
 
@@ -209,11 +213,8 @@ def test_every_frame_of_a_clip_counts_toward_the_request_limit():
     request's pixels, refused from the header alone (TooLarge, not a later parse error)."""
     from flowrl.rewards.wire import decode_batch
 
-    header = {"images": {"dtype": "U8", "shape": [2, 50, 3, 64, 64], "data_offsets": [0, 4]}}
-    raw = json.dumps(header).encode()
-    body = struct.pack("<Q", len(raw)) + raw + b"\x00" * 4
     with pytest.raises(TooLarge, match="request holds 100 images"):
-        decode_batch(body, PixelLimits(per_request=20 * 64 * 64))
+        decode_batch(_declared([2, 50, 3, 64, 64]), PixelLimits(per_request=20 * 64 * 64))
 
 
 def test_a_header_length_past_the_body_is_named():
@@ -284,6 +285,5 @@ def test_a_header_shape_of_non_integers_is_refused_before_the_limits(shape):
     """Every declared dimension must be an int >= 0 (not a bool, float or string) before the pixel arithmetic."""
     from flowrl.rewards.wire import WireError, decode_batch
 
-    raw = json.dumps({"images": {"dtype": "U8", "shape": shape, "data_offsets": [0, 4]}}).encode()
     with pytest.raises(WireError, match="must have shape"):
-        decode_batch(struct.pack("<Q", len(raw)) + raw + b"\x00" * 4, PixelLimits(per_image=10**6))
+        decode_batch(_declared(shape), PixelLimits(per_image=10**6))

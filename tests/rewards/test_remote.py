@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -347,3 +348,100 @@ def test_a_flooding_server_is_refused_before_it_fills_the_trainer_s_memory(head,
     err = score_through_trainer_path(url, retries=1, timeout_s=30)
     thread.join(timeout=5)
     assert f"after 2 attempts: {fragment}" in str(err) and time.perf_counter() - start < 20
+
+
+def test_retries_back_off_doubling_from_backoff_s_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retry k waits backoff_s * 2**k, at most MAX_BACKOFF_S (30 s), and nothing follows the last attempt."""
+    import importlib
+    import types
+
+    remote_module = importlib.import_module("flowrl.rewards.remote")  # the package's ``remote`` is the function
+    waits: list[float] = []
+    monkeypatch.setattr(remote_module, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=waits.append))
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RemoteRewardError, match="after 4 attempts: connection refused"):
+        RemoteReward(url, retries=3, backoff_s=0.5).health()
+    assert waits == [0.5, 1.0, 2.0]
+    waits.clear()
+    with pytest.raises(RemoteRewardError, match="after 3 attempts: connection refused"):
+        RemoteReward(url, retries=2, backoff_s=20.0).health()
+    assert waits == [20.0, remote_module.MAX_BACKOFF_S]
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """Answers the first POST with ``status`` (a JSON error line unless 200), every later one with zero scores.
+
+    Records each request's path and batch size.
+    """
+
+    status = 503
+    posts: list[int] = []
+    paths: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts.append(len(decode_batch(body)[1]))
+        type(self).paths.append(self.path)
+        failed = len(type(self).posts) == 1 and type(self).status != 200
+        status = type(self).status if failed else 200
+        data = json.dumps({"error": "busy"}).encode() if failed else encode_scores(torch.zeros(self.posts[-1]), False)
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def flaky_server(status: int) -> tuple[ThreadingHTTPServer, type[Flaky]]:
+    """A started :class:`Flaky` server on 127.0.0.1 (free port) and its handler class (the records)."""
+    handler = type("H", (Flaky,), {"status": status, "posts": [], "paths": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return httpd, handler
+
+
+@pytest.mark.parametrize("status, retried", [(502, True), (503, True), (504, True), (500, False), (400, False)])
+def test_only_gateway_and_unavailable_statuses_are_retried(status: int, retried: bool) -> None:
+    """HTTP 502/503/504 get another attempt (which scores); a 500 (the reward failed) or a 4xx is final at once."""
+    httpd, handler = flaky_server(status)
+    client = RemoteReward(f"http://127.0.0.1:{httpd.server_address[1]}", retries=2, backoff_s=0.0)
+    try:
+        if retried:
+            assert torch.equal(client(images(), PROMPTS), torch.zeros(7))
+        else:
+            with pytest.raises(RemoteRewardError, match=f"rejected request 1/1 \\(images 0-6\\): HTTP {status}: busy"):
+                client(images(), PROMPTS)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert handler.posts == ([7, 7] if retried else [7])
+
+
+def test_a_url_path_prefix_is_kept_without_its_trailing_slash() -> None:
+    """``http://host:port/reward/`` (a server behind a path prefix) posts to ``/reward/score``, not ``//score``."""
+    httpd, handler = flaky_server(200)
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        client = RemoteReward(base + "/reward/", retries=0)
+        assert client.url == base + "/reward"
+        assert torch.equal(client(images(), PROMPTS), torch.zeros(7))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert handler.paths == ["/reward/score"]
+
+
+def _by_digit(images: torch.Tensor, prompts: list[str], digit: list[int]) -> torch.Tensor:
+    return torch.tensor(digit, dtype=torch.float32) + images.mean(dim=(1, 2, 3))
+
+
+def test_tensor_metadata_is_split_with_the_batch(serve: Callable[..., RewardServer]) -> None:
+    """Per-sample metadata given as a tensor goes with its own rows into each request of ``batch_size``."""
+    server = serve(_by_digit, "digit")
+    x, digit = images(), torch.arange(7) * 10
+    got = RemoteReward(server.url, batch_size=3, retries=0)(x, PROMPTS, digit=digit)
+    assert server.batches == 3
+    assert torch.equal(got, _by_digit(x, PROMPTS, digit.tolist()))

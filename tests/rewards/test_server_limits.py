@@ -287,3 +287,56 @@ def test_a_header_shape_of_non_integers_is_refused_before_the_limits(shape):
 
     with pytest.raises(WireError, match="must have shape"):
         decode_batch(_declared(shape), PixelLimits(per_image=10**6))
+
+
+def _post_raw(server: RewardServer, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """POST /score with exactly ``headers``; (status, reply body)."""
+    host, port = server.httpd.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        conn.putrequest("POST", "/score", skip_accept_encoding=True)
+        for key, value in headers.items():
+            conn.putheader(key, value)
+        conn.endheaders(body)
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+def test_max_body_mb_counts_mebibytes_and_a_body_at_the_limit_is_read() -> None:
+    """max_body_mb=1/1024 is 1024 bytes: a body of 1024 bytes is read (then refused as not safetensors), 1025 is 413."""
+    srv = RewardServer(ink("bold"), "ink", host="127.0.0.1", port=0, max_body_mb=1 / 1024).start()
+    try:
+        status, error = post(srv, b"x" * 1024, SAFETENSORS)
+        assert status == 400 and "not a safetensors" in error, (status, error)
+        assert post(srv, b"x" * 1025, SAFETENSORS) == (
+            413,
+            "body of 1025 bytes exceeds the server's limit of 1024; split the batch",
+        )
+    finally:
+        srv.stop()
+
+
+def test_a_body_without_content_type_is_read_as_safetensors(server: RewardServer) -> None:
+    """No Content-Type header means the safetensors format: the batch is scored and the reply is safetensors."""
+    from flowrl.rewards.wire import decode_scores
+
+    x = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    body = encode_batch(x, ["a"] * 3)
+    status, reply = _post_raw(server, body, {"Content-Length": str(len(body))})
+    assert status == 200, reply
+    scores, allows_nan = decode_scores(reply)
+    assert torch.equal(scores, ink("bold")(x, ["a"] * 3)) and allows_nan is False
+
+
+def test_an_empty_token_means_no_token() -> None:
+    """token="" (an unset --token) serves without auth: /info says so and requests without a token are scored."""
+    srv = RewardServer(ink("bold"), "ink", host="127.0.0.1", port=0, token="").start()
+    try:
+        client = RemoteReward(srv.url, token="", retries=0)
+        assert srv.token is None and client.info()["auth"] is False
+        x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(client(x, ["a", "b"]), ink("bold")(x, ["a", "b"]))
+    finally:
+        srv.stop()

@@ -326,3 +326,112 @@ def test_flux_geometry_counts_the_adapter_s_t5_tokens(tmp_path, guidance_embeds,
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(json.dumps(data))
     assert read_geometry(tmp_path, None).text_tokens == tokens
+
+
+# -- each term of the estimate follows its formula (the module docstring's) ---------------------------------------
+
+
+def _estimate_parts(overrides: list[str], *, training: bool = True, processes: int = 1) -> dict[str, float]:
+    """Part name -> bytes of the embedded model's estimate (100 train and 10 eval prompts)."""
+    from flowrl.memory_estimate import estimate_memory
+
+    cfg = load_config(None, overrides)
+    est = estimate_memory(
+        cfg, read_geometry(DIGITS_DIR, None), training=training, train_prompts=100, eval_prompts=10, processes=processes
+    )
+    return {p.name: p.nbytes for p in est.parts}
+
+
+def _part(parts: dict[str, float], prefix: str) -> tuple[str, float]:
+    (found,) = [(name, n) for name, n in parts.items() if name.startswith(prefix)]
+    return found
+
+
+def test_human_bytes_steps_at_each_thousand() -> None:
+    """Sizes are decimal: 999 B, then 1.0 KB at 1000; past PB the number grows instead of the unit."""
+    from flowrl.memory_estimate import human_bytes
+
+    assert [human_bytes(n) for n in (999, 1000, 1_500_000, 2.5e9, 2e18)] == [
+        "999 B",
+        "1.0 KB",
+        "1.5 MB",
+        "2.5 GB",
+        "2000.0 PB",
+    ]
+
+
+def test_training_activations_follow_precision_guidance_and_checkpointing() -> None:
+    """One training chunk keeps rows x tokens x hidden x 28 values per layer (layers + 28 with checkpointing),
+    in 4 bytes (2 under autocast), twice under true CFG."""
+    g = read_geometry(DIGITS_DIR, None)
+    per_value = 40 * 99 * g.hidden  # sampler.chunk_size=40 rows of 8x8 / patch 2 = 16 tokens + 83 text tokens
+    assert g.layers == 4
+    cases = {
+        (): per_value * 4 * 4 * 28,
+        ("memory.gradient_checkpointing=true",): per_value * 4 * (4 + 28),
+        ("memory.autocast=bf16",): per_value * 2 * 4 * 28,
+        ("sampler.guidance_scale=4.5",): 2 * per_value * 4 * 4 * 28,
+    }
+    for overrides, nbytes in cases.items():
+        assert _part(_estimate_parts(list(overrides)), "activations of one training chunk")[1] == nbytes, overrides
+
+
+def test_vae_decode_is_one_sample_when_sliced_and_512_pixels_when_tiled() -> None:
+    """The decode holds 3 fp32 maps of 32 channels at full size for each of the chunk's rows; slicing decodes one
+    row, tiling caps each side at 512."""
+    assert _part(_estimate_parts([]), "VAE decode")[1] == 3 * 40 * 32 * 8 * 8 * 4
+    assert _part(_estimate_parts(["memory.vae_slicing=true"]), "VAE decode")[1] == 3 * 1 * 32 * 8 * 8 * 4
+    tiled = _estimate_parts(["model.resolution=1024", "memory.vae_tiling=true"])
+    assert _part(tiled, "VAE decode")[1] == 3 * 40 * 32 * 512 * 512 * 4
+
+
+def test_the_prompt_cache_holds_what_the_run_encodes() -> None:
+    """Prompts encoded over the iterations (all when free_encoders_when_cached warms them up front) plus the eval
+    prompts, each 83 tokens x 64 in fp32, twice under true CFG."""
+    entry = 83 * 64 * 4
+    assert _part(_estimate_parts(["train.iterations=2"]), "prompt cache (50 prompts)")[1] == 50 * entry
+    warmed = _estimate_parts(["train.iterations=2", "memory.free_encoders_when_cached=true"])
+    assert _part(warmed, "prompt cache (110 prompts)")[1] == 110 * entry
+    assert _part(_estimate_parts(["sampler.guidance_scale=4.5"]), "prompt cache (110 prompts)")[1] == 2 * 110 * entry
+
+
+def test_lora_state_is_split_only_under_sharding_and_grids_count_before_and_after() -> None:
+    """The LoRA's 24 bytes per parameter split over the processes only with a train.sharding; the grids hold
+    before and after images of up to 20 eval prompts x output.grid_seeds."""
+    g = read_geometry(DIGITS_DIR, None)
+    lora = g.lora_width * 8 * 24
+    assert _part(_estimate_parts([], processes=4), "LoRA weights")[1] == lora
+    assert _part(_estimate_parts(["train.sharding=zero2"], processes=4), "LoRA weights") == (
+        "LoRA weights and optimizer state (lora.rank=8, 1/4 per process)",
+        lora / 4,
+    )
+    assert _part(_estimate_parts([]), "before/after grids (80 images)")[1] == 2 * 10 * 4 * 192 * 4
+
+
+def test_rollout_latents_keep_every_step_of_tree_rollouts_and_a_rank_rounds_up() -> None:
+    """A tree rollout keeps num_steps + 1 latents per sample; 160 samples over 3 processes are 54 on a rank."""
+    latents = "rollout latents"
+    assert _part(_estimate_parts(["objective.name=branch_grpo"]), latents)[1] == 160 * 11 * 256 * 4
+    assert _part(_estimate_parts(["objective.name=diffusion_nft"]), latents)[1] == 160 * 1 * 256 * 4
+    assert _part(_estimate_parts([], processes=3), latents)[1] == 54 * 11 * 256 * 4
+
+
+def test_the_larger_phase_is_the_one_counted_and_sampling_chunks_are_at_least_64() -> None:
+    """Training counts the larger of the iteration and the evaluation phase; a sampling chunk holds at least
+    64 samples whatever sampler.chunk_size says."""
+    from flowrl.memory_estimate import estimate_memory
+
+    cfg = load_config(None, ["train.eval_seeds=1000"])  # 10 eval prompts x 1000 seeds outweigh the 160 rollouts
+    names = [p.name for p in estimate_memory(cfg, read_geometry(DIGITS_DIR, None), eval_prompts=10).parts]
+    assert any(n.startswith("evaluation latents (10000 samples") for n in names)
+    assert not any(n.startswith("rollout") for n in names)
+    sampling = _estimate_parts(["sampler.chunk_size=8"], training=False)
+    assert _part(sampling, "activations of one sampling chunk (64 samples")[1] == 64 * 99 * 128 * 4 * 16
+
+
+def test_sol_rl_stage_one_and_a_test_split_round_up() -> None:
+    """A rank samples its ceil share of per_iteration x candidates; a test split holds at least one prompt."""
+    from flowrl.memory_estimate import prompt_counts, stage1_candidates
+
+    assert stage1_candidates(load_config(None, []), 3) == 107  # 20 x 16 / 3 = 106.7
+    assert prompt_counts(load_config(None, ["prompts.test_fraction=0.001"])) == (19, 1)

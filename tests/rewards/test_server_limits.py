@@ -7,6 +7,7 @@ import http.client
 import json
 import math
 import struct
+import threading
 import time
 import zlib
 
@@ -340,3 +341,50 @@ def test_an_empty_token_means_no_token() -> None:
         assert torch.equal(client(x, ["a", "b"]), ink("bold")(x, ["a", "b"]))
     finally:
         srv.stop()
+
+
+def test_a_stopped_server_counts_no_new_request() -> None:
+    """After stop(), begin_request answers False (the handler's 503) and counts nothing in flight."""
+    srv = RewardServer(ink("bold"), "ink", host="127.0.0.1", port=0).start()
+    assert srv.begin_request() is True
+    srv.end_request()
+    assert srv.stop(grace_s=5.0) is True
+    assert srv.begin_request() is False
+    assert srv._in_flight == 0
+
+
+def test_a_batch_waiting_in_line_gets_503_when_the_server_stops() -> None:
+    """stop() answers 503 to a batch queued behind the one being scored, and lets that one finish with its scores."""
+    started, release = threading.Event(), threading.Event()
+
+    def blocking(images: torch.Tensor, prompts: list[str], **metadata: object) -> torch.Tensor:
+        started.set()
+        release.wait(30)
+        return images.mean(dim=(1, 2, 3))
+
+    srv = RewardServer(blocking, "blocking", host="127.0.0.1", port=0).start()
+    body = encode_batch(torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0)), ["a", "b"])
+    results: dict[str, object] = {}
+
+    def call(name: str) -> None:
+        results[name] = post(srv, body, SAFETENSORS)
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    for _ in range(3000):  # until the second batch is read and waits for the scoring lock
+        if srv._in_flight == 2:
+            break
+        time.sleep(0.01)
+    assert srv._in_flight == 2
+    stopper = threading.Thread(target=lambda: results.update(stopped=srv.stop(grace_s=30)))
+    stopper.start()
+    second.join(timeout=10)
+    done = results.get("second")
+    release.set()
+    first.join(timeout=30)
+    stopper.join(timeout=60)
+    assert done == (503, "the reward server is shutting down; retry on another server")
+    assert results["first"] == (200, "") and results["stopped"] is True

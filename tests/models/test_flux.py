@@ -36,6 +36,15 @@ def test_packing_round_trip_and_ids_match_diffusers():
         pack_latents(torch.zeros(1, 4, 5, 8))
 
 
+def test_unpacking_refuses_tokens_that_do_not_tile_the_latent() -> None:
+    """A token count other than (h/2)(w/2), or features not a multiple of 4, is a ValueError naming the shapes."""
+    with pytest.raises(ValueError, match=r"cannot unpack \(1, 8, 16\) tokens to a 4x4 latent"):
+        unpack_latents(torch.zeros(1, 8, 16), 4, 4)
+    with pytest.raises(ValueError, match="cannot unpack"):
+        unpack_latents(torch.zeros(1, 4, 6), 4, 4)
+    assert unpack_latents(torch.zeros(1, 4, 16), 4, 4).shape == (1, 4, 4, 4)
+
+
 @pytest.mark.parametrize("guidance_embeds,steps", [(True, 3), (False, 2)])
 def test_euler_ode_reproduces_flux_pipeline(guidance_embeds, steps):
     """Same initial latents, sigmas and guidance: our Euler ODE == FluxPipeline (dev and schnell)."""

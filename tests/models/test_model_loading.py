@@ -117,6 +117,16 @@ def test_unknown_pipeline_class_is_named(flux_folder, tmp_path):
         load_adapter(str(other))
 
 
+@pytest.mark.parametrize(
+    "text, message", [("[1, 2]", "must hold a JSON object with a _class_name; got a list"), ("{", "is not valid JSON")]
+)
+def test_a_malformed_model_index_is_one_value_error(tmp_path, text: str, message: str) -> None:
+    """A model_index.json that is not a JSON object is refused in one line before any weight check reads it."""
+    (tmp_path / "model_index.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_adapter(str(tmp_path))
+
+
 def test_distilled_guidance_config_key_reaches_the_adapter(flux_folder, tmp_path):
     from flowrl.config import ConfigError, load_config
 

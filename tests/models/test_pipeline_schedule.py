@@ -84,3 +84,18 @@ def test_unsupported_options_are_named():
         pipeline_sigmas({"use_karras_sigmas": True}, 4, 16)
     with pytest.raises(ValueError, match="positive integer"):
         pipeline_sigmas({}, 0, 16)
+
+
+@pytest.mark.parametrize("key", ["use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas"])
+def test_every_unsupported_scheduler_option_is_refused(key: str) -> None:
+    """Each scheduler option flowrl does not reproduce is refused by name rather than silently ignored."""
+    with pytest.raises(ValueError, match=f"scheduler option {key}=True is not supported"):
+        pipeline_sigmas({"shift": 3.0, key: True}, 4, 16)
+    assert pipeline_sigmas({"shift": 3.0, key: False}, 4, 16).shape == (5,)
+
+
+def test_mu_defaults_are_the_flux_pipeline_s() -> None:
+    """Missing config keys default as FluxPipeline reads them: mu runs from 0.5 at 256 tokens to 1.15 at 4096."""
+    assert scheduler_mu({}, 256) == pytest.approx(0.5, abs=1e-15)
+    assert scheduler_mu({}, 4096) == pytest.approx(1.15, abs=1e-15)
+    assert scheduler_mu({}, 1024) == pytest.approx(0.5 + 0.65 * 768 / 3840, abs=1e-15)

@@ -445,3 +445,20 @@ def test_tensor_metadata_is_split_with_the_batch(serve: Callable[..., RewardServ
     got = RemoteReward(server.url, batch_size=3, retries=0)(x, PROMPTS, digit=digit)
     assert server.batches == 3
     assert torch.equal(got, _by_digit(x, PROMPTS, digit.tolist()))
+
+
+def test_client_options_must_be_finite_and_positive_where_zero_means_nothing() -> None:
+    """timeout_s and batch_size must be > 0 and finite; retries and backoff_s may be 0 (no retry, no wait)."""
+    url = "http://127.0.0.1:8765"
+    for option, value, kind in [
+        ("timeout_s", 0, "a number > 0"),
+        ("timeout_s", float("inf"), "a number > 0"),
+        ("timeout_s", float("nan"), "a number > 0"),
+        ("backoff_s", float("inf"), "a number >= 0"),
+        ("batch_size", 0, "an integer > 0"),
+        ("batch_size", True, "an integer > 0"),
+    ]:
+        with pytest.raises(ValueError, match=f"remote reward option {option} must be {kind}; got {value!r}"):
+            RemoteReward(url, **{option: value})
+    client = RemoteReward(url, retries=0, backoff_s=0)
+    assert (client.retries, client.backoff_s, client.batch_size) == (0, 0.0, None)

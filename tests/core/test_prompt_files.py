@@ -7,6 +7,7 @@ import torch
 
 from flowrl.config import ConfigError, load_config
 from flowrl.prompts.batch import sample_groups
+from flowrl.prompts.files import Prompt
 from flowrl.prompts.sets import holdout_split, load_prompts
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "prompts"
@@ -122,3 +123,70 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name, conte
     path = tmp_path / name
     path.write_bytes(b"\xef\xbb\xbf" + content.encode())
     assert [p.text for p in load_prompts(str(path), split="test")] == ["a bold 3"]
+
+
+def test_sample_groups_use_every_prompt_before_repeating_one() -> None:
+    """More prompts per iteration than the set holds: each prompt once, then a fresh draw tops up to exactly N."""
+    prompts = load_prompts("digits")[:3]
+    batch = sample_groups(prompts, 5, 2, torch.Generator().manual_seed(0))
+    assert len(batch.texts) == 10 and batch.group_ids.tolist() == [g for g in range(5) for _ in range(2)]
+    firsts = batch.texts[::2]
+    assert sorted(firsts[:3]) == sorted(p.text for p in prompts)  # without replacement while possible
+    assert len(set(firsts[3:])) == 2  # the top-up is a second permutation's head
+
+
+def test_csv_blank_cells_rows_are_skipped_and_unnamed_columns_dropped(tmp_path: Path) -> None:
+    """A row of blank cells is skipped like an empty line; a column without a header name is not metadata."""
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,style,\na cat,bold,\n , ,\na dog,thin,x\n")
+    prompts = load_prompts(str(path))
+    assert [(p.text, p.metadata) for p in prompts] == [("a cat", {"style": "bold"}), ("a dog", {"style": "thin"})]
+
+
+def test_csv_row_with_too_few_fields_names_the_line(tmp_path: Path) -> None:
+    """A short row is refused with its line number, not read with its columns shifted."""
+    path = tmp_path / "short.csv"
+    path.write_text("prompt,tag\na cat,x\na dog\n")
+    with pytest.raises(ValueError, match=r"short.csv line 3: has 1 fields but the header has 2"):
+        load_prompts(str(path))
+
+
+def test_json_object_with_a_prompts_list_and_padded_prompts(tmp_path: Path) -> None:
+    """``{"prompts": [...]}`` loads like a bare list, and object prompts are stripped like string ones."""
+    path = tmp_path / "p.json"
+    path.write_text('{"prompts": ["  a cat ", {"prompt": "  a dog  ", "style": "x"}]}')
+    assert [(p.text, p.metadata) for p in load_prompts(str(path))] == [("a cat", {}), ("a dog", {"style": "x"})]
+
+
+def test_upper_case_suffix_and_eval_split_name(tmp_path: Path) -> None:
+    """A ``.TXT`` file reads by its lower-cased suffix; a folder's ``eval.*`` file is its test split."""
+    (tmp_path / "train.txt").write_text("a cat\n")
+    (tmp_path / "eval.txt").write_text("a dog\n")
+    assert [p.text for p in load_prompts(str(tmp_path), split="test")] == ["a dog"]
+    upper = tmp_path / "P.TXT"
+    upper.write_text("a bird\n")
+    assert [p.text for p in load_prompts(str(upper))] == ["a bird"]
+
+
+def test_an_unknown_split_name_is_refused(tmp_path: Path) -> None:
+    """A split other than train/test is a ValueError naming the choices, not a KeyError."""
+    from flowrl.prompts.files import split_file
+
+    (tmp_path / "train.txt").write_text("a cat\n")
+    with pytest.raises(ValueError, match="prompt split must be 'train' or 'test'; got 'dev'"):
+        split_file(tmp_path, "dev")
+
+
+def test_holdout_test_part_is_the_prompts_hashing_below_the_fraction() -> None:
+    """The test part holds the prompts whose sha256 maps below test_fraction, so it grows with the fraction."""
+    import hashlib
+
+    prompts = load_prompts("digits-all")
+
+    def unit(p: Prompt) -> float:
+        return int(hashlib.sha256(p.text.encode("utf-8")).hexdigest()[:12], 16) / 16**12
+
+    small, large = holdout_split(prompts, 0.2, "test"), holdout_split(prompts, 0.8, "test")
+    assert [p.text for p in small] == [p.text for p in prompts if unit(p) < 0.2]
+    assert {p.text for p in small} < {p.text for p in large}
+    assert [p.text for p in holdout_split(prompts, 0.2, "train")] == [p.text for p in prompts if unit(p) >= 0.2]

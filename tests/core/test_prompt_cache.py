@@ -1,5 +1,7 @@
 """Prompt-embedding cache: hit path, disk persistence, model fingerprint."""
 
+from pathlib import Path
+
 import torch
 from conftest import tiny_sd3_pipeline
 
@@ -62,3 +64,23 @@ def test_two_writers_of_one_prompt_both_succeed(tiny_sd3, tmp_path, monkeypatch)
     assert [p.suffix for p in folder.iterdir()] == [".safetensors"]  # one whole file, no temporary left
     reread = PromptCache(tiny_sd3, tmp_path).encode(["a handwritten 4"])
     torch.testing.assert_close(reread["encoder_hidden_states"], cond["encoder_hidden_states"], rtol=0, atol=0)
+
+
+def test_fingerprint_covers_every_text_encoder_and_the_sequence_length(tiny_sd3: SD3Adapter) -> None:
+    """The second text encoder's weights and max_sequence_length both change the fingerprint."""
+    before = model_fingerprint(tiny_sd3)
+    longer = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=3, resolution=(8, 8))
+    assert model_fingerprint(longer) != before
+    with torch.no_grad():
+        next(tiny_sd3.pipe.text_encoder_2.parameters()).add_(1.0)
+    assert model_fingerprint(tiny_sd3) != before
+
+
+def test_warm_returns_the_encoded_count_and_contains_sees_the_disk(tiny_sd3: SD3Adapter, tmp_path: Path) -> None:
+    """warm() returns how many distinct prompts it encoded this call; ``in`` finds a prompt another run wrote."""
+    cache = PromptCache(tiny_sd3, tmp_path)
+    assert cache.warm(["a handwritten 1", "a handwritten 2", "a handwritten 1"]) == 2
+    assert cache.warm(["a handwritten 1", "a handwritten 3"]) == 1
+    fresh = PromptCache(tiny_sd3, tmp_path)
+    assert "a handwritten 3" in fresh and "a handwritten 4" not in fresh
+    assert fresh.hits == 0 and fresh.misses == 0 and not fresh.memory  # a membership test loads nothing

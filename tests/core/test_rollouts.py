@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flowrl.models.sd3 import SD3Adapter
 from flowrl.rollouts.chunked import chunked_rollout, chunked_solve, sigma_window_levels
 from flowrl.samplers import linear_sigmas, sde_noise_levels
 
@@ -48,3 +49,28 @@ def test_sde_window_solver_uses_noise_only_in_the_window(tiny_sd3):
     euler = chunked_solve(tiny_sd3, cond, x, sigmas, solver="euler", chunk_size=2)
     torch.testing.assert_close(out0, euler, rtol=0, atol=1e-6)
     assert not torch.allclose(out1, euler)
+
+
+def test_sigma_window_bounds_are_inclusive() -> None:
+    """A step starting exactly at lo or hi is inside the window (exact binary sigmas, no rounding)."""
+    sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0], dtype=torch.float64)
+    assert sigma_window_levels(sigmas, 0.7, 0.25, 0.75).tolist() == [0.0, 0.7, 0.7, 0.7]
+    assert sigma_window_levels(sigmas, 0.7, 0.5, 0.5).tolist() == [0.0, 0.0, 0.7, 0.0]
+
+
+def test_sde_window_solver_draws_from_the_given_generator_only(tiny_sd3: SD3Adapter) -> None:
+    """sde_window noise comes from the run's generator: same seed, same samples; torch's global RNG untouched."""
+    cond = tiny_sd3.encode_prompt(["a thin handwritten 2"] * 2)
+    x = torch.randn(2, *tiny_sd3.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    sigmas, levels = linear_sigmas(4), sde_noise_levels(4, 0.5, [1, 2])
+
+    def solve(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return chunked_solve(
+            tiny_sd3, cond, x, sigmas, solver="sde_window", chunk_size=1, noise_levels=levels, generator=g
+        )
+
+    state = torch.get_rng_state()
+    first = solve(3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(solve(3), first) and not torch.equal(solve(4), first)

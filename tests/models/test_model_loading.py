@@ -65,6 +65,18 @@ def test_missing_weights_is_one_line_with_download_command(flux_folder, tmp_path
         load_adapter(str(tmp_path / "no" / "such" / "folder"))
 
 
+def test_a_missing_component_folder_is_one_line_with_download_command(flux_folder, tmp_path) -> None:
+    """A component model_index.json lists but the folder lacks is named before diffusers tries to load it."""
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    shutil.rmtree(broken / "vae")
+    with pytest.raises(FileNotFoundError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and f"component folder {broken / 'vae'} does not exist" in msg
+    assert "hf download black-forest-labs/FLUX.1-dev" in msg
+
+
 def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
@@ -91,6 +103,55 @@ def test_uncached_hub_id_without_offline_mode_does_not_wait_for_retries(tmp_path
     with pytest.raises(FileNotFoundError, match="hub is unreachable.*hf download Qwen/Qwen-Image"):
         resolve_model_path("Qwen/Qwen-Image", cache_dir=str(tmp_path))
     assert time.perf_counter() - start < 5.0
+
+
+def test_a_hub_id_is_owner_slash_name_that_is_not_a_local_path(tmp_path, monkeypatch) -> None:
+    """``owner/name`` is a hub id unless a local path of that name exists; other strings never are."""
+    from flowrl.models.hub import is_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id("tiny-org/tiny-flux") and is_hub_id("Qwen/Qwen-Image")
+    (tmp_path / "tiny-org" / "tiny-flux").mkdir(parents=True)
+    assert not is_hub_id("tiny-org/tiny-flux")
+    assert not any(is_hub_id(p) for p in ("flux", "./org/model", "/org/model", "a/b/c", "-org/model"))
+
+
+@pytest.mark.parametrize("value, offline", [("1", True), ("on", True), ("Yes", True), ("true", True), ("0", False)])
+def test_offline_mode_is_read_from_the_environment_at_call_time(monkeypatch, value: str, offline: bool) -> None:
+    """``HF_HUB_OFFLINE`` set after the hub client was imported still decides, in each spelling the client accepts."""
+    from huggingface_hub import constants
+
+    from flowrl.models.hub import hub_offline
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    assert hub_offline() is offline
+
+
+@pytest.mark.parametrize(
+    "endpoint, address",
+    [
+        ("https://hub.example", ("hub.example", 443)),
+        ("http://hub.example/", ("hub.example", 80)),
+        ("http://h:8080", ("h", 8080)),
+    ],
+)
+def test_the_reachability_probe_dials_the_endpoint_s_port(monkeypatch, endpoint: str, address: tuple) -> None:
+    """The probe dials ``HF_ENDPOINT``'s host at its port (default 443 for https, 80 for http); a failure is False."""
+    import socket
+
+    from flowrl.models.hub import _hub_reachable
+
+    dialled = []
+
+    def refuse(addr: tuple, timeout: float) -> None:
+        dialled.append((addr, timeout))
+        raise OSError("refused")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    assert _hub_reachable(0.5) is False
+    assert dialled == [(address, 0.5)]
 
 
 def test_hub_id_resolves_from_the_local_cache(flux_folder, tmp_path, monkeypatch):

@@ -160,3 +160,42 @@ def test_rollout_without_chunk_reports_is_scored_whole():
     with scorer:
         images, out = scorer.result(x)
     assert torch.equal(images, x) and torch.equal(out.total, x.mean(dim=(1, 2, 3)))
+
+
+def test_only_per_sample_metadata_is_cut_to_each_job() -> None:
+    """A metadata entry of length B is cut to each job's rows; any other value reaches every job whole."""
+    seen: list[dict] = []
+
+    def record(images: torch.Tensor, prompts: list[str], **metadata: object) -> torch.Tensor:
+        seen.append(metadata)
+        return images.mean(dim=(1, 2, 3))
+
+    metadata = {"digit": [0, 1, 2, 3], "pair": ["a", "b"], "scale": 2.0}
+    scorer = RolloutScorer(MultiReward({"r": (record, 1.0)}), lambda z: z, ["p"] * 4, metadata, score_chunk_size=2)
+    x = torch.rand(4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with scorer:
+        scorer.submit(slice(0, 4), x)
+        _, out = scorer.result(x)
+    assert seen == [
+        {"digit": [0, 1], "pair": ["a", "b"], "scale": 2.0},
+        {"digit": [2, 3], "pair": ["a", "b"], "scale": 2.0},
+    ]
+    assert torch.equal(out.total, x.mean(dim=(1, 2, 3)))
+
+
+def test_a_score_chunk_size_below_one_is_refused() -> None:
+    """score_chunk_size=0 would cut no jobs: refused at construction."""
+    with pytest.raises(ValueError, match="score_chunk_size must be >= 1 or None; got 0"):
+        RolloutScorer(MultiReward({"ink": (ink("bold"), 1.0)}), lambda z: z, ["p"] * 2, score_chunk_size=0)
+
+
+@pytest.mark.parametrize("reported", [[(2, 4), (0, 2)], [(0, 2), (3, 4)]])
+def test_chunks_that_do_not_tile_the_batch_in_order_are_a_bug(reported: list[tuple[int, int]]) -> None:
+    """Rewards are concatenated in job order, so chunks out of order or with a gap are refused, not misassigned."""
+    scorer = RolloutScorer(MultiReward({"ink": (ink("bold"), 1.0)}), lambda z: z, ["p"] * 4)
+    x = torch.rand(4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with scorer:
+        for start, stop in reported:
+            scorer.submit(slice(start, stop), x[start:stop])
+        with pytest.raises(ValueError, match="do not cover the batch of 4 in order"):
+            scorer.result(x)

@@ -1,5 +1,7 @@
 """flowrl export --merge: base + LoRA fused into a diffusers folder that loads offline and matches."""
 
+from pathlib import Path
+
 import torch
 
 from flowrl.cli import main
@@ -271,3 +273,31 @@ def test_the_run_config_of_a_lora_folder(tmp_path):
     for source in (tmp_path, tmp_path / "lora", tmp_path / "checkpoints" / "best-guard", *files):
         assert run_config_file(source) == tmp_path / "config.yaml", source
     assert run_config_file(tmp_path / "checkpoints") is None and run_config_file(tmp_path / "elsewhere") is None
+
+
+def test_run_model_settings_read_path_dtype_and_a_numeric_guidance(tmp_path: Path) -> None:
+    """model.path and model.dtype come when strings; distilled_guidance as a float when a number, never a bool."""
+    from flowrl.export import run_model_settings
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model:\n  path: ./models/flux\n  dtype: bfloat16\n  distilled_guidance: 3\n")
+    assert run_model_settings(tmp_path) == {"path": "./models/flux", "dtype": "bfloat16", "distilled_guidance": 3.0}
+    config.write_text("model:\n  path: 7\n  dtype: float16\n  distilled_guidance: true\n")
+    assert run_model_settings(tmp_path) == {"dtype": "float16"}
+    assert run_model_settings(tmp_path / "elsewhere") == {}
+
+
+def test_export_writes_the_run_s_dtype_unless_told_otherwise(tmp_path: Path) -> None:
+    """A run trained in bfloat16 exports bfloat16 weights; --dtype overrides the run's."""
+    from safetensors import safe_open
+
+    _, lora_dir = _random_lora_run(tmp_path)
+    (tmp_path / "run" / "config.yaml").write_text("model:\n  path: flowrl-digits\n  dtype: bfloat16\n")
+
+    def dtypes(out: Path) -> set[str]:
+        (weights,) = (out / "transformer").glob("*.safetensors")
+        with safe_open(str(weights), "pt") as f:
+            return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+
+    assert dtypes(export_merged(tmp_path / "run", tmp_path / "bf16")) == {"BF16"}
+    assert dtypes(export_merged(lora_dir, tmp_path / "fp32", dtype="float32")) == {"F32"}

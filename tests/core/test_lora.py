@@ -1,5 +1,7 @@
 """LoRA: zero-init output identity, frozen base, and diffusers load_lora_weights interop."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_sd3_pipeline
@@ -250,3 +252,79 @@ def test_a_second_saved_lora_loads_without_pefts_multiple_adapters_warning(tiny_
         load_saved_lora(fresh, tmp_path)
     assert not [w for w in caught if "peft_config" in str(w.message)], [str(w.message) for w in caught]
     assert len(fresh.transformer.peft_config) == 2
+
+
+def test_count_parameters_sums_the_elements_of_every_tensor() -> None:
+    """count_parameters counts elements, not tensors: (2, 3) and (4,) hold 10."""
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    assert count_parameters(params) == 10
+
+
+def test_soft_update_refuses_a_keep_factor_outside_zero_one_and_keeps_the_target_at_one(tiny_sd3: SD3Adapter) -> None:
+    """keep must lie in [0, 1]: 1.5 and -0.1 raise one line; keep=1 leaves the target as it was, keep=0 copies."""
+    from flowrl.policy.lora import adapter_parameters, soft_update
+
+    params = _lora_with_old(tiny_sd3)
+    old = {k: v.clone() for k, v in adapter_parameters(tiny_sd3.transformer, "old").items()}
+    for p in params:
+        p.data.add_(1.0)
+    for keep in (1.5, -0.1):
+        with pytest.raises(ValueError, match=rf"keep factor must be in \[0, 1\]; got {keep}"):
+            soft_update(tiny_sd3.transformer, "old", keep=keep)
+    assert all(torch.equal(v, old[k]) for k, v in adapter_parameters(tiny_sd3.transformer, "old").items())
+    soft_update(tiny_sd3.transformer, "old", keep=1.0)
+    assert all(torch.equal(v, old[k]) for k, v in adapter_parameters(tiny_sd3.transformer, "old").items())
+    soft_update(tiny_sd3.transformer, "old", keep=0.0)
+    new = adapter_parameters(tiny_sd3.transformer, "default")
+    assert all(torch.equal(v, new[k]) for k, v in adapter_parameters(tiny_sd3.transformer, "old").items())
+
+
+def test_a_lora_target_matches_a_whole_last_name_part_not_any_suffix(tiny_sd3: SD3Adapter) -> None:
+    """peft matches a target as the module's name or a dotted suffix of it: "o_q" is not "to_q", "attn.to_q" is."""
+    from flowrl.policy.lora import check_lora_targets
+
+    with pytest.raises(ValueError, match=r"lora.targets \['o_q'\] match no module"):
+        check_lora_targets(tiny_sd3.transformer, ["to_k", "o_q"])
+    check_lora_targets(tiny_sd3.transformer, ["attn.to_q", "to_k", "transformer_blocks.0.attn.to_v"])
+
+
+def test_find_lora_takes_a_run_folder_its_lora_folder_or_a_safetensors_file_only(tmp_path: Path) -> None:
+    """find_lora: run folder -> its lora/, a folder with the file -> itself, a .safetensors -> itself; else one line."""
+    from flowrl.policy.lora import LORA_FILE, find_lora
+
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / LORA_FILE).write_bytes(b"")
+    assert find_lora(tmp_path) == tmp_path / "lora"
+    assert find_lora(tmp_path / "lora") == tmp_path / "lora"
+    assert find_lora(tmp_path / "lora" / LORA_FILE) == tmp_path / "lora" / LORA_FILE
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"")
+    for source in (other, tmp_path / "lora" / "missing.safetensors", tmp_path / "empty"):
+        with pytest.raises(FileNotFoundError, match="no LoRA at"):
+            find_lora(source)
+
+
+def test_restore_fp32_lora_leaves_an_adapter_whose_file_holds_other_layers_as_loaded(tmp_path: Path) -> None:
+    """A file with fewer fp32 weights than the loaded adapter has is not this adapter's file: nothing is cast or
+    loaded, restore_fp32_lora returns False and the adapter stays in the bf16 diffusers gave it."""
+    from safetensors.torch import load_file, save_file
+
+    from flowrl.policy.lora import restore_fp32_lora
+
+    def bf16_model() -> SD3Adapter:
+        return SD3Adapter(tiny_sd3_pipeline().to(torch.bfloat16), max_sequence_length=2, resolution=(8, 8))
+
+    *_, file = _trained_and_saved(bf16_model(), tmp_path)
+    weights = load_file(str(file))
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    part = tmp_path / "part.safetensors"
+    save_file(dict(sorted(weights.items())[:2]), str(part))
+    plain = bf16_model()
+    plain.pipe.load_lora_weights(str(tmp_path), weight_name=file.name)
+    adapter = next(iter(plain.transformer.peft_config))
+    before = {n: p.clone() for n, p in plain.transformer.named_parameters() if "lora_" in n}
+    assert not restore_fp32_lora(plain.transformer, part, adapter)
+    after = {n: p for n, p in plain.transformer.named_parameters() if "lora_" in n}
+    assert {p.dtype for p in after.values()} == {torch.bfloat16}
+    assert all(torch.equal(after[n], v) for n, v in before.items())
+    assert restore_fp32_lora(plain.transformer, file, adapter)  # the whole file: restored

@@ -189,3 +189,26 @@ def test_sharded_placeholders_use_a_row_the_rank_holds():
     ]
     assert parts[0][1].noise is noise
     assert torch.equal(parts[1][1].noise, torch.zeros(1, 2, 2, 2))  # one row, though the rank holds none of group[0]'s
+
+
+def test_owned_rows_count_each_ranks_calls_once_and_pad_without_counting_nfe() -> None:
+    """A call counts once per rank with rows in it; finish() pads to the busiest rank, outside the NFE."""
+    from flowrl.policy.counting import CountingAdapter
+    from flowrl.rollouts.owned import OwnedRows, row_cond
+
+    model = CountingAdapter(SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)))
+    owners = torch.tensor([0, 0, 0, 1])  # rank 1 owns the last row and holds its conditioning only
+    cond = model.encode_prompt(["a bold handwritten 1"])
+    view = OwnedRows(model, cond, rank=1, world_size=2)
+    view.lockstep = True  # as under a sharded denoiser (FSDP2, ZeRO-3), which one process cannot build
+    index = row_cond(owners, 1, torch.device("cpu"))
+    x = torch.randn(4, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    sigma = torch.full((4,), 0.5)
+    v0 = view.velocity(x[:2], sigma[:2], {k: t[:2] for k, t in index.items()})  # rank 0's rows only
+    v1 = view.velocity(x[2:], sigma[2:], {k: t[2:] for k, t in index.items()})
+    assert view.calls.tolist() == [2, 1] and model.nfe == 1  # rank 1's model ran once, on its one row
+    assert torch.equal(v0, torch.zeros_like(v0)) and torch.equal(v1[0], torch.zeros_like(v1[0]))
+    torch.testing.assert_close(v1[1:], model.velocity(x[3:], sigma[3:], cond), rtol=0, atol=0)
+    model.nfe = 1
+    view.finish()
+    assert view.placeholders == 1 and model.nfe == 1  # one placeholder call, not counted as an evaluation

@@ -189,11 +189,59 @@ def test_refresh_equals_a_fresh_build(policy, precision):
     assert (after - before).abs().max() > 1e-3
 
 
+def test_refresh_keeps_a_lora_layer_the_rule_skips_at_full_precision(policy) -> None:
+    """A LoRA layer the QuantRule leaves out (to_q here) is refreshed at full precision, as a fresh build holds it."""
+    rule = QuantRule(skip=(*DEFAULT_SKIP, "*to_q"))
+    explore = build_explore(policy, "nvfp4", rule=rule)
+    assert not any(n.endswith("to_q") for n in explore.quantised) and explore.quantised
+    perturb(lora_params(policy.transformer), seed=4)
+    refresh(explore, policy)
+    fresh = build_explore(policy, "nvfp4", rule=rule)
+    for name, param in fresh.module.named_parameters():
+        assert torch.equal(explore.module.get_parameter(name), param), name
+    name = "transformer_blocks.0.attn.to_q"
+    assert torch.equal(explore.module.get_submodule(name).weight, merged_weight(policy.transformer, name))
+
+
+def test_refresh_passes_over_layers_only_another_adapter_adapts(policy) -> None:
+    """With a second adapter on other layers (ff.net.0.proj), refreshing "default" skips them: a fresh build."""
+    from peft import LoraConfig
+
+    from flowrl.policy.lora import several_adapters
+
+    with several_adapters():
+        policy.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["ff.net.0.proj"]), "other")
+    policy.transformer.set_adapter("default")
+    explore = build_explore(policy, "fp32")
+    perturb(lora_params(policy.transformer), seed=5)
+    refresh(explore, policy)
+    fresh = build_explore(policy, "fp32")
+    for name, param in fresh.module.named_parameters():
+        assert torch.equal(explore.module.get_parameter(name), param), name
+
+
 def test_refresh_of_the_fp32_copy_tracks_the_trained_lora(policy):
     explore = build_explore(policy, "fp32")
     perturb(lora_params(policy.transformer), seed=3)
     refresh(explore, policy.transformer)
     torch.testing.assert_close(velocity(policy, explore.module), velocity(policy), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [{"use_dora": True}, {"lora_bias": True}])
+def test_refresh_refuses_a_lora_with_a_dora_or_bias_term(tiny_sd3, variant: dict[str, bool]) -> None:
+    """refresh adds B A * scale only: a DoRA magnitude or a LoRA bias would be dropped, so it asks for build_explore."""
+    from peft import LoraConfig
+
+    tiny_sd3.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"], **variant))
+    explore = build_explore(tiny_sd3, "fp32")
+    with pytest.raises(ValueError, match=r"refresh merges plain LoRA only; .*to_q has a bias or DoRA term"):
+        refresh(explore, tiny_sd3)
+
+
+def test_the_copy_records_whether_its_precision_is_emulated(policy) -> None:
+    """ExploreModel.emulate: True for fake-quantised nvfp4 and fp8 off CUDA; False for the cast and torch.ao copies."""
+    expected = {"fp32": False, "bf16": False, "nvfp4": True, "fp8_e4m3": True, "int8_dynamic": False}
+    assert {p: build_explore(policy, p).emulate for p in expected} == expected
 
 
 # --------------------------------------------------------------------------- errors
@@ -206,6 +254,8 @@ def test_refresh_of_the_fp32_copy_tracks_the_trained_lora(policy):
         ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='fp8_e4m3'"),
         ({"precision": "fp8_e4m3", "emulate": False}, r"needs CUDA \(torch._scaled_mm\)"),
         ({"precision": "int8_dynamic", "activations": True}, "activations=True applies to"),
+        ({"precision": "fp32", "activations": True}, "activations=True applies to 'nvfp4' and 'fp8_e4m3'"),
+        ({"precision": "bf16", "activations": True}, "activations=True applies to 'nvfp4' and 'fp8_e4m3'"),
         ({"precision": "fp8_e4m3", "scaling": "block"}, "scaling must be"),
         ({"precision": "fp8_e4m3", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
         ({"precision": "nvfp4", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
@@ -222,6 +272,43 @@ def test_int8_needs_fp32_and_policy_needs_a_transformer(tiny_sd3):
         build_explore(tiny_sd3.transformer.to(torch.bfloat16), "int8_dynamic")
     with pytest.raises(TypeError, match="Policy, a model adapter or an nn.Module"):
         build_explore(object(), "fp32")
+
+
+def test_device_checks_refuse_int8_off_the_cpu_and_native_nvfp4_off_cuda() -> None:
+    """check_explore_device (run on the config before loading): int8_dynamic is CPU-only, native_nvfp4 CUDA-only."""
+    from flowrl.policy.precision import check_explore_device
+
+    with pytest.raises(ValueError, match="int8_dynamic is torch.ao's CPU path; the policy is on cuda"):
+        check_explore_device("int8_dynamic", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="native_nvfp4 needs a Blackwell GPU .* the policy is on cpu"):
+        check_explore_device("native_nvfp4", torch.device("cpu"), torch.bfloat16)
+    assert check_explore_device("int8_dynamic", torch.device("cpu"), torch.float32) is None
+    assert check_explore_device("fp8_e4m3", torch.device("cpu"), torch.float32) is True
+
+
+class _Scaled(torch.nn.Module):
+    """A Linear whose output is multiplied by a per-sample (B,) factor: a rank-1 floating input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * factor[:, None]
+
+
+def test_a_cast_copy_casts_inputs_of_rank_two_and_up_only() -> None:
+    """A bf16 copy casts (B, D) inputs to bf16 but passes (B,) ones (per-sample scalars) as given; output in fp32."""
+    torch.manual_seed(0)
+    explore = build_explore(_Scaled(), "bf16")
+    seen: list[tuple[torch.Tensor, ...]] = []
+    explore.module.register_forward_pre_hook(lambda m, args: seen.append(args))
+    x, factor = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 1.7])
+    with torch.no_grad():
+        out = explore.module(x, factor)
+    assert seen[0][0].dtype == torch.bfloat16
+    assert seen[0][1].dtype == torch.float32 and torch.equal(seen[0][1], factor)
+    assert out.dtype == torch.float32
 
 
 NEEDS_SCALED_MM = pytest.mark.skipif(

@@ -150,3 +150,16 @@ def test_evaluation_never_moves_the_global_rng(tiny_sd3):
     trainer.evaluate()
     trainer.sample(trainer.eval_prompts[:2], [5, 6])
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_a_random_sde_window_is_drawn_from_the_runs_generator(tiny_sd3: object) -> None:
+    """sampler.window=random draws its start from the run's generator, never torch's global RNG (seeded runs repeat)."""
+    trainer = _trainer(
+        tiny_sd3, "sampler.num_steps=6", "sampler.window=random", "sampler.window_size=2", "sampler.window_range=[0,6]"
+    )
+    state, global_state = trainer.generator.get_state(), torch.get_rng_state()
+    first = iteration_levels(trainer.rollout_context())
+    assert not torch.equal(trainer.generator.get_state(), state)  # the draw advanced the run's stream
+    assert torch.equal(torch.get_rng_state(), global_state)
+    trainer.generator.set_state(state)
+    assert torch.equal(iteration_levels(trainer.rollout_context()), first)

@@ -320,3 +320,12 @@ def test_a_cps_tree_step_to_sigma_zero_is_not_trained():
     assert [bool(m.any()) for m in batch.tree.train] == [True, True, True, False]
     stats = trainer.update(batch)
     assert stats["first_ratio"] == 1.0 and all(math.isfinite(v) for v in stats.values())
+
+
+def test_the_configured_split_noise_scale_reaches_the_trees() -> None:
+    """sampler.tree.split_noise_scale (4 in the digits config) scales the split steps' noise, 1 elsewhere."""
+    trainer = _trainer()
+    splits = set(trainer.cfg.sampler.tree.split_steps)
+    batch, _ = trainer.collect()
+    scales = batch.tree.rollout.noise_scales.tolist()
+    assert scales == [4.0 if t in splits else 1.0 for t in range(len(scales))] and splits

@@ -163,3 +163,15 @@ def test_a_random_sde_window_is_drawn_from_the_runs_generator(tiny_sd3: object) 
     assert torch.equal(torch.get_rng_state(), global_state)
     trainer.generator.set_state(state)
     assert torch.equal(iteration_levels(trainer.rollout_context()), first)
+
+
+def test_initial_noise_of_another_row_count_is_refused(tiny_sd3: object) -> None:
+    """A given initial_noise is used as it is, and one that does not hold the rollout's rows is a ValueError."""
+    from dataclasses import replace
+
+    ctx = _trainer(tiny_sd3).rollout_context()
+    given = torch.randn(4, *ctx.latent_shape, generator=torch.Generator().manual_seed(0))
+    ctx = replace(ctx, initial_noise=given)
+    assert torch.equal(ctx.noise(4), given)
+    with pytest.raises(ValueError, match=r"initial_noise has shape \(4, .*; the rollout needs \(6, "):
+        ctx.noise(6)

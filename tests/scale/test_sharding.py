@@ -33,6 +33,8 @@ from test_launch import (
 )
 
 from flowrl.checkpoint import load_checkpoint
+from flowrl.distributed import Collective
+from flowrl.sharding import Lockstep, collective_calls
 
 FSDP2 = ["train.sharding=fsdp2"]
 SHARD_LINE = re.compile(
@@ -285,3 +287,116 @@ def test_an_error_on_rank_zero_in_lockstep_ends_the_launch_at_once(sharding, tmp
     assert run.returncode != 0 and EVAL_ERROR in run.stderr, run.stderr[-3000:]
     assert "finished" not in run.stdout
     assert wall < 300, f"{wall:.0f} s: the ranks waited for the process group's timeout"  # the launch took ~30 s
+
+
+class ScriptedLaunch(Collective):
+    """A one-process Collective whose broadcasts are recorded (rank 0) or replayed from ``script`` (other ranks)."""
+
+    def __init__(self, rank: int = 0, script: tuple = (), world_size: int = 2) -> None:
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+        self.sent: list[object] = []
+        self.script = list(script)
+
+    def broadcast_object(self, value: object) -> object:
+        if self.rank == 0:
+            self.sent.append(value)
+            return value
+        return self.script.pop(0)
+
+
+def test_lockstep_announces_listed_calls_only_and_the_other_ranks_replay_them() -> None:
+    """Rank 0 broadcasts (name, args, kwargs) of listed calls only, then None to release; another rank makes
+    each announced call with its arguments until it receives None."""
+    made: list[tuple] = []
+    calls = {"sample": lambda *a, **k: made.append(("sample", a, k)), "state": lambda: made.append(("state", (), {}))}
+    main = ScriptedLaunch(rank=0)
+    lockstep = Lockstep(main, calls)
+    lockstep.announce("grid", 1)  # not a call of this launch: the other ranks never hear of it
+    lockstep.announce("sample", 3, seed=7)
+    lockstep.meet()
+    assert main.sent == [("sample", (3,), {"seed": 7}), None] and made == []
+    other = ScriptedLaunch(rank=1, script=(("sample", (3,), {"seed": 7}), ("state", (), {}), None, ("state", (), {})))
+    Lockstep(other, calls).announce("sample", 9)  # a no-op off rank 0
+    Lockstep(other, calls).meet()
+    assert made == [("sample", (3,), {"seed": 7}), ("state", (), {})] and other.script == [("state", (), {})]
+
+
+def test_only_the_state_gather_is_collective_under_zero_one_and_two() -> None:
+    """ZeRO-1/2 keep the model whole: only "state" is announced; FSDP2 and ZeRO-3 announce every call."""
+    calls = {"sample": print, "state": len, "grid": sum}
+    assert collective_calls("zero1", calls) == {"state": len} == collective_calls("zero2", calls)
+    assert collective_calls("fsdp2", calls) == calls == collective_calls("zero3", calls)
+
+
+class LaunchedAs(ScriptedLaunch):
+    """A two-process launch whose launcher chose the sharding (an FSDP plugin, or a DeepSpeed stage)."""
+
+    def __init__(self, fsdp: bool = False, stage: int | None = None) -> None:
+        super().__init__()
+        self._fsdp, self._stage = fsdp, stage
+
+    @property
+    def fsdp_plugin(self) -> object:
+        return object() if self._fsdp else None
+
+    @property
+    def deepspeed_stage(self) -> int | None:
+        return self._stage
+
+
+def test_the_launch_s_sharding_wins_over_the_config_s() -> None:
+    """An FSDP launch shards fsdp2 and a DeepSpeed launch zero<stage>, whatever train.sharding says."""
+    from flowrl.config import load_config
+    from flowrl.sharding import run_sharding
+
+    cfg = load_config(None, [])
+    assert cfg.train.sharding == "none" and run_sharding(cfg, LaunchedAs()) == "none"
+    assert run_sharding(cfg, LaunchedAs(fsdp=True)) == "fsdp2"
+    pytest.importorskip("deepspeed")
+    assert run_sharding(cfg, LaunchedAs(stage=2)) == "zero2"
+    assert run_sharding(load_config(None, ["train.sharding=fsdp2"]), LaunchedAs(stage=3)) == "zero3"
+
+
+def test_placeholder_backward_leaves_a_zero_gradient_and_no_trace() -> None:
+    """A placeholder's loss is backwarded times zero (grad exactly 0) and the objective's attributes and the
+    model's nfe are put back as they were."""
+    from flowrl.sharding import placeholder_backward
+
+    weight = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+
+    class Model:
+        nfe = 5
+
+    class Objective:
+        def __init__(self) -> None:
+            self.kl_sum = 0.25
+
+        def loss(self, model: Model, batch: object, mb: object) -> tuple[torch.Tensor, dict]:
+            model.nfe += 2
+            self.kl_sum += 1.0
+            self.extra = True
+            return (weight * 3.0).sum(), {}
+
+    objective, model = Objective(), Model()
+    placeholder_backward(objective, model, None, None)
+    assert torch.equal(weight.grad, torch.zeros(2))
+    assert vars(objective) == {"kl_sum": 0.25} and model.nfe == 5
+
+
+def test_full_tensors_keep_the_container_types() -> None:
+    """Tuples stay tuples, lists lists, dicts dicts; plain tensors and other values pass through as they are."""
+    from flowrl.sharding import full_tensors
+
+    t = torch.ones(2)
+    out = full_tensors({"a": (t, [t, 3]), "b": "x"})
+    assert type(out["a"]) is tuple and type(out["a"][1]) is list and out["a"][0] is t and out["b"] == "x"
+
+
+def test_an_empty_step_has_no_micro_batches_even_when_sharded() -> None:
+    """A group with no micro-batches runs nothing and pads nothing (no placeholder from a missing first one)."""
+    from flowrl.distributed import derive_geometry
+    from flowrl.sharding import rank_microbatches
+
+    geometry = derive_geometry(2, 4, 2, 2, 1)
+    assert rank_microbatches([], None, geometry.owned_mask(), geometry) == []

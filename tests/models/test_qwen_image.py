@@ -104,6 +104,33 @@ def test_euler_ode_reproduces_qwen_image_pipeline(qwen, true_cfg):
     torch.testing.assert_close(qwen.decode(ours), images, rtol=1e-4, atol=1e-4)
 
 
+def test_a_non_square_image_reproduces_the_pipeline(qwen) -> None:
+    """Height != width: the RoPE shape (1, h/2, w/2) the adapter passes gives the pipeline's Euler ODE at 16x32."""
+    steps = 2
+    x_init = torch.randn(2, *qwen.latent_shape(16, 32), generator=torch.Generator().manual_seed(1))
+    assert x_init.shape[2:] == (8, 16)
+    cond = qwen.encode_prompt(PROMPTS)
+    ours = ode_solve(lambda x, s: qwen.velocity(x, s, cond), x_init, qwen.sigmas(steps, 16, 32), method="euler")
+    out = qwen.pipe(
+        prompt=PROMPTS,
+        latents=pack_latents(x_init),
+        height=16,
+        width=32,
+        num_inference_steps=steps,
+        true_cfg_scale=1.0,
+        output_type="latent",
+    ).images
+    torch.testing.assert_close(ours, unpack_latents(out, 8, 16), rtol=1e-4, atol=1e-5)
+
+
+def test_a_guidance_embedding_transformer_is_refused() -> None:
+    """The adapter never feeds a guidance embedding, so a transformer that has one is refused by name."""
+    pipe = tiny_qwen_image_pipeline()
+    pipe.transformer.register_to_config(guidance_embeds=True)
+    with pytest.raises(ValueError, match="tiny-qwen: guidance-embedding Qwen-Image transformers are not supported"):
+        QwenImageAdapter(pipe, model_id="tiny-qwen")
+
+
 def test_two_step_rollout_with_log_probs(qwen):
     cond = qwen.encode_prompt(PROMPTS * 2)
     traj = chunked_rollout(

@@ -74,3 +74,18 @@ def test_sde_window_solver_draws_from_the_given_generator_only(tiny_sd3: SD3Adap
     first = solve(3)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(solve(3), first) and not torch.equal(solve(4), first)
+
+
+def test_held_megabytes_counts_a_view_of_the_trajectory_once() -> None:
+    """The samples are a view of the trajectory's last latents: their storage is counted once, not twice."""
+    from flowrl.objectives.base import RolloutBatch
+    from flowrl.rollouts.collect import held_megabytes
+    from flowrl.samplers.types import Trajectory
+
+    latents, log_probs = torch.zeros(4, 3, 2, 8, 8), torch.zeros(4, 2, dtype=torch.float64)  # 6144 B, 64 B
+    traj = Trajectory(latents, log_probs, linear_sigmas(2), torch.zeros(2, dtype=torch.float64))
+    cond, images = {"c": torch.zeros(4, 16)}, torch.zeros(4, 3, 4, 4)  # 256 B, 768 B
+    keep = torch.ones(4, dtype=torch.bool)
+    batch = RolloutBatch(["a"] * 4, torch.zeros(4), cond, latents[:, -1], traj, traj.sigmas, images, torch.zeros(4),
+                         torch.zeros(4), keep, 2)  # fmt: skip
+    assert held_megabytes(batch) == (6144 + 64 + 256 + 768) / 2**20

@@ -165,3 +165,30 @@ def test_launch_commands_are_documented():
     assert "--config_file configs/accelerate/cpu_gloo.yaml -m flowrl train CONFIG train.sharding=zero2" in doc
     assert "accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml -m flowrl train CONFIG" in doc
     assert str(Path(ACCELERATE).name) == "accelerate"
+
+
+def test_the_launcher_s_own_zero_settings_are_kept_and_not_modified() -> None:
+    """A launcher's memory_efficient_linear is kept, its zero_optimization dict untouched, and fp16 "auto" refused."""
+    from flowrl.zero import zero_config
+
+    launcher = {"zero_optimization": {"stage": 2, "memory_efficient_linear": True}}
+    cfg = zero_config(3, 1.0, launcher)
+    assert cfg["zero_optimization"]["memory_efficient_linear"] is True and cfg["zero_optimization"]["stage"] == 3
+    assert launcher == {"zero_optimization": {"stage": 2, "memory_efficient_linear": True}}
+    assert zero_config(2, 1.0, launcher)["zero_optimization"] == {"stage": 2, "memory_efficient_linear": True}
+    assert cfg["fp16"] == {"enabled": False} and cfg["bf16"] == {"enabled": False}
+    for enabled in (True, "true", "auto"):
+        with pytest.raises(ValueError, match="does not wire DeepSpeed's fp16 engine"):
+            zero_config(1, 1.0, {"fp16": {"enabled": enabled}})
+
+
+def test_a_module_is_partitioned_when_any_parameter_is_a_zero3_partition() -> None:
+    """ZeRO-3 tags its partitions with ds_id; one tagged parameter makes a forward a collective."""
+    from flowrl.zero import gathered, is_partitioned
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert not is_partitioned(module)
+    with gathered(list(module.parameters())):  # nothing partitioned: a no-op
+        pass
+    module[0].weight.ds_id = 0
+    assert is_partitioned(module)

@@ -199,3 +199,26 @@ def test_chunks_that_do_not_tile_the_batch_in_order_are_a_bug(reported: list[tup
             scorer.submit(slice(start, stop), x[start:stop])
         with pytest.raises(ValueError, match="do not cover the batch of 4 in order"):
             scorer.result(x)
+
+
+def test_a_job_taken_back_from_the_worker_keeps_its_batch_index() -> None:
+    """The tail the caller scores itself names its own batch index in errors, as the worker would have."""
+    gate = threading.Event()
+
+    def judge(images: torch.Tensor, prompts: list[str], **metadata: object) -> torch.Tensor:
+        if prompts[0] == "first":
+            gate.wait(timeout=30)  # hold the worker on job 0 until the caller has taken the others back
+        gate.set()
+        if prompts[0] == "bad":
+            raise RuntimeError("judge crashed")
+        return images.mean(dim=(1, 2, 3))
+
+    reward = MultiReward({"judge": (judge, 1.0)})
+    scorer = RolloutScorer(reward, lambda z: z, ["first", "ok", "bad"], threaded=True, first_index=10)
+    x = torch.rand(3, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RewardError) as info:
+        with scorer:
+            for i in range(3):
+                scorer.submit(slice(i, i + 1), x[i : i + 1])
+            scorer.result(x)
+    assert str(info.value) == "reward 'judge' (batch 12) raised RuntimeError: judge crashed"

@@ -316,6 +316,34 @@ def test_two_experts_follow_the_pipeline_boundary():
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_the_boundary_timestep_itself_belongs_to_the_high_noise_expert() -> None:
+    """As WanPipeline: ``transformer`` denoises where 1000 * sigma >= boundary_ratio * 1000, the boundary included."""
+    model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.5)
+    sigma = torch.tensor([1.0, 0.5, 0.4999, 0.0])
+    assert model.expert_for(sigma).tolist() == [True, True, False, False]
+    assert tiny_wan_adapter().expert_for(sigma).tolist() == [True] * 4  # one expert: it takes every step
+
+
+def test_a_mixed_batch_keeps_each_sample_s_velocity_in_its_row() -> None:
+    """Interleaved high- and low-noise samples: row i of the velocity is its own expert's velocity for sample i."""
+    model = tiny_wan_adapter(two_experts=True, boundary_ratio=0.5)
+    prompts = ["a red fox", "a blue cat", "a green owl", "a fox"]
+    cond = model.encode_prompt(prompts)
+    x, sigma = _latents(model, n=4), torch.tensor([0.3, 0.9, 0.1, 0.2])
+    with torch.no_grad():
+        mixed = model.velocity(x, sigma, cond)
+        rows = [
+            model._run(
+                model.pipe.transformer if s >= 0.5 else model.pipe.transformer_2,
+                x[i : i + 1],
+                sigma[i : i + 1],
+                {"encoder_hidden_states": cond["encoder_hidden_states"][i : i + 1]},
+            )
+            for i, s in enumerate(sigma.tolist())
+        ]
+    torch.testing.assert_close(mixed, torch.cat(rows), rtol=1e-5, atol=1e-5)
+
+
 def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
     model = tiny_wan_adapter(two_experts=True, lora_expert="low")
     assert model.transformer is model.pipe.transformer_2

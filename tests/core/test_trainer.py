@@ -175,3 +175,13 @@ def test_initial_noise_of_another_row_count_is_refused(tiny_sd3: object) -> None
     assert torch.equal(ctx.noise(4), given)
     with pytest.raises(ValueError, match=r"initial_noise has shape \(4, .*; the rollout needs \(6, "):
         ctx.noise(6)
+
+
+def test_the_scored_images_are_the_decoded_final_samples(tiny_sd3: object) -> None:
+    """Each chunk reports its clean final latents: the batch's images are those samples decoded, chunk by chunk."""
+    trainer = _trainer(tiny_sd3)
+    batch, _ = trainer.collect()
+    assert torch.equal(batch.samples, batch.trajectory.latents[:, -1])
+    with torch.no_grad():
+        decoded = torch.cat([tiny_sd3.decode(batch.samples[i : i + 3]) for i in range(0, 6, 3)])  # chunk_size=3
+    torch.testing.assert_close(batch.images, decoded, rtol=0, atol=1e-6)

@@ -344,6 +344,16 @@ def test_a_mixed_batch_keeps_each_sample_s_velocity_in_its_row() -> None:
     torch.testing.assert_close(mixed, torch.cat(rows), rtol=1e-5, atol=1e-5)
 
 
+def test_default_shift_is_the_scheduler_s_flow_shift_unless_the_card_says() -> None:
+    """Wan2.1 folders ship UniPC with ``flow_shift``: it is the model's shift; an explicit shift (the card's) wins."""
+    from diffusers import UniPCMultistepScheduler
+
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    assert WanAdapter(pipe, resolution=(16, 16), num_frames=5).default_shift == 5.0
+    assert WanAdapter(pipe, resolution=(16, 16), num_frames=5, shift=7.0).default_shift == 7.0
+
+
 def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):
     model = tiny_wan_adapter(two_experts=True, lora_expert="low")
     assert model.transformer is model.pipe.transformer_2
@@ -447,7 +457,8 @@ def test_one_lora_adapter_spans_both_experts(tmp_path):
             base = model.velocity(x, sigma, cond)
     assert ((trained - base).flatten(1).abs().amax(1) > 1e-4).all()  # both experts moved, both switch off
 
-    model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    written = model.save_lora(tmp_path, lora_state_dict(model.transformer))
+    assert written == tmp_path / "pytorch_lora_weights.safetensors"  # the high expert's file is the one returned
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
         "pytorch_lora_weights.safetensors",
         "pytorch_lora_weights_transformer_2.safetensors",

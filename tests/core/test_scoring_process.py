@@ -264,3 +264,27 @@ def test_config_modes():
     assert load_config(None, ["train.rewards_async=true"]).train.rewards_async is True
     with pytest.raises(ConfigError, match="rewards_async"):
         load_config(None, ["train.rewards_async=processes"])
+
+
+class HoldsALock(Exception):
+    """An exception that can't be pickled (it carries a lock), as some libraries' errors do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def decode_fails(z: torch.Tensor) -> torch.Tensor:
+    """A picklable decoder that raises an unpicklable exception in the worker."""
+    raise HoldsALock("decoder ran out of memory")
+
+
+def test_an_unpicklable_error_in_the_worker_comes_back_as_its_text() -> None:
+    """An error the worker can't send back is replaced by a RuntimeError with its text, never lost (no hang)."""
+    worker = ScoringProcess(MultiReward({"ink": (ink("bold"), 1.0)}), decode_fails)
+    try:
+        future = worker.submit(torch.rand(2, 3, 4, 4), ["p", "q"], {}, 0)
+        with pytest.raises(RuntimeError, match="^HoldsALock: decoder ran out of memory$"):
+            future.result(timeout=120)  # a hang guard only: the reply comes within a second
+    finally:
+        worker.close()

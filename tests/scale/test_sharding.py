@@ -400,3 +400,24 @@ def test_an_empty_step_has_no_micro_batches_even_when_sharded() -> None:
 
     geometry = derive_geometry(2, 4, 2, 2, 1)
     assert rank_microbatches([], None, geometry.owned_mask(), geometry) == []
+
+
+def test_a_tree_placeholder_uses_the_first_parent_with_a_trained_edge() -> None:
+    """At a step of a tree, the placeholder row is the first parent node with a trained child edge (else row 0)."""
+    from flowrl.objectives.base import RolloutBatch
+    from flowrl.samplers.tree import TreeRollout
+    from flowrl.sharding import held_row
+    from flowrl.tree.rollouts import TreeBatch
+
+    x = torch.zeros(8, 2, 2, 2)
+    batch = RolloutBatch(["a"] * 8, torch.zeros(8), {}, x, None, None, x, x[:, 0, 0, 0], x[:, 0, 0, 0],
+                         torch.ones(8, dtype=torch.bool), 2)  # fmt: skip
+    assert held_row(batch, 1).tolist() == [0]  # no tree: the first row
+    factors = torch.tensor([2, 2])  # 2 trees: 4 nodes at depth 1, 8 edges at step 1
+    rollout = TreeRollout([], [], factors, torch.ones(2, dtype=torch.float64), torch.ones(3), torch.ones(2), "flow", 2)
+    edges = torch.tensor([False, False, False, False, False, True, True, True])  # parents 2 and 3 have trained edges
+    tree = TreeBatch(rollout, [], [torch.ones(4, dtype=torch.bool), edges], [], None, 2)
+    assert held_row(batch._replace(tree=tree), 1).tolist() == [2]
+    assert held_row(
+        batch._replace(tree=tree._replace(train=[edges[:4], torch.zeros(8, dtype=torch.bool)])), 1
+    ).tolist() == [0]

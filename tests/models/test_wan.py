@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 from conftest import custom_code_folder
-from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline
+from tiny_wan import tiny_wan_adapter, tiny_wan_pipeline, tiny_wan_transformer
 
 from flowrl.models import load_adapter
 from flowrl.models.adapter import model_latent_shape
 from flowrl.models.wan import WanAdapter
+from flowrl.models.wan_experts import WanExperts, split_expert_state
 from flowrl.objectives import FlowGRPO, RolloutBatch
 from flowrl.policy import build_policy
 from flowrl.policy.counting import CountingAdapter
@@ -352,6 +353,26 @@ def test_default_shift_is_the_scheduler_s_flow_shift_unless_the_card_says() -> N
     pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     assert WanAdapter(pipe, resolution=(16, 16), num_frames=5).default_shift == 5.0
     assert WanAdapter(pipe, resolution=(16, 16), num_frames=5, shift=7.0).default_shift == 7.0
+
+
+def test_wan_experts_applies_memory_switches_to_both_experts() -> None:
+    """Gradient checkpointing and the attention backend set on the container reach the high and the low expert."""
+    experts = WanExperts(tiny_wan_transformer(), tiny_wan_transformer())
+    experts.enable_gradient_checkpointing()
+    experts.set_attention_backend("native")
+    for expert in (experts.high, experts.low):
+        assert expert.gradient_checkpointing
+        backends = {str(m.processor._attention_backend) for m in expert.modules() if hasattr(m, "processor")}
+        assert backends == {"AttentionBackendName.NATIVE"}
+
+
+def test_split_expert_state_routes_keys_by_prefix_and_refuses_others() -> None:
+    """``high.``/``low.`` keys go to their expert with the prefix removed; any other key is a ValueError."""
+    a, b = torch.zeros(1), torch.ones(1)
+    parts = split_expert_state({"high.blocks.0.to_q.lora_A.weight": a, "low.blocks.0.to_q.lora_B.weight": b})
+    assert parts == {"high": {"blocks.0.to_q.lora_A.weight": a}, "low": {"blocks.0.to_q.lora_B.weight": b}}
+    with pytest.raises(ValueError, match="'blocks.0.to_q.lora_A.weight' belongs to neither Wan expert"):
+        split_expert_state({"high.x": a, "blocks.0.to_q.lora_A.weight": a})
 
 
 def test_low_noise_expert_lora_loads_into_transformer_2(tmp_path):

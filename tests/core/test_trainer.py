@@ -185,3 +185,24 @@ def test_the_scored_images_are_the_decoded_final_samples(tiny_sd3: object) -> No
     with torch.no_grad():
         decoded = torch.cat([tiny_sd3.decode(batch.samples[i : i + 3]) for i in range(0, 6, 3)])  # chunk_size=3
     torch.testing.assert_close(batch.images, decoded, rtol=0, atol=1e-6)
+
+
+def test_diffusion_nft_samples_with_its_old_adapter() -> None:
+    """DiffusionNFT's rollouts come from its "old" adapter: moving only "default" leaves the samples unchanged."""
+    from conftest import tiny_sd3_pipeline
+
+    from flowrl.models.sd3 import SD3Adapter
+    from flowrl.policy.lora import adapter_parameters
+
+    def samples(move_default: bool) -> torch.Tensor:
+        model = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+        trainer = _trainer(model, "objective.name=diffusion_nft")
+        assert trainer.objective.sampling_adapter == "old"
+        if move_default:
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in adapter_parameters(trainer.model.transformer, "default").values():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        return trainer.collect()[0].samples
+
+    assert torch.equal(samples(True), samples(False))

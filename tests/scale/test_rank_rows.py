@@ -212,3 +212,20 @@ def test_owned_rows_count_each_ranks_calls_once_and_pad_without_counting_nfe() -
     model.nfe = 1
     view.finish()
     assert view.placeholders == 1 and model.nfe == 1  # one placeholder call, not counted as an evaluation
+
+
+def test_the_busiest_rank_makes_no_placeholder_calls() -> None:
+    """finish() pads this rank up to the busiest one: a rank that is the busiest itself pads nothing."""
+    from flowrl.policy.counting import CountingAdapter
+    from flowrl.rollouts.owned import OwnedRows, row_cond
+
+    model = CountingAdapter(SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)))
+    owners = torch.tensor([0, 1, 1, 2])  # one-row calls: ranks 0, 1, 2 make 1, 2, 1 calls
+    view = OwnedRows(model, model.encode_prompt(["a bold handwritten 1", "a thin handwritten 2"]), 1, 3)
+    view.lockstep = True  # as under a sharded denoiser (FSDP2, ZeRO-3), which one process cannot build
+    index = row_cond(owners, 1, torch.device("cpu"))
+    x = torch.randn(4, *model.latent_shape(8, 8), generator=torch.Generator().manual_seed(0))
+    for i in range(4):
+        view.velocity(x[i : i + 1], torch.full((1,), 0.5), {k: t[i : i + 1] for k, t in index.items()})
+    view.finish()
+    assert view.calls.tolist() == [1, 2, 1] and view.placeholders == 0

@@ -217,3 +217,27 @@ def test_cudagraphs_mode_traces_the_eager_kernels_bit_for_bit(tiny_sd3):
     assert len(traced) == len(eager) > 1
     assert all(torch.equal(a, b) for a, b in zip(traced, eager))
     assert counters["inductor"]["cudagraph_skips"] == 1  # torch's backend traced it; a CPU graph is not captured
+
+
+def test_repeated_blocks_takes_only_module_lists_of_one_class_in_model_order() -> None:
+    """A top-level ModuleList of mixed classes (a norm beside a projection) is no list of blocks; the others are."""
+    lin_a, lin_b, lin_c = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([lin_a, lin_b])
+    model.mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)])
+    model.single = torch.nn.ModuleList([lin_c])
+    model.head = torch.nn.Linear(2, 2)
+    assert repeated_blocks(model) == [lin_a, lin_b, lin_c]
+
+
+def test_eager_calls_runs_compiled_parts_eager_inside_and_restores_them_after() -> None:
+    """eager_calls (FLOP counts, timing): no compiled call inside the block, every one back after it."""
+    from flowrl.policy.memory import eager_calls
+
+    model = tiny_sd3_pipeline(num_layers=2).transformer
+    compile_denoiser(model, "default", "blocks")
+    calls = {block: block._compiled_call_impl for block in repeated_blocks(model)}
+    assert len(calls) == 2 and all(call is not None for call in calls.values())
+    with eager_calls(model):
+        assert all(m._compiled_call_impl is None for m in model.modules())
+    assert {block: block._compiled_call_impl for block in repeated_blocks(model)} == calls

@@ -250,3 +250,14 @@ def test_flowrl_sample_applies_the_configured_cfg(tmp_path, capsys):
     assert outs[1.0].shape == outs[4.0].shape and np.abs(outs[1.0] - outs[4.0]).max() > 1.0
     assert main([*common[:3], "sampler.guidance_scale=-1", *common[3:]]) == 2
     assert "guidance_scale" in capsys.readouterr().err
+
+
+def test_an_unknown_guidance_kind_is_refused_even_without_cfg() -> None:
+    """apply_guidance checks the adapter's guidance kind before anything else: at scale 1 too, one line."""
+
+    class Classifier:
+        guidance = "classifier"
+
+    for scale in (1.0, 4.0):
+        with pytest.raises(ValueError, match=r"^Classifier.guidance must be one of \('cfg', 'distilled', 'none'\)"):
+            apply_guidance(Classifier(), scale)

@@ -299,3 +299,28 @@ def test_every_pass_of_a_training_run_uses_the_training_attention_kernels(tiny_s
     assert {grad for grad, _ in seen} == {False, True}  # no-grad rollouts and evaluation, differentiated training
     assert not any(cudnn for _, cudnn in seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call
+
+
+def test_gradient_checkpointing_on_a_model_without_support_is_one_line() -> None:
+    """memory.gradient_checkpointing on a module without diffusers' checkpointing support names the setting."""
+    from flowrl.policy.memory import enable_gradient_checkpointing
+
+    with pytest.raises(ValueError, match=r"^memory.gradient_checkpointing: Linear does not support gradient checkpo"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_vae_tiling_and_slicing_are_switched_on_only_where_asked(tiny_sd3) -> None:
+    """configure_vae turns on exactly the flags set: slicing alone leaves tiling off; both off needs no VAE."""
+    from flowrl.policy.memory import configure_vae
+
+    configure_vae(tiny_sd3.vae, tiling=False, slicing=True)
+    assert tiny_sd3.vae.use_slicing and not tiny_sd3.vae.use_tiling
+    configure_vae(None, tiling=False, slicing=False)
+    with pytest.raises(ValueError, match=r"memory.vae_tiling: NoneType has no enable_tiling\(\); set it to false"):
+        configure_vae(None, tiling=True, slicing=False)
+
+
+def test_an_unknown_autocast_is_one_line(tiny_sd3) -> None:
+    """MemoryAdapter refuses an autocast other than none / bf16 / fp16 with a ValueError naming the choices."""
+    with pytest.raises(ValueError, match=r"^memory.autocast must be one of 'none', 'bf16', 'fp16'; got 'fp32'$"):
+        MemoryAdapter(tiny_sd3, autocast="fp32")

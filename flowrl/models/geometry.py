@@ -192,6 +192,15 @@ def _components(folder: Path, index: dict[str, Any]) -> dict[str, dict[str, list
     return out
 
 
+def _clip_tokens(folder: Path) -> int:
+    """The CLIP tokens SD3 puts before T5's: its first tokenizer's ``model_max_length`` (77 without one).
+
+    ``StableDiffusion3Pipeline`` pads both CLIP prompts to ``tokenizer.model_max_length`` (77 for the
+    released models, 8 for the embedded flowrl-digits model).
+    """
+    return _int(_json(folder / "tokenizer" / "tokenizer_config.json"), "model_max_length", 77)
+
+
 def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
     """The :class:`Geometry` of a diffusers pipeline folder; None when its files are missing or malformed.
 
@@ -212,7 +221,7 @@ def read_geometry(folder: Path, targets: list[str] | None) -> Geometry | None:
     patch = transformer.get("patch_size")
     patch = patch[-1] if isinstance(patch, list) and patch else patch
     patch = max(2, patch if isinstance(patch, int) else 2)
-    extra_text = 77 if family == "StableDiffusion3Pipeline" else 0  # SD3 joins CLIP's 77 tokens to T5's
+    extra_text = _clip_tokens(folder) if family == "StableDiffusion3Pipeline" else 0  # SD3: CLIP's, then T5's
     video = family == "WanPipeline"
     return Geometry(
         family=family,

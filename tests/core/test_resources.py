@@ -364,7 +364,7 @@ def test_training_activations_follow_precision_guidance_and_checkpointing() -> N
     """One training chunk keeps rows x tokens x hidden x 28 values per layer (layers + 28 with checkpointing),
     in 4 bytes (2 under autocast), twice under true CFG."""
     g = read_geometry(DIGITS_DIR, None)
-    per_value = 40 * 99 * g.hidden  # sampler.chunk_size=40 rows of 8x8 / patch 2 = 16 tokens + 83 text tokens
+    per_value = 40 * 30 * g.hidden  # sampler.chunk_size=40 rows of 8x8 / patch 2 = 16 tokens + 14 text tokens
     assert g.layers == 4
     cases = {
         (): per_value * 4 * 4 * 28,
@@ -387,8 +387,8 @@ def test_vae_decode_is_one_sample_when_sliced_and_512_pixels_when_tiled() -> Non
 
 def test_the_prompt_cache_holds_what_the_run_encodes() -> None:
     """Prompts encoded over the iterations (all when free_encoders_when_cached warms them up front) plus the eval
-    prompts, each 83 tokens x 64 in fp32, twice under true CFG."""
-    entry = 83 * 64 * 4
+    prompts, each 14 tokens (8 CLIP + 6 T5) x 64 in fp32, twice under true CFG."""
+    entry = 14 * 64 * 4
     assert _part(_estimate_parts(["train.iterations=2"]), "prompt cache (50 prompts)")[1] == 50 * entry
     warmed = _estimate_parts(["train.iterations=2", "memory.free_encoders_when_cached=true"])
     assert _part(warmed, "prompt cache (110 prompts)")[1] == 110 * entry
@@ -426,7 +426,7 @@ def test_the_larger_phase_is_the_one_counted_and_sampling_chunks_are_at_least_64
     assert any(n.startswith("evaluation latents (10000 samples") for n in names)
     assert not any(n.startswith("rollout") for n in names)
     sampling = _estimate_parts(["sampler.chunk_size=8"], training=False)
-    assert _part(sampling, "activations of one sampling chunk (64 samples")[1] == 64 * 99 * 128 * 4 * 16
+    assert _part(sampling, "activations of one sampling chunk (64 samples")[1] == 64 * 30 * 128 * 4 * 16
 
 
 def test_sol_rl_stage_one_and_a_test_split_round_up() -> None:

@@ -52,6 +52,17 @@ def test_sd3_text_tokens_join_clip_s_77_to_t5_s(tmp_path: Path) -> None:
     (folder / "flowrl.json").write_text(json.dumps({"max_sequence_length": 6}))
     g = read_geometry(folder, None)
     assert (g.text_tokens, g.layers) == (6 + 77, 3)
+    _write_folder(folder, {"tokenizer/tokenizer_config.json": {"model_max_length": 8}})
+    assert read_geometry(folder, None).text_tokens == 6 + 8  # the pipeline pads CLIP to its tokenizer's length
+
+
+def test_the_embedded_model_s_text_tokens_are_those_its_adapter_encodes() -> None:
+    """The estimate's text sequence for flowrl-digits is the length of the prompt embeddings SD3Adapter makes."""
+    from flowrl.models import load_adapter, pipeline_folder
+
+    adapter = load_adapter()
+    embeds = adapter.encode_prompt(["a handwritten digit 3"])["encoder_hidden_states"]
+    assert read_geometry(pipeline_folder(None), None).text_tokens == embeds.shape[1] == 14
 
 
 def test_flux_layers_and_lora_width_include_the_single_blocks(tmp_path: Path) -> None:

@@ -89,3 +89,11 @@ def test_held_megabytes_counts_a_view_of_the_trajectory_once() -> None:
     batch = RolloutBatch(["a"] * 4, torch.zeros(4), cond, latents[:, -1], traj, traj.sigmas, images, torch.zeros(4),
                          torch.zeros(4), keep, 2)  # fmt: skip
     assert held_megabytes(batch) == (6144 + 64 + 256 + 768) / 2**20
+
+
+def test_sample_images_needs_one_seed_per_prompt(tiny_sd3: SD3Adapter) -> None:
+    """Fewer seeds than prompts is refused before sampling, not answered with fewer images."""
+    from flowrl.rollouts.chunked import sample_images
+
+    with pytest.raises(ValueError, match="need one seed per prompt; got 2 prompts and 1 seeds"):
+        sample_images(tiny_sd3, ["a bold 1", "a thin 2"], [0], linear_sigmas(2), resolution=(8, 8))

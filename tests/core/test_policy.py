@@ -204,3 +204,38 @@ def test_embedded_folder_loads_by_class_name(tmp_path):
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "MysteryPipeline"}))
     with pytest.raises(ValueError, match="no flowrl adapter for pipeline class 'MysteryPipeline'.*WanPipeline"):
         load_adapter(str(folder))
+
+
+def test_the_stack_combines_cfg_as_the_model_does_uncond_first(tiny_sd3: SD3Adapter) -> None:
+    """The wrappers pass combine_cfg's (v_uncond, v_cond, scale) through in order: v_u + w (v_c - v_u)."""
+    stack = build_policy(load_config(None, ["sampler.guidance_scale=3.0"]), model=tiny_sd3).model
+    v_u, v_c = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([3.0, 0.5], dtype=torch.float64)
+    assert torch.equal(stack.combine_cfg(v_u, v_c, 3.0), torch.tensor([7.0, 5.5], dtype=torch.float64))
+    assert torch.equal(stack.combine_cfg(v_u, v_c, 3.0), tiny_sd3.combine_cfg(v_u, v_c, 3.0))
+
+
+def test_the_policy_takes_the_configured_shift_schedule(tiny_sd3: SD3Adapter) -> None:
+    """sampler.schedule=shift, sampler.shift=3: the policy's grid is 3t / (1 + 2t) on the linear t grid."""
+    cfg = load_config(None, ["sampler.schedule=shift", "sampler.shift=3.0"])
+    policy = build_policy(cfg, model=tiny_sd3)
+    assert (policy.schedule, policy.shift) == ("shift", 3.0)
+    expected = torch.tensor([1.0, 0.9, 0.75, 0.5, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(policy.sigmas(4), expected, rtol=0, atol=1e-12)
+
+
+def test_the_policy_takes_the_configured_number_of_frames() -> None:
+    """model.num_frames=9 on the tiny Wan (its default is 5): latent frames (9 - 1) / 4 + 1 = 3, not 2."""
+    from tiny_wan import tiny_wan_adapter
+
+    model = tiny_wan_adapter()
+    assert model.default_num_frames == 5
+    policy = build_policy(load_config(None, ["model.num_frames=9", "model.resolution=[16,16]"]), model=model)
+    assert policy.latent_shape == (16, 3, 2, 2) == model.latent_shape(16, 16, 9)
+
+
+def test_the_trainable_lora_takes_the_configured_rank_and_alpha(tiny_sd3: SD3Adapter) -> None:
+    """lora.rank=4, lora.alpha=2: every adapted layer has rank 4 and peft's scale alpha / r = 0.5."""
+    cfg = load_config(None, ["lora.rank=4", "lora.alpha=2.0"])
+    policy = build_policy(cfg, model=tiny_sd3, trainable=True)
+    layers = [m for m in policy.model.transformer.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert layers and {(m.r["default"], m.scaling["default"]) for m in layers} == {(4, 0.5)}

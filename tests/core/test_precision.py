@@ -385,3 +385,12 @@ def test_a_cast_copy_takes_per_token_timesteps_as_given():
     assert seen["timestep"].dtype == torch.float32 and torch.equal(seen["timestep"], timestep)
     assert seen["hidden_states"].dtype == seen["encoder_hidden_states"].dtype == torch.bfloat16
     assert out.dtype == torch.float32 and out.shape == x.shape
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fp8_fake_quantize_keeps_the_input_dtype(scaling: str) -> None:
+    """A bf16 input comes back bf16 (the dequantised fp32 value rounded once), as a bf16 copy's layers need."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = fp8_fake_quantize(x, scaling)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(out, fp8_fake_quantize(x.float(), scaling).to(torch.bfloat16))

@@ -403,7 +403,7 @@ def _input_quantiser(explore: ExploreModel) -> Any:
     def quantize(x: Tensor) -> Tensor:
         if explore.precision == "nvfp4":
             return nvfp4_fake_quantize(x, backend=explore.backend)
-        return fp8_fake_quantize(x, "tensor")
+        return fp8_fake_quantize(x, explore.scaling)  # per row or per tensor, as ScaledMMLinear quantises inputs
 
     def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         shared = explore.shared_input

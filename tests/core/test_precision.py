@@ -117,6 +117,21 @@ def test_nvfp4_layer_is_the_dequantised_weight_matmul(policy, activations):
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_emulated_fp8_w8a8_quantises_inputs_with_the_weights_scaling(policy, scaling) -> None:
+    """With activations, an emulated fp8 layer quantises its input per row or per tensor as its weights are scaled,
+    as ScaledMMLinear's kernel does (rows of very different size tell the two apart)."""
+    explore = build_explore(policy, "fp8_e4m3", activations=True, scaling=scaling)
+    layer = explore.module.get_submodule("transformer_blocks.0.ff.net.2")
+    x = torch.randn(2, 3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x = x * torch.tensor([1e-3, 1e2]).reshape(2, 1, 1)
+    with torch.no_grad():
+        got = layer(x)
+    assert torch.equal(got, F.linear(fp8_fake_quantize(x, scaling), layer.weight, layer.bias))
+    other = "tensor" if scaling == "row" else "row"
+    assert not torch.equal(got, F.linear(fp8_fake_quantize(x, other), layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
 def test_fp8_layer_weights_are_on_the_e4m3_grid(policy, scaling):
     explore = build_explore(policy, "fp8_e4m3", scaling=scaling)
     name = "transformer_blocks.0.ff.net.2"

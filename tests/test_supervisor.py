@@ -117,3 +117,55 @@ def test_a_launch_ends_with_one_line_only_when_it_did_not_succeed():
     assert launch_message(0, stopped=False) is None
     assert launch_message(1, stopped=False).startswith("flowrl: error: the launch ended with code 1; the failing")
     assert launch_message(-15, stopped=True) == "flowrl: the launch was stopped by a signal"
+
+
+def test_only_the_train_command_is_supervised_and_only_one_opts_out() -> None:
+    """The first argument must be "train" (not any argument); FLOWRL_NO_SUPERVISOR opts out with "1" alone."""
+    assert not should_supervise(["export", "train"], {})
+    assert not should_supervise([], {})
+    assert should_supervise(["train"], {"FLOWRL_NO_SUPERVISOR": "0"})
+    assert should_supervise(["train"], {"FLOWRL_NO_SUPERVISOR": ""})
+
+
+def test_a_silent_exit_and_a_launch_killed_by_a_signal_get_their_lines() -> None:
+    """Exit code 0 without a report is an exit, not signal 0; a launch killed by a signal nobody sent is an error."""
+    from flowrl.supervisor import launch_message, signal_name
+
+    assert death_message(0).startswith("flowrl: error: the training process exited with code 0 without an error")
+    assert launch_message(-9, stopped=False) == (
+        "flowrl: error: the launch ended with code -9; the failing process's error is above "
+        "(rerun with --processes 1 to see it alone)"
+    )
+    assert launch_message(1, stopped=True) == "flowrl: the launch was stopped by a signal"
+    assert signal_name(int(signal.SIGTERM)) == "SIGTERM" and signal_name(999) == "999"
+
+
+def test_wait_forwarding_sends_a_signal_to_the_child_and_restores_the_handler() -> None:
+    """A SIGTERM reaching the waiting process goes to the child (which dies of it), is listed, and the previous
+    SIGTERM handler is back afterwards."""
+    import threading
+
+    from flowrl.supervisor import wait_forwarding
+
+    before = signal.getsignal(signal.SIGTERM)
+    # the child signals this process once told that the forwarding handler is installed, then waits to be ended
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys, time; sys.stdin.readline(); os.kill(os.getppid(), signal.SIGTERM); time.sleep(20)",
+        ],
+        stdin=subprocess.PIPE,
+    )
+
+    def go() -> None:
+        while signal.getsignal(signal.SIGTERM) is before:
+            time.sleep(0.01)
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+
+    threading.Thread(target=go, daemon=True).start()
+    waited = wait_forwarding(child, (signal.SIGTERM,))
+    assert waited.returncode == -signal.SIGTERM and waited.forwarded == [signal.SIGTERM] and not waited.interrupted
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -169,3 +169,108 @@ def test_wait_forwarding_sends_a_signal_to_the_child_and_restores_the_handler() 
     waited = wait_forwarding(child, (signal.SIGTERM,))
     assert waited.returncode == -signal.SIGTERM and waited.forwarded == [signal.SIGTERM] and not waited.interrupted
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+CHILD = """
+import os, signal, sys, time
+os.write(int(os.environ["FLOWRL_SUPERVISOR_FD"]), os.environ["CHILD_SAYS"].encode())
+how = os.environ["CHILD_ENDS"]
+if how == "wait":
+    time.sleep(20)
+elif how.startswith("sig"):
+    os.kill(os.getpid(), int(how[3:]))
+sys.exit(int(how))
+"""
+
+
+@pytest.fixture
+def scripted_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """supervise() starts this script as its child: it writes CHILD_SAYS on the report pipe, then ends as CHILD_ENDS
+    says (an exit code, "sigN": killed by signal N, "wait": until a signal ends it)."""
+    script = tmp_path / "child"
+    script.write_text(f"#!{sys.executable}\n{CHILD}")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+    def run(says: str, ends: str) -> None:
+        monkeypatch.setenv("CHILD_SAYS", says)
+        monkeypatch.setenv("CHILD_ENDS", ends)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("says", "ends", "code", "line"),
+    [
+        ("1", "2", 2, None),  # it reported its own error
+        ("L1", "2", 2, None),  # a hand-over that failed and reported itself: the last word counts
+        ("L", "3", 3, "flowrl: error: the launch ended with code 3;"),
+        ("", "7", 7, "flowrl: error: the training process exited with code 7 without an error message"),
+        (
+            "",
+            f"sig{int(signal.SIGSEGV)}",
+            128 + signal.SIGSEGV,
+            "flowrl: error: the training process died with signal SIGSEGV",
+        ),
+    ],
+)
+def test_supervise_passes_the_code_through_and_says_only_what_the_child_did_not(
+    scripted_child, capsys: pytest.CaptureFixture[str], says: str, ends: str, code: int, line: str | None
+) -> None:
+    """The child's exit code comes back (128 + N for signal N); one line only when the child did not report its end
+    (its last word on the pipe), the launch line when it handed over to a launch that failed."""
+    from flowrl.supervisor import supervise
+
+    scripted_child(says, ends)
+    assert supervise(["train"]) == code
+    err = capsys.readouterr().err.splitlines()
+    assert err == [] if line is None else (len(err) == 1 and err[0].startswith(line)), err
+
+
+def test_supervise_says_nothing_when_a_forwarded_signal_ends_the_child(
+    scripted_child, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A SIGTERM to the supervisor reaches the child; its death by that signal is asked for: 128 + 15, no line."""
+    import threading
+
+    from flowrl.supervisor import supervise
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def stop() -> None:
+        while signal.getsignal(signal.SIGTERM) is before:  # until supervise forwards SIGTERM
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    scripted_child("", "wait")
+    threading.Thread(target=stop, daemon=True).start()
+    assert supervise(["train"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ""
+
+
+def test_hand_over_happens_only_in_a_supervised_child_with_its_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without FLOWRL_SUPERVISED or without the report pipe hand_over returns False and writes nothing; with both it
+    tells the supervisor b"L" before it execs (here a missing program, so the exec fails instead)."""
+    from flowrl.supervisor import hand_over
+
+    missing = [str(tmp_path / "no-such-launcher")]
+    read_fd, write_fd = os.pipe()
+    try:
+        os.set_blocking(read_fd, False)
+        monkeypatch.delenv("FLOWRL_SUPERVISED", raising=False)
+        monkeypatch.setenv("FLOWRL_SUPERVISOR_FD", str(write_fd))
+        assert hand_over(missing, {}) is False
+        monkeypatch.setenv("FLOWRL_SUPERVISED", "1")
+        monkeypatch.delenv("FLOWRL_SUPERVISOR_FD")
+        assert hand_over(missing, {}) is False
+        with pytest.raises(BlockingIOError):
+            os.read(read_fd, 16)  # nothing was said
+        monkeypatch.setenv("FLOWRL_SUPERVISOR_FD", str(write_fd))
+        with pytest.raises(FileNotFoundError):
+            hand_over(missing, {})
+        assert os.read(read_fd, 16) == b"L"
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)

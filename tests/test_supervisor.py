@@ -274,3 +274,19 @@ def test_hand_over_happens_only_in_a_supervised_child_with_its_pipe(
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+def test_setup_child_rearms_an_ignored_sigint_and_keeps_the_pipe_from_grandchildren() -> None:
+    """A child started with SIGINT ignored (nohup ... &) gets Python's KeyboardInterrupt handler back, and the report
+    pipe's descriptor is made non-inheritable (in a fresh interpreter)."""
+    code = (
+        "import os, signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "r, w = os.pipe(); os.set_inheritable(w, True); os.environ['FLOWRL_SUPERVISOR_FD'] = str(w)\n"
+        "from flowrl.supervisor import setup_child\n"
+        "setup_child()\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, os.get_inheritable(w))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "False"]

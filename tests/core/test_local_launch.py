@@ -152,3 +152,33 @@ def test_the_launcher_ends_a_stopped_or_failed_launch_in_lines_not_tracebacks(mo
         "flowrl: error: rank 1 died with signal SIGKILL (killed from outside, often by the out-of-memory killer: see "
         "`dmesg`); rerun with --processes 1 to see it alone",
     ]
+
+
+def test_auto_names_why_the_largest_count_does_not_split() -> None:
+    """When no count above 1 splits the batch, the reason given is the one of the largest count tried."""
+    cfg = load_config(None, ["prompts.per_iteration=5", "prompts.group_size=2", "sampler.chunk_size=2"])
+    processes, why = auto_processes(cfg, 4)
+    assert processes == 1
+    assert "does not split into whole groups over 4 processes" in why
+
+
+def test_auto_takes_at_most_max_auto_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with 16 usable cores --processes auto still starts MAX_AUTO_PROCESSES (8) processes."""
+    import os
+
+    from flowrl.local_launch import MAX_AUTO_PROCESSES
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    cfg = load_config(None, ["prompts.per_iteration=16", "prompts.group_size=2", "sampler.chunk_size=2"])
+    assert MAX_AUTO_PROCESSES == 8
+    assert resolve_processes(cfg, "auto") == 8
+
+
+def test_a_rank_that_exited_with_code_zero_is_an_exit_not_a_signal() -> None:
+    """failure_line reads exit code 0 as an exit and a negative code as the signal that killed the rank."""
+    from flowrl.local_launch import failure_line
+
+    assert failure_line(3, 0) == "flowrl: error: rank 3 exited with code 0; its own error line is above"
+    assert failure_line(1, -11) == (
+        "flowrl: error: rank 1 died with signal SIGSEGV (crashed); rerun with --processes 1 to see it alone"
+    )

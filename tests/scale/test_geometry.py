@@ -166,3 +166,28 @@ def test_devices_a_launch_can_use_pass():
     check_rank_device("cuda", 2)  # after the launch started (accelerate placed the ranks)
     check_rank_device("cuda:1", 1, 2)  # one process: any GPU
     check_rank_device("cpu", 4, 0)
+
+
+def test_a_batch_below_one_multiple_suggests_the_multiple_itself() -> None:
+    """1 prompt over 2 processes: the example is "e.g. 2", not "0 or 2"."""
+    with pytest.raises(ValueError, match=r"use a multiple of 2 \(e.g. 2\)"):
+        derive_geometry(1, 4, 4, 2, 0)
+
+
+def test_rollout_splits_check_tree_placement_and_the_spread_run_of_each_group() -> None:
+    """Trees and tree leaves need contiguous placement; the chunk must divide the rows a rank holds in a row (G / W of a
+    group under spread), for tree leaves too but not for trees."""
+    from flowrl.distributed import check_rollout_split
+
+    spread = derive_geometry(2, 4, 2, 2, 0, "spread")
+    for kind in ("tree", "tree_leaves"):
+        with pytest.raises(ValueError, match="set train.placement=contiguous"):
+            check_rollout_split(spread, kind)
+    check_rollout_split(spread, "sde")  # 2 samples of each group per rank, chunk 2
+    with pytest.raises(ValueError, match=r"must divide the 2 samples each rank holds in a row .* sampler.chunk_size=2"):
+        check_rollout_split(derive_geometry(2, 4, 4, 2, 0, "spread"), "sde")
+    check_rollout_split(derive_geometry(2, 4, 4, 2, 0, "contiguous"), "solver")  # a rank holds one group of 4
+    odd_chunk = derive_geometry(2, 4, 3, 2, 0, "contiguous")
+    check_rollout_split(odd_chunk, "tree")  # a tree's micro-batches are frontier chunks, not rows
+    with pytest.raises(ValueError, match="sampler.chunk_size=3 must divide the 4 samples"):
+        check_rollout_split(odd_chunk, "tree_leaves")

@@ -144,3 +144,21 @@ def test_a_bare_off_in_yaml_or_on_the_command_line_is_the_word_off(tmp_path):
     assert load_config(str(path)).solrl.mode == "off"
     with pytest.raises(ConfigError, match="'solrl.mode' must be one of"):
         load_config(None, ["solrl.mode=yes"])  # no allowed word for True
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (
+            ["prompts.test_fraction=0.1", "prompts.eval=prompts/eval.txt"],
+            "'prompts.test_fraction' holds out the eval prompts from prompts.train, so prompts.eval='prompts/eval.txt'",
+        ),
+        (["output.dir=runs/" + "é" * 128], "'output.dir' has a file or folder name longer than 255 bytes"),
+        (["model.resolution=[8]"], "'model.resolution' must be one int (square) or [height, width]; got [8]"),
+    ],
+)
+def test_cross_key_checks_refuse_in_one_line(override: list[str], fragment: str) -> None:
+    """A test split with its own eval file, a 128-character name of 256 UTF-8 bytes, a one-item resolution."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override)
+    assert fragment in str(err.value) and "\n" not in str(err.value)

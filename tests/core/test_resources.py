@@ -435,3 +435,47 @@ def test_sol_rl_stage_one_and_a_test_split_round_up() -> None:
 
     assert stage1_candidates(load_config(None, []), 3) == 107  # 20 x 16 / 3 = 106.7
     assert prompt_counts(load_config(None, ["prompts.test_fraction=0.001"])) == (19, 1)
+
+
+# -- mutation round: the checks' own boundaries ------------------------------------------------------
+
+
+def test_check_memory_refuses_only_a_need_above_what_is_available() -> None:
+    """A pool whose need equals what is available passes; one byte more is refused, naming the largest part."""
+    from flowrl.memory_estimate import Estimate, Part
+    from flowrl.resources import check_memory
+
+    parts = [Part("small", 100.0, "lower a", False), Part("big", 900.0, "lower b", False)]
+    check_memory(Estimate("cpu", parts, {"host": 1000.0}, {"host": 1000.0}))
+    check_memory(Estimate("cpu", parts, {"host": 1000.0}, {"host": None}))  # unknown availability: not refused
+    with pytest.raises(ValueError, match=r"largest part: big, ~900 B\), but this machine has 999 B available; lower b"):
+        check_memory(Estimate("cpu", parts, {"host": 1000.0}, {"host": 999.0}))
+
+
+def test_a_width_beyond_the_position_embedding_is_refused(capsys) -> None:
+    """The larger side is checked: a [height, width] whose width alone exceeds the model's 8 pixels is refused."""
+    line = one_line_error(capsys, "train", "--check", "model.resolution=[8,16]")
+    assert "model.resolution=8x16 is larger than flowrl-digits covers (at most 8 pixels per side" in line
+
+
+def test_check_work_counts_a_rank_s_ceil_share_and_allows_exactly_the_limit() -> None:
+    """A rank's share is ceil(1579 x 19 / 3) = 10001 samples, so x 1000 steps is refused; a product equal to
+    MAX_SAMPLE_STEPS passes and one step more is refused."""
+    from flowrl.resources import check_work
+
+    share = load_config(None, ["prompts.per_iteration=1579", "prompts.group_size=19", "sampler.num_steps=1000"])
+    with pytest.raises(ValueError, match=r"/ 3 processes\) is 10,001,000 sample-steps"):
+        check_work(share, 0, processes=3)
+    at_limit = load_config(None, ["prompts.per_iteration=1000", "prompts.group_size=1000", "sampler.num_steps=10"])
+    check_work(at_limit, 0)  # 10**7 sample-steps: exactly the limit
+    over = load_config(None, ["prompts.per_iteration=1000", "prompts.group_size=1000", "sampler.num_steps=11"])
+    with pytest.raises(ValueError, match=r"is 11,000,000 sample-steps, above the limit of 10,000,000"):
+        check_work(over, 0)
+
+
+def test_check_report_refuses_fewer_than_one_process() -> None:
+    """check_report itself refuses processes=0 (the CLI's own parser is not the only guard)."""
+    from flowrl.resources import check_report
+
+    with pytest.raises(ValueError, match=r"--processes must be >= 1; got 0"):
+        check_report(load_config(None, []), processes=0)

@@ -55,3 +55,19 @@ def test_bad_input_is_one_line_naming_the_field(changes, fragment):
 def test_seed_ranges_are_inclusive_and_deduplicated():
     assert parse_seeds("0-2, 2, 7") == (0, 1, 2, 7)
     assert parse_seeds(str(MAX_SEED)) == (MAX_SEED,)
+
+
+def test_a_range_ending_past_max_seed_is_out_of_range() -> None:
+    """The range's upper end is checked against MAX_SEED too, not only its start."""
+    with pytest.raises(ValueError, match=rf"seeds: {MAX_SEED + 1} is out of range"):
+        parse_seeds(f"{MAX_SEED}-{MAX_SEED + 1}")
+
+
+def test_the_bounds_of_steps_guidance_and_noise_are_inclusive() -> None:
+    """guidance 0 and MAX_GUIDANCE, steps 1 and MAX_STEPS, noise level 0 and 2 (1 for cps) are all accepted."""
+    from flowrl.demo.validation import MAX_GUIDANCE, MAX_NOISE_LEVEL
+
+    assert check(guidance=0).guidance == 0.0 and check(guidance=MAX_GUIDANCE).guidance == MAX_GUIDANCE
+    assert check(steps=1).steps == 1 and check(steps=MAX_STEPS).steps == MAX_STEPS
+    assert check(sampler="flow", noise_level=MAX_NOISE_LEVEL).noise_level == MAX_NOISE_LEVEL
+    assert check(sampler="cps", noise_level=0).noise_level == 0.0

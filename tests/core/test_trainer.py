@@ -206,3 +206,47 @@ def test_diffusion_nft_samples_with_its_old_adapter() -> None:
         return trainer.collect()[0].samples
 
     assert torch.equal(samples(True), samples(False))
+
+
+def test_update_metrics_are_micro_batch_means_of_the_step_scaled_gradients(tiny_sd3: object, monkeypatch) -> None:
+    """Each step backwards loss / (its micro-batches); train/loss is the mean loss over all micro-batches and
+    train/grad_norm the mean of the steps' gradient norms weighted by their micro-batches."""
+    trainer = _trainer(tiny_sd3, "optim.max_grad_norm=1000")
+    objective = trainer.objective
+    plans: list = []
+    losses: list[float] = []
+    grads: list[torch.Tensor] = []
+    norms: list[float] = []
+    plan, loss, clip = objective.plan, objective.loss, torch.nn.utils.clip_grad_norm_
+
+    def planned(batch, generator):  # the real plan, recorded
+        plans.append(plan(batch, generator))
+        return plans[-1]
+
+    def scored(model, batch, mb):  # the real loss, with its own gradient recorded
+        value, stats = loss(model, batch, mb)
+        g = torch.autograd.grad(value, trainer.params, retain_graph=True, allow_unused=True)
+        grads.append(
+            torch.cat([(torch.zeros_like(p) if x is None else x).flatten() for p, x in zip(trainer.params, g)])
+        )
+        losses.append(float(value.detach()))
+        return value, stats
+
+    def clipped(params, max_norm):  # the real clip, its norm recorded
+        norm = clip(params, max_norm)
+        norms.append(float(norm))
+        return norm
+
+    monkeypatch.setattr(objective, "plan", planned)
+    monkeypatch.setattr(objective, "loss", scored)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clipped)
+    metrics = trainer.train_step()
+    sizes = [len(group) for group in plans[0]]
+    assert len(sizes) == len(norms) and sum(sizes) == len(losses) and max(sizes) > 1, sizes
+    start = 0
+    for size, norm in zip(sizes, norms):
+        expected = float(torch.stack(grads[start : start + size]).sum(0).div(size).norm())
+        assert norm == pytest.approx(expected, rel=1e-4)
+        start += size
+    assert metrics["train/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+    assert metrics["train/grad_norm"] == pytest.approx(sum(n * s for n, s in zip(norms, sizes)) / sum(sizes), rel=1e-6)

@@ -91,3 +91,16 @@ def test_rewards_list_keeps_its_columns_for_a_plugin_named_after_its_distributio
     assert cmd_rewards_list(None) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len({line.index(word) for line, word in zip(lines, ("offline", "yes", "yes"))}) == 1, lines
+
+
+def test_a_name_with_underscores_gets_a_dashed_distribution_and_its_own_entry_point(tmp_path) -> None:
+    """my_reward: folder and distribution flowrl-reward-my-reward, package flowrl_reward_my_reward, entry point
+    my_reward; a name starting with a digit is refused."""
+    root = scaffold_reward("my_reward", tmp_path)
+    assert root == tmp_path / "flowrl-reward-my-reward"
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'name = "flowrl-reward-my-reward"' in pyproject
+    assert 'my_reward = "flowrl_reward_my_reward.reward:my_reward"' in pyproject
+    assert (root / "flowrl_reward_my_reward" / "reward.py").is_file()
+    with pytest.raises(ValueError, match="lowercase identifier"):
+        scaffold_reward("3d_reward", tmp_path)

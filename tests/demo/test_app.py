@@ -279,3 +279,9 @@ def test_the_demo_offers_only_rewards_it_can_build_by_name():
     assert choices[:2] == ["ink_band", "digit_correctness"]  # the default job's first
     assert "remote" not in choices and required_options("remote") == ["url"]
     assert "pickscore" in choices and required_options("ink_band") == []
+
+
+def test_a_start_folder_that_does_not_exist_is_refused(tmp_path) -> None:
+    """flowrl demo with a folder that does not exist refuses it with one line instead of serving no runs."""
+    with pytest.raises(FileNotFoundError, match="missing is not a folder; pass run folders"):
+        RunRegistry([tmp_path / "missing"])

@@ -250,3 +250,34 @@ def test_update_metrics_are_micro_batch_means_of_the_step_scaled_gradients(tiny_
         start += size
     assert metrics["train/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
     assert metrics["train/grad_norm"] == pytest.approx(sum(n * s for n, s in zip(norms, sizes)) / sum(sizes), rel=1e-6)
+
+
+def test_load_state_dict_restores_the_counters_and_the_population_reward_std(tiny_sd3: object, monkeypatch) -> None:
+    """A twin loaded from a state has its NFE, samples, iteration, guard and reward history; reward_std is the
+    population std (unbiased=False) of the global batch's rewards."""
+    from conftest import tiny_sd3_pipeline
+
+    from flowrl.models.sd3 import SD3Adapter
+
+    trainer = _trainer(tiny_sd3, "advantage.method=per_prompt")
+    batches: list = []
+    collect = trainer.collect
+
+    def collected():  # the real rollout, its batch recorded
+        batches.append(collect())
+        return batches[-1]
+
+    monkeypatch.setattr(trainer, "collect", collected)
+    metrics = trainer.train_step()
+    rewards = batches[0][0].global_rewards
+    assert metrics["reward_std"] == pytest.approx(float(rewards.std(unbiased=False)), rel=1e-6)
+    trainer.guard.skip("a test fault", 2)
+    state = trainer.state_dict()
+    twin = _trainer(
+        SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8)), "advantage.method=per_prompt"
+    )
+    twin.load_state_dict(state)
+    assert twin.model.nfe == trainer.model.nfe == state["nfe"] > 0
+    assert (twin.iteration, twin.samples_seen) == (1, 6)
+    assert twin.guard.state_dict() == {"consecutive": 1, "total": 1, "first_fault": "a test fault at iteration 2"}
+    assert twin.advantage.state_dict() == trainer.advantage.state_dict() != {}

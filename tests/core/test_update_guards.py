@@ -338,3 +338,14 @@ def test_a_skipped_iteration_leaves_no_trace_in_the_per_prompt_history(tiny_sd3)
     assert trainer.advantage.state_dict() == before  # as if the batch had never been scored
     assert trainer.train_step()["train/skipped_updates"] == 0.0
     assert all(max(abs(r) for r in h) <= 1.0 for h in trainer.advantage.state_dict()["history"].values())
+
+
+def test_an_iteration_with_every_group_dropped_is_not_a_skipped_update(tiny_sd3: object) -> None:
+    """Constant rewards drop every group: nothing is trained, but train/skipped_updates is 0 (no fault)."""
+
+    def constant(images: torch.Tensor, prompts: list[str], **_: object) -> torch.Tensor:
+        return torch.ones(images.shape[0])
+
+    trainer = _trainer(tiny_sd3, MultiReward({"constant": (constant, 1.0)}))
+    metrics = trainer.train_step()
+    assert metrics["train/skipped_updates"] == 0.0 and metrics["guard/skipped_total"] == 0.0

@@ -50,14 +50,16 @@ class RunRegistry:
         return [c.label for c in found]
 
     def _label(self, run: Path) -> str:
-        """The run's name: its folder name, or its path under the root when names clash."""
-        name = run.name
+        """The run's label: its folder name, unique among the offered runs.
+
+        When another run holds the name: its start folder's name and its path under it (``b/run-a``; two
+        start folders may each hold a ``run-a``), else its full path.
+        """
         taken = {c.label for c in self.checkpoints.values() if c.run_dir is not None and c.run_dir != run}
-        if name not in taken:
-            return name
-        for root in self.roots:
-            if run.is_relative_to(root):
-                return str(run.relative_to(root))
+        under = [str(Path(root.name) / run.relative_to(root)) for root in self.roots if run.is_relative_to(root)]
+        for label in [run.name, *under]:
+            if label not in taken:
+                return label
         return str(run)
 
     @property

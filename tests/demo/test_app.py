@@ -55,6 +55,18 @@ def test_no_argument_serves_the_embedded_model_and_the_default_runs_folder(tmp_p
     assert registry.checkpoints["base"].model_path == "flowrl-digits"
 
 
+def test_two_start_folders_with_a_run_of_the_same_name_offer_both(runs, tmp_path):
+    """A second run-a (under another start folder) is offered as <folder>/run-a beside the first, never over it."""
+    other = tmp_path / "other"
+    make_run(other / "run-a", seed=3)
+    registry = RunRegistry([runs, other])
+    assert registry.labels == ["base", "run-a", "run-b", "other/run-a"]
+    assert registry.checkpoints["run-a"].run_dir == (runs / "run-a").resolve()
+    assert registry.checkpoints["other/run-a"].run_dir == (other / "run-a").resolve()
+    both_runs = RunRegistry([runs / "run-a", other / "run-a"])  # start folders that are the runs: the full path
+    assert both_runs.labels == ["base", "run-a", str((other / "run-a").resolve())]
+
+
 @pytest.mark.parametrize("path", ["..", "../..", "/etc", "run-a/../../..", "/tmp", "\x00"])
 def test_paths_outside_the_start_folders_are_refused(runs, path):
     registry = RunRegistry([runs / "run-a"])

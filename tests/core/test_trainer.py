@@ -281,3 +281,13 @@ def test_load_state_dict_restores_the_counters_and_the_population_reward_std(tin
     assert (twin.iteration, twin.samples_seen) == (1, 6)
     assert twin.guard.state_dict() == {"consecutive": 1, "total": 1, "first_fault": "a test fault at iteration 2"}
     assert twin.advantage.state_dict() == trainer.advantage.state_dict() != {}
+
+
+def test_check_state_dict_refuses_an_adam_step_that_is_not_one_number(tiny_sd3: object) -> None:
+    """An AdamW moment entry whose step counter is not a single number does not fit this run."""
+    trainer = _trainer(tiny_sd3)
+    trainer.train_step()
+    state = trainer.state_dict()
+    state["optimizer"]["state"][0]["step"] = torch.tensor([1.0, 1.0])
+    with pytest.raises(ValueError, match="the optimizer state of parameter 0 does not fit this run's LoRA"):
+        trainer.check_state_dict(state)

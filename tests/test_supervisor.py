@@ -153,7 +153,8 @@ def test_wait_forwarding_sends_a_signal_to_the_child_and_restores_the_handler() 
         [
             sys.executable,
             "-c",
-            "import os, signal, sys, time; sys.stdin.readline(); os.kill(os.getppid(), signal.SIGTERM); time.sleep(20)",
+            "import os, signal, sys, time; sys.stdin.readline(); os.kill(os.getppid(), signal.SIGTERM); "
+            "time.sleep(120)",  # until the forwarded signal ends it (120 s only bounds a failure)
         ],
         stdin=subprocess.PIPE,
     )
@@ -176,7 +177,7 @@ import os, signal, sys, time
 os.write(int(os.environ["FLOWRL_SUPERVISOR_FD"]), os.environ["CHILD_SAYS"].encode())
 how = os.environ["CHILD_ENDS"]
 if how == "wait":
-    time.sleep(20)
+    time.sleep(120)  # until the forwarded signal ends it (120 s only bounds a failure)
 elif how.startswith("sig"):
     os.kill(os.getpid(), int(how[3:]))
 sys.exit(int(how))

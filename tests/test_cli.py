@@ -312,3 +312,39 @@ def test_check_refuses_a_misspelt_reward_option_without_building_the_run(capsys)
         "(and for every reward: weight, timeout_s, video)"
     )
     assert main(["train", "--check", "rewards.ink_band.weight=0.5", "rewards.judge.reward=ink_band"]) == 0
+
+
+def test_an_interrupted_run_names_its_newest_finished_checkpoint(tmp_path: Path) -> None:
+    """With several finished checkpoints the interrupted line resumes from the newest one, not the oldest."""
+    from flowrl.cli import _interrupted_line
+
+    for iteration in (2, 4, 6):
+        folder = tmp_path / "checkpoints" / f"iter-{iteration:06d}"
+        folder.mkdir(parents=True)
+        if iteration != 6:  # iter-6 lost its manifest: not finished
+            (folder / "manifest.json").write_text("{}")
+    assert (
+        _interrupted_line(tmp_path, 2)
+        == f"flowrl: interrupted; continue from iteration 4 with: flowrl train --resume {tmp_path}"
+    )
+
+
+def test_a_leftover_argument_of_a_command_without_overrides_is_a_usage_error() -> None:
+    """``flowrl rewards list extra`` exits through argparse's usage error; only train/sample take leftover overrides."""
+    from flowrl.cli import build_parser, parse_command_line
+
+    for argv in (["rewards", "list", "extra"], ["rewards", "list", "x=1"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_command_line(build_parser(), argv)
+        assert exc.value.code == 2
+
+
+def test_the_grid_samples_each_prompt_on_its_own_fixed_seeds() -> None:
+    """The before/after grid: the first GRID_MAX_PROMPTS eval prompts, each on seeds GRID_SEED_BASE + 0..seeds-1."""
+    from flowrl.prompts.files import Prompt
+    from flowrl.recipe import GRID_MAX_PROMPTS, GRID_SEED_BASE, _grid_inputs
+
+    prompts = [Prompt(f"a {i}", {}) for i in range(GRID_MAX_PROMPTS + 3)]
+    chosen, seeds = _grid_inputs(prompts, 3)
+    assert [p.text for p in chosen] == [f"a {i}" for i in range(GRID_MAX_PROMPTS) for _ in range(3)]
+    assert seeds == [GRID_SEED_BASE + j for _ in range(GRID_MAX_PROMPTS) for j in range(3)]

@@ -301,3 +301,34 @@ def test_export_writes_the_run_s_dtype_unless_told_otherwise(tmp_path: Path) -> 
 
     assert dtypes(export_merged(tmp_path / "run", tmp_path / "bf16")) == {"BF16"}
     assert dtypes(export_merged(lora_dir, tmp_path / "fp32", dtype="float32")) == {"F32"}
+
+
+def test_sample_draws_seeds_from_seed_on_for_each_prompt(tmp_path: Path, monkeypatch) -> None:
+    """``flowrl sample --seed 5 --seeds 2``: each prompt's samples use seeds 5 and 6, the grid one row per prompt."""
+    import flowrl.rollouts.chunked as chunked
+
+    drawn: list[tuple[list[str], list[int]]] = []
+    real = chunked.sample_images
+
+    def recording(model, prompts, seeds, sigmas, **kwargs):
+        drawn.append((list(prompts), list(seeds)))
+        return real(model, prompts, seeds, sigmas, **kwargs)
+
+    monkeypatch.setattr(chunked, "sample_images", recording)
+    args = ["--prompt", "a 3", "--prompt", "a 7", "--seeds", "2", "--seed", "5", "--steps", "1"]
+    assert main(["sample", "model.path=flowrl-digits", *args, "--out", str(tmp_path / "s.png")]) == 0
+    assert drawn == [(["a 3", "a 3", "a 7", "a 7"], [5, 6, 5, 6])]
+
+
+def test_sample_out_accepts_an_upper_case_png_or_a_name_without_a_suffix() -> None:
+    """``--out`` ending in ``.PNG`` or in no suffix at all is a PNG name; only another suffix is refused."""
+    import argparse
+
+    import pytest
+
+    from flowrl.output_commands import _check_sample_args
+
+    for out in ("grid.PNG", "grid.Png", "grid"):
+        _check_sample_args(argparse.Namespace(seeds=1, steps=None, out=out))  # no error
+    with pytest.raises(ValueError, match="name a .png file"):
+        _check_sample_args(argparse.Namespace(seeds=1, steps=None, out="grid.jpg"))

@@ -332,3 +332,15 @@ def test_sample_out_accepts_an_upper_case_png_or_a_name_without_a_suffix() -> No
         _check_sample_args(argparse.Namespace(seeds=1, steps=None, out=out))  # no error
     with pytest.raises(ValueError, match="name a .png file"):
         _check_sample_args(argparse.Namespace(seeds=1, steps=None, out="grid.jpg"))
+
+
+def test_export_command_passes_dtype_through(tmp_path: Path) -> None:
+    """``flowrl export --dtype float16`` writes float16 weights over the run's float32."""
+    from safetensors import safe_open
+
+    _, lora_dir = _random_lora_run(tmp_path)  # the run's config says dtype: float32
+    out = tmp_path / "fp16"
+    assert main(["export", "--merge", str(tmp_path / "run"), "--out", str(out), "--dtype", "float16"]) == 0
+    (weights,) = (out / "transformer").glob("*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F16"}

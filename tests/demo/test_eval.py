@@ -125,3 +125,15 @@ def test_a_reward_that_applies_to_no_prompt_reads_n_a_not_an_error():
 def test_a_count_below_one_names_only_its_flag(run, tmp_path, capsys, command, line):
     assert main([command[0], str(run), *command[1:], "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"flowrl: error: {line}\n"
+
+
+def test_eval_command_passes_first_seed_and_trims_reward_names(run, tmp_path) -> None:
+    """``--seed 7`` is the report's first seed; ``--rewards`` names are stripped and empty ones dropped."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a bold handwritten 1\n")
+    out = tmp_path / "e"
+    args = ["eval", str(run), "--prompts", str(prompts), "--seeds", "2", "--steps", "2", "--out", str(out)]
+    assert main([*args, "--seed", "7", "--rewards", " jpeg_compressibility , ,"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["first_seed"] == 7
+    assert set(report["checkpoints"][0]["rewards"]) == {"jpeg_compressibility"}

@@ -514,3 +514,15 @@ def test_the_objective_section_compares_as_stored():
     del older["objective"]["kl_beta"]
     with pytest.raises(ValueError, match=r"objective.kl_beta changed from \(absent\) to 0.004"):
         check_resume_config(older, current)
+
+
+def test_resume_with_an_output_dir_override_continues_in_that_folder(tmp_path: Path, capsys) -> None:
+    """``--resume A output.dir=B`` writes the continued run into B and leaves A's checkpoints as they were."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert _train(capsys, f"output.dir={first}")[0] == 0
+    before = sorted(p.name for p in (first / "checkpoints").iterdir())
+    code, err = _train(capsys, "train.iterations=4", f"output.dir={second}", "--resume", str(first))
+    assert code == 0, err
+    assert json.loads((second / "summary.json").read_text())["resumed_at_iteration"] == 3
+    assert load_checkpoint(second / "checkpoints" / "iter-000004")["iteration"] == 4
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == before

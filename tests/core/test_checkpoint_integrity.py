@@ -526,3 +526,15 @@ def test_resume_with_an_output_dir_override_continues_in_that_folder(tmp_path: P
     assert json.loads((second / "summary.json").read_text())["resumed_at_iteration"] == 3
     assert load_checkpoint(second / "checkpoints" / "iter-000004")["iteration"] == 4
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == before
+
+
+def test_a_run_checkpoints_its_last_iteration_and_resumes_with_a_given_config_file(tmp_path: Path, capsys) -> None:
+    """The final iteration is saved off the save_every grid; ``--resume RUN FILE.yaml`` reads FILE, not RUN's config."""
+    run = tmp_path / "run"
+    assert _train(capsys, f"output.dir={run}", "train.save_every=2")[0] == 0  # 3 iterations
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000002", "iter-000003"]
+    given = tmp_path / "more.yaml"
+    given.write_text("train:\n  iterations: 4\n")
+    overrides = [o for o in SMALL if not o.startswith("train.iterations=")]
+    assert main(["train", str(given), *overrides, "--resume", str(run)]) == 0, capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 4

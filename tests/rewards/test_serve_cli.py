@@ -151,3 +151,12 @@ def test_serve_reward_stops_cleanly_under_concurrent_load(server_process, sig):
     # own exit (module teardown after importing torch): about 1 s, several on a busy 2-core host
     assert seconds < 30, seconds
     assert all("\n" not in message for message in failed)
+
+
+def test_serve_reward_applies_max_request_pixels(server_process) -> None:
+    """``--max-request-pixels 100`` reaches the server: two 8x8 images (128 pixels) are refused with HTTP 413."""
+    _, url = server_process("ink", "target=thin", "--port", "0", "--max-request-pixels", "100")
+    x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match="HTTP 413"):
+        RemoteReward(url)(x, ["a", "b"])
+    assert torch.equal(RemoteReward(url)(x[:1], ["a"]), 1 - x[:1].mean(dim=(1, 2, 3)))  # 64 pixels pass

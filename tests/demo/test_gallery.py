@@ -53,3 +53,16 @@ def test_a_video_run_gets_a_frame_strip(tmp_path):
     assert strip, [p.name for p in written]
     h, w, _ = np.asarray(Image.open(strip[0])).shape
     assert w > 4 * h / 2  # 5 frames in a row, two rows (base, aligned)
+
+
+def test_gallery_command_passes_its_options_and_an_empty_benchmarks_list_means_none(tmp_path, monkeypatch) -> None:
+    """``--benchmarks`` with no file plots no benchmark (not the defaults); --seeds/--prompts/--steps reach the grid."""
+    monkeypatch.chdir(ROOT)  # where the default docs/benchmarks-convergence*.json are found
+    run = make_run(tmp_path / "digits", seed=1)
+    args = ["--benchmarks", "--seeds", "1", "--prompts", "2", "--steps", "2"]
+    assert main(["gallery", str(run), "--out", str(tmp_path / "cli"), *args]) == 0
+    names = sorted(p.name for p in (tmp_path / "cli").iterdir())
+    assert names == ["digits-before-after.png", "digits-reward-curve.png"]
+    direct = build_gallery([run], tmp_path / "direct", benchmarks=[], seeds=1, prompts=2, steps=2)
+    for path in direct:
+        assert (tmp_path / "cli" / path.name).read_bytes() == path.read_bytes(), path.name

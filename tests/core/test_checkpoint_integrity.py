@@ -538,3 +538,10 @@ def test_a_run_checkpoints_its_last_iteration_and_resumes_with_a_given_config_fi
     overrides = [o for o in SMALL if not o.startswith("train.iterations=")]
     assert main(["train", str(given), *overrides, "--resume", str(run)]) == 0, capsys.readouterr().err
     assert json.loads((run / "summary.json").read_text())["iterations"] == 4
+
+
+def test_image_every_logs_samples_only_at_its_own_multiples(tmp_path: Path, capsys) -> None:
+    """``output.image_every=2`` with ``train.eval_every=1``: sample grids at iterations 0 and 2, not at every eval."""
+    run = tmp_path / "run"
+    assert _train(capsys, f"output.dir={run}", "output.image_every=2")[0] == 0  # 3 iterations, eval_every=1
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["iter-000000.png", "iter-000002.png"]

@@ -155,15 +155,20 @@ class Garbage(BaseHTTPRequestHandler):
         pass
 
 
+def started(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A ThreadingHTTPServer of ``handler`` on 127.0.0.1 (free port), serving in a daemon thread."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return httpd
+
+
 @pytest.fixture
 def garbage_server():
     servers = []
 
     def start(reply):
-        handler = type("H", (Garbage,), {"reply": staticmethod(reply)})
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        httpd.daemon_threads = True
-        threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        httpd = started(type("H", (Garbage,), {"reply": staticmethod(reply)}))
         servers.append(httpd)
         return f"http://127.0.0.1:{httpd.server_address[1]}"
 
@@ -397,10 +402,7 @@ class Flaky(BaseHTTPRequestHandler):
 def flaky_server(status: int) -> tuple[ThreadingHTTPServer, type[Flaky]]:
     """A started :class:`Flaky` server on 127.0.0.1 (free port) and its handler class (the records)."""
     handler = type("H", (Flaky,), {"status": status, "posts": [], "paths": []})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    return httpd, handler
+    return started(handler), handler
 
 
 @pytest.mark.parametrize("status, retried", [(502, True), (503, True), (504, True), (500, False), (400, False)])

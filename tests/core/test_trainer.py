@@ -291,3 +291,32 @@ def test_check_state_dict_refuses_an_adam_step_that_is_not_one_number(tiny_sd3: 
     state["optimizer"]["state"][0]["step"] = torch.tensor([1.0, 1.0])
     with pytest.raises(ValueError, match="the optimizer state of parameter 0 does not fit this run's LoRA"):
         trainer.check_state_dict(state)
+
+
+def test_check_state_dict_refuses_another_count_of_parameter_groups(tiny_sd3: object) -> None:
+    """An optimizer state with more AdamW parameter groups than this run's is refused, naming both counts."""
+    trainer = _trainer(tiny_sd3)
+    state = trainer.state_dict()
+    groups = state["optimizer"]["param_groups"]
+    groups.append({**groups[0], "params": []})
+    with pytest.raises(ValueError, match="the optimizer state has 2 parameter groups; this run has 1"):
+        trainer.check_state_dict(state)
+
+
+def test_a_reward_component_is_logged_as_the_mean_over_the_samples_it_applies_to(tiny_sd3: object) -> None:
+    """reward/<name> is the nan-mean of the component: samples where the reward does not apply (NaN) are left out."""
+    from flowrl.rewards.combine import MultiReward
+
+    def partial(images: torch.Tensor, prompts: list[str], **_: object) -> torch.Tensor:
+        return torch.where(torch.arange(images.shape[0]) % 2 == 0, float("nan"), 0.25)
+
+    def ink(images: torch.Tensor, prompts: list[str], **_: object) -> torch.Tensor:
+        return images.mean(dim=(1, 2, 3))
+
+    partial.allows_nan = True  # type: ignore[attr-defined]
+    cfg = load_config(None, FAST)
+    prompts = load_prompts("digits-styles")
+    reward = MultiReward({"partial": (partial, 1.0), "ink": (ink, 1.0)})
+    trainer = Trainer(cfg, build_policy(cfg, model=tiny_sd3, trainable=True), reward, prompts, prompts[:2])
+    metrics = trainer.train_step()
+    assert metrics["reward/partial"] == 0.25

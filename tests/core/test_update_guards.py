@@ -349,3 +349,12 @@ def test_an_iteration_with_every_group_dropped_is_not_a_skipped_update(tiny_sd3:
     trainer = _trainer(tiny_sd3, MultiReward({"constant": (constant, 1.0)}))
     metrics = trainer.train_step()
     assert metrics["train/skipped_updates"] == 0.0 and metrics["guard/skipped_total"] == 0.0
+
+
+def test_a_dropped_optimizer_step_leaves_no_gradients_behind(tiny_sd3: object) -> None:
+    """Every step undone (exploding lr): the LoRA parameters hold no gradient after the iteration (set to None)."""
+    trainer = _trainer(tiny_sd3, None, "train.max_skipped_updates=2")
+    trainer.optimizer.param_groups[0]["lr"] = 1e10  # every step writes |w| ~ 1e10 -> undone
+    metrics = trainer.train_step()
+    assert metrics["train/skipped_updates"] == 1.0
+    assert all(p.grad is None for p in trainer.params)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from solrl_setup import small_config, small_trainer
 
+from flowrl.config import load_config
 from flowrl.objectives.base import Microbatch
 from flowrl.objectives.flow_grpo import clipped_policy_loss
 from flowrl.solrl.correction import ImportanceWeighted, truncated_importance_weights
@@ -92,3 +93,23 @@ def test_weight_metrics_cover_the_stochastic_steps_only():
     assert bool((weights[:, ~stochastic] == 1).all()) and bool((weights[:, stochastic] != 1).any())
     assert float(info["solrl/is_weight_mean"]) == pytest.approx(float(weights[:, stochastic].mean()), rel=1e-6)
     assert float(info["solrl/is_weight_min"]) == pytest.approx(float(weights[:, stochastic].min()), rel=1e-6)
+
+
+def test_only_correct_mode_wraps_the_objective_so_regenerate_keeps_its_training_noise_estimate() -> None:
+    """build_objective wraps only under solrl.mode=correct: regenerate's DiffusionNFT keeps its estimated noise."""
+    from flowrl.memory_estimate import estimate_memory
+    from flowrl.models.digits.model import DIGITS_DIR
+    from flowrl.models.geometry import read_geometry
+    from flowrl.objectives import DiffusionNFT
+    from flowrl.trainer import build_objective
+
+    geometry = read_geometry(DIGITS_DIR, None)
+
+    def noise_parts(*overrides: str) -> list[tuple[str, float]]:
+        cfg = load_config("configs/solrl/digits.yaml", list(overrides))
+        parts = estimate_memory(cfg, geometry).parts
+        return [(p.name, p.nbytes) for p in parts if p.name.startswith("training noise")]
+
+    regenerate = load_config("configs/solrl/digits.yaml", ["solrl.mode=regenerate"])
+    assert type(build_objective(regenerate)) is DiffusionNFT
+    assert noise_parts("solrl.mode=regenerate") == noise_parts("solrl.mode=off") != []

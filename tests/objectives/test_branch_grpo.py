@@ -329,3 +329,21 @@ def test_the_configured_split_noise_scale_reaches_the_trees() -> None:
     batch, _ = trainer.collect()
     scales = batch.tree.rollout.noise_scales.tolist()
     assert scales == [4.0 if t in splits else 1.0 for t in range(len(scales))] and splits
+
+
+def test_zero_std_groups_counts_the_trees_whose_every_leaf_advantage_is_zero() -> None:
+    """A tree of tied leaves counts; a tree where only the leaves at its mean reward have advantage 0 does not."""
+    from flowrl.rewards.combine import MultiReward
+
+    trainer = _trainer(
+        "sampler.num_steps=3", "sampler.tree.split_steps=[0, 1]", "prompts.group_size=4", "prompts.per_iteration=2"
+    )
+
+    def tied(images: torch.Tensor, prompts: list[str], **_: object) -> torch.Tensor:
+        assert images.shape[0] == 8  # both trees' 4 leaves in one scored chunk
+        return torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0])  # tree 0 tied; tree 1 mean 1
+
+    trainer.reward = MultiReward({"tied": (tied, 1.0)})
+    batch, info = trainer.collect()
+    assert batch.tree.advantages[-1].eq(0).tolist() == [True] * 4 + [False, True, True, False]
+    assert float(info["zero_std_groups"]) == 1.0

@@ -148,3 +148,15 @@ def test_wandb_offline_receives_the_rows_and_images(pipeline, tmp_path, monkeypa
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), sorted(p.name for p in (out / "wandb").iterdir())
     assert wandb.run is None  # the run was finished when training ended
+
+
+def test_the_first_stop_guard_to_trip_names_why_the_run_stopped(pipeline: Path, tmp_path: Path) -> None:
+    """Two stop-guards trip at the same evaluation: summary guards.stopped names the first in config order."""
+    out = tmp_path / "run"
+    twin = [f"guards.bright_twin.{k}" for k in ("reward=ink", "target=bold", "tolerance=0.005", "on_trip=stop")]
+    extra = [*HACKING, "guards.bright.on_trip=stop", *twin, "train.iterations=6", "output.image_every=0"]
+    assert _train(pipeline, out, *extra) == 0
+    guards = _summary(out)["guards"]
+    trips = [(t["name"], t["iteration"]) for t in guards["trips"]]
+    assert trips[:2] == [("bright", trips[0][1]), ("bright_twin", trips[0][1])]  # both at one evaluation
+    assert guards["stopped"].startswith("guard 'bright' fell from its best")

@@ -297,3 +297,133 @@ def test_a_start_folder_that_does_not_exist_is_refused(tmp_path) -> None:
     """flowrl demo with a folder that does not exist refuses it with one line instead of serving no runs."""
     with pytest.raises(FileNotFoundError, match="missing is not a folder; pass run folders"):
         RunRegistry([tmp_path / "missing"])
+
+
+def test_the_curves_tab_reads_each_runs_metrics_under_its_label(state, runs) -> None:
+    """run_rows: every run's metrics.jsonl rows under the run's label (the final LoRA's), bases have none."""
+    from flowrl.demo.plots import read_rows
+
+    rows = state.run_rows()
+    assert list(rows) == ["run-a", "run-b"]
+    assert rows["run-a"] == read_rows(runs / "run-a") and rows["run-b"] == read_rows(runs / "run-b")
+    assert [r["reward_mean"] for r in rows["run-b"]] == pytest.approx([0.7, 0.72, 0.74, 0.76])
+
+
+def test_progress_reports_each_checkpoint_bases_first_then_scoring(state) -> None:
+    """The page's progress gets (done, total) and 'sampling <label>' per checkpoint, bases first, then 'scoring'."""
+    calls = []
+
+    def progress(pair: tuple[int, int], desc: str | None = None) -> None:
+        calls.append((pair, desc))
+
+    state.compare("a bold handwritten 3", "0", "ode", 2, 1.0, 0.7, ["run-a", "base"], None, progress=progress)
+    assert calls == [((0, 2), "sampling base"), ((1, 2), "sampling run-a"), ((2, 2), "scoring")]
+
+
+def test_gallery_items_are_checkpoint_rows_of_each_seeds_upscaled_sample_and_caption(state) -> None:
+    """gallery_items: (checkpoint, seed) row-major; item k is that seed's own sample at IMAGE_SIZE with its caption."""
+    import numpy as np
+
+    from flowrl.demo.app import IMAGE_SIZE
+    from flowrl.demo.generation import caption
+    from flowrl.demo.plots import to_pil, upscale
+
+    comparison = state.compare("a bold handwritten 3", "5, 2", "ode", 2, 1.0, 0.7, ["base", "run-a"], None)
+    items = state.gallery_items(comparison)
+    assert len(items) == 4
+    for k, (image, text) in enumerate(items):
+        label, i = comparison.labels[k // 2], k % 2
+        assert image.size == (IMAGE_SIZE, IMAGE_SIZE)
+        expected = to_pil(upscale(comparison.images[label][i : i + 1], IMAGE_SIZE)[0])
+        assert np.array_equal(np.asarray(image), np.asarray(expected)), k
+        assert text == caption(comparison, label, i) and text.startswith(f"{label} · seed {(5, 2)[i]} · total ")
+    assert not np.array_equal(np.asarray(items[0][0]), np.asarray(items[1][0]))  # seeds 5 and 2 differ
+
+
+def test_caption_gives_the_seed_then_each_score_to_three_places_or_n_a() -> None:
+    """caption: 'label · seed s · name value...' in the scores' order, 3 decimals, 'n/a' for a NaN score."""
+    from flowrl.demo.generation import Comparison, caption
+
+    scores = {"run": {"total": torch.tensor([0.5124, float("nan")]), "ink": torch.tensor([0.25, 1.0])}}
+    comparison = Comparison(["run"], {"run": torch.zeros(2, 3, 4, 4)}, scores, [], (7, 9), [])
+    assert caption(comparison, "run", 0) == "run · seed 7 · total 0.512 · ink 0.250"
+    assert caption(comparison, "run", 1) == "run · seed 9 · total n/a · ink 1.000"
+
+
+def test_status_counts_checkpoints_and_seeds_and_lists_unscored_rewards() -> None:
+    """The status line: N checkpoints × S seeds, the seconds to one decimal, one line per reward not scored."""
+    from flowrl.demo.app import _status
+    from flowrl.demo.generation import Comparison
+
+    comparison = Comparison(["base", "a", "b"], {}, {}, [], (0, 1), ["digit_correctness: no digit in the prompt"])
+    assert _status(comparison, 1.26).splitlines() == [
+        "**3 checkpoints × 2 seeds** in 1.3 s; each row of images is one checkpoint, the same seeds in every row.",
+        "- reward not scored: digit_correctness: no digit in the prompt",
+    ]
+
+
+def test_the_frame_strip_shows_each_checkpoints_first_seed() -> None:
+    """_first_seed: the first seed's clip of every checkpoint, in the comparison's order (a strip row each)."""
+    from flowrl.demo.app import _first_seed
+    from flowrl.demo.generation import Comparison
+
+    gen = torch.Generator().manual_seed(0)
+    clips = {label: torch.rand(2, 3, 3, 4, 4, generator=gen) for label in ("base", "run")}
+    comparison = Comparison(["run", "base"], clips, {}, [], (0, 1), [])
+    assert comparison.is_video
+    assert torch.equal(_first_seed(comparison), torch.stack([clips["run"][0], clips["base"][0]]))
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536])
+def test_a_port_outside_1_to_65535_is_refused(port: int) -> None:
+    """check_port refuses 0, negatives and 65536 and accepts both ends, 1 and 65535, and no port at all."""
+    from flowrl.demo.app import check_port
+
+    with pytest.raises(ValueError, match=f"--port {port} is not a TCP port"):
+        check_port(port)
+    for ok in (1, 65535, None):
+        check_port(ok)
+
+
+def test_the_generate_handler_fills_grid_table_status_and_turns_bad_input_into_a_page_error(runs, state) -> None:
+    """on_generate: a gallery with one column per seed, a table row per checkpoint, the status, no strip for
+    images; a bad input becomes a gr.Error with its first line."""
+    import gradio as gr
+
+    app = build_app(RunRegistry([runs]), state.bank)
+    on_generate = next(f.fn for f in app.fns.values() if f.name == "on_generate")
+    grid, table, status, strip = on_generate("a bold handwritten 3", "0-2", "ode", 2, 1.0, 0.7, ["base", "run-a"], None)
+    assert isinstance(grid, gr.Gallery) and grid.columns == 3
+    assert list(table.iloc[:, 0]) == ["base", "run-a"]
+    assert status.startswith("**2 checkpoints × 3 seeds** in ")
+    assert isinstance(strip, gr.Image) and strip.visible is False
+    with pytest.raises(gr.Error, match="steps must be an integer between 1 and"):
+        on_generate("a bold handwritten 3", "0", "ode", 0, 1.0, 0.7, ["base"], None)
+
+
+def test_the_total_comes_first_and_is_the_weighted_sum_of_the_runs_rewards(state) -> None:
+    """scores: 'total' first (captions lead with it), equal to ink + 0.1 * jpeg_compressibility (the run's weights)."""
+    comparison = state.compare(*FORM, ["run-a"], None)
+    scores = comparison.scores["run-a"]
+    assert list(scores) == ["total", "ink", "jpeg_compressibility"]
+    expected = scores["ink"] + 0.1 * scores["jpeg_compressibility"]
+    torch.testing.assert_close(scores["total"], expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(scores["total"], scores["ink"] + scores["jpeg_compressibility"])
+
+
+def test_guidance_and_noise_level_reach_the_sampler(state, runs) -> None:
+    """The form's guidance is the true-CFG scale `flowrl sample` would use; the SDE noise level changes the samples."""
+    from flowrl.policy import build_policy
+    from flowrl.rollouts.chunked import sample_images
+
+    guided = state.compare(FORM[0], "0, 1", "ode", 4, 3.0, 0.7, ["run-a"], None).images["run-a"]
+    cfg = read_run_config(runs / "run-a")
+    cfg.sampler.guidance_scale = 3.0
+    policy = build_policy(cfg, lora=runs / "run-a")
+    with torch.no_grad():
+        expected = sample_images(policy.model, [FORM[0]] * 2, [0, 1], policy.sigmas(4), resolution=policy.resolution)
+    torch.testing.assert_close(guided, expected, atol=1e-5, rtol=0)
+    plain = state.compare(FORM[0], "0, 1", "ode", 4, 1.0, 0.7, ["run-a"], None).images["run-a"]
+    assert not torch.allclose(guided, plain, atol=1e-3)
+    low, high = (state.compare(FORM[0], "3", "flow", 4, 1.0, a, ["run-a"], None).images["run-a"] for a in (0.2, 0.7))
+    assert not torch.allclose(low, high, atol=1e-3)

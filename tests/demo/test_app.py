@@ -427,3 +427,27 @@ def test_guidance_and_noise_level_reach_the_sampler(state, runs) -> None:
     assert not torch.allclose(guided, plain, atol=1e-3)
     low, high = (state.compare(FORM[0], "3", "flow", 4, 1.0, a, ["run-a"], None).images["run-a"] for a in (0.2, 0.7))
     assert not torch.allclose(low, high, atol=1e-3)
+
+
+def test_each_checkpoints_table_row_scores_its_seeds_as_one_prompt_with_the_runs_guards(state) -> None:
+    """figures: the seeds are one prompt's samples (diversity over them), rewards and guards without 'total'."""
+    from flowrl.evaluation.metrics import mean_ci, prompt_diversity
+
+    comparison = state.compare(*FORM, ["base", "run-a"], None)
+    for figures in comparison.figures:
+        images, scores = comparison.images[figures.label], comparison.scores[figures.label]
+        assert figures.samples == 3 and set(figures.rewards) == {"ink", "jpeg_compressibility"}
+        assert set(figures.guards) == {"jpeg_incompressibility"}  # run-a's guard, its total left out
+        assert figures.total.mean == pytest.approx(float(scores["total"].mean()), abs=1e-6)
+        assert figures.rewards["ink"].mean == pytest.approx(float(scores["ink"].mean()), abs=1e-6)
+        diversity = mean_ci(prompt_diversity(images, torch.zeros(3, dtype=torch.long)))
+        assert figures.diversity is not None and figures.diversity.n == 1
+        assert figures.diversity.mean == pytest.approx(diversity.mean, abs=1e-6)
+
+
+def test_a_reward_failing_on_every_checkpoint_is_reported_once(state) -> None:
+    """errors: a reward that cannot read the prompt fails for each checkpoint but is listed once."""
+    comparison = state.compare(
+        "a bold handwritten digit", "0", "ode", 2, 1.0, 0.7, ["base", "run-a"], ["ink", "digit_correctness"]
+    )
+    assert len(comparison.errors) == 1 and comparison.errors[0].startswith("digit_correctness: ")

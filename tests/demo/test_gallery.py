@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-from run_folders import make_run, make_wan_run
+from run_folders import make_run, make_wan_run, write_metrics
 
 from flowrl.cli import main
 from flowrl.comparison.checkpoints import CheckpointBank
@@ -66,3 +67,76 @@ def test_gallery_command_passes_its_options_and_an_empty_benchmarks_list_means_n
     direct = build_gallery([run], tmp_path / "direct", benchmarks=[], seeds=1, prompts=2, steps=2)
     for path in direct:
         assert (tmp_path / "cli" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_before_after_is_base_left_and_aligned_right_on_the_first_eval_prompts_and_gallery_seeds(tmp_path) -> None:
+    """before_after: prompt rows x seed columns (seeds 4_000_000 + j), base | aligned, 64 px tiles, run-set steps."""
+    from flowrl.comparison.checkpoints import base_checkpoint, run_checkpoints
+    from flowrl.comparison.evaluate import sample_checkpoint
+    from flowrl.demo.gallery import GALLERY_SEED_BASE, before_after
+    from flowrl.demo.plots import to_pil
+    from flowrl.prompts.sets import load_prompts
+
+    run = make_run(tmp_path / "digits", seed=1)
+    bank = CheckpointBank()
+    (path,) = before_after(bank, run, tmp_path / "g", seeds=2, prompts=2, steps=2)
+    assert path.name == "digits-before-after.png"
+    final = run_checkpoints(run)[0]
+    texts = [p.text for p in load_prompts(bank.config(final).prompts.eval, split="test")[:2] for _ in range(2)]
+    seeds = [GALLERY_SEED_BASE + j for _ in range(2) for j in range(2)]
+    before = sample_checkpoint(bank, base_checkpoint(final.model_path, run), texts, seeds, 2)
+    after = sample_checkpoint(bank, final, texts, seeds, 2)
+    grid = np.asarray(Image.open(path))
+    tile, side = 65, 2 * 65 + 1  # 8x8 samples at 8x, one pixel of padding; two seeds per row, 6 px between halves
+    assert grid.shape == (side, 2 * side + 6, 3)
+    for half, samples in ((0, before), (side + 6, after)):
+        for i in range(4):
+            r, j = divmod(i, 2)
+            cell = grid[1 + r * tile : 1 + r * tile + 64 : 8, half + 1 + j * tile : half + 1 + j * tile + 64 : 8]
+            assert np.array_equal(cell, np.asarray(to_pil(samples[i]))), (half, i)
+
+
+def test_the_reward_curve_plots_train_and_eval_reward_titled_with_the_run(tmp_path) -> None:
+    """reward_curve: the curves figure of reward_mean and eval/reward_mean for the run, under its name."""
+    from flowrl.demo.gallery import reward_curve
+    from flowrl.demo.plots import REWARD_KEYS, curves_figure, read_rows, save_figure
+
+    run = tmp_path / "runx"
+    write_metrics(run, [0.5, 0.6, 0.55])
+    path = reward_curve(run, tmp_path / "out")
+    assert path == tmp_path / "out" / "runx-reward-curve.png"
+    expected = save_figure(curves_figure({"runx": read_rows(run)}, REWARD_KEYS, title="runx"), tmp_path / "e.png")
+    assert path.read_bytes() == expected.read_bytes()
+
+
+def test_benchmark_files_choose_compute_or_nfe_and_reader_or_wall_time(tmp_path) -> None:
+    """algorithm_comparison: compute on some points only -> NFE axis (no compute needed); reader on every point ->
+    no wall time needed; the image is named after the file without 'benchmarks-'."""
+    from flowrl.demo.gallery import algorithm_comparison
+
+    mixed = {
+        "a": [
+            {"eval/reward_mean": 0.5, "nfe": 10, "compute": 30, "wall_s": 1.0},
+            {"eval/reward_mean": 0.6, "nfe": 20, "wall_s": 2.0},
+        ]
+    }
+    read = {
+        "a": [{"eval/reward_mean": 0.5, "compute": 30, "reader": 0.8}],
+        "b": [{"eval/reward_mean": 0.4, "compute": 60, "reader": 0.7}],
+    }
+    for name, results in (("benchmarks-mixed.json", mixed), ("benchmarks-read.json", read)):
+        (tmp_path / name).write_text(json.dumps(results))
+        path = algorithm_comparison(tmp_path / name, tmp_path / "out")
+        assert path == tmp_path / "out" / f"algorithms-{name.removeprefix('benchmarks-').removesuffix('.json')}.png"
+        assert path.is_file()
+    no_wall = {"a": [{"eval/reward_mean": 0.5, "compute": 30, "reader": 0.8}, {"eval/reward_mean": 0.5, "compute": 40}]}
+    (tmp_path / "partial.json").write_text(json.dumps(no_wall))
+    with pytest.raises(ValueError, match="every point needs eval/reward_mean, compute, wall_s"):
+        algorithm_comparison(tmp_path / "partial.json", tmp_path / "out")
+
+
+@pytest.mark.parametrize(("option", "flag"), [("seeds", "--seeds"), ("prompts", "--prompts")])
+def test_a_count_below_one_is_refused(tmp_path, option: str, flag: str) -> None:
+    """build_gallery refuses --seeds 0 and --prompts 0 with the flag's name, before loading anything."""
+    with pytest.raises(ValueError, match=f"{flag} must be >= 1; got 0"):
+        build_gallery([tmp_path / "no-run"], tmp_path / "g", **{option: 0})

@@ -451,3 +451,18 @@ def test_a_reward_failing_on_every_checkpoint_is_reported_once(state) -> None:
         "a bold handwritten digit", "0", "ode", 2, 1.0, 0.7, ["base", "run-a"], ["ink", "digit_correctness"]
     )
     assert len(comparison.errors) == 1 and comparison.errors[0].startswith("digit_correctness: ")
+
+
+def test_the_add_run_handler_offers_a_new_run_and_turns_a_refused_path_into_a_page_error(state, tmp_path) -> None:
+    """on_add: a run written under the start folder after launch joins the checkbox choices; an outside path is a
+    gr.Error with its first line."""
+    import gradio as gr
+
+    app = build_app(RunRegistry([tmp_path]), state.bank)
+    on_add = next(f.fn for f in app.fns.values() if f.name == "on_add")
+    with pytest.raises(gr.Error, match="outside the folders this demo was started with"):
+        on_add("/etc")
+    make_run(tmp_path / "late", seed=4)
+    choices = on_add(str(tmp_path / "late"))
+    assert isinstance(choices, gr.CheckboxGroup)
+    assert [value for _, value in choices.choices] == ["base", "late"]

@@ -466,3 +466,16 @@ def test_the_add_run_handler_offers_a_new_run_and_turns_a_refused_path_into_a_pa
     choices = on_add(str(tmp_path / "late"))
     assert isinstance(choices, gr.CheckboxGroup)
     assert [value for _, value in choices.choices] == ["base", "late"]
+
+
+def test_the_runs_rewards_are_the_default_scoring_set(runs, state) -> None:
+    """reward_names: every reward the runs configure, in order, is the 'score with' default; no run: the default's."""
+    from flowrl.config import Config
+    from flowrl.demo.generation import reward_names
+
+    registry = RunRegistry([runs])
+    assert reward_names(list(registry.checkpoints.values())) == ["ink", "jpeg_compressibility"]
+    assert reward_names([]) == list(Config().rewards)
+    app = build_app(registry, state.bank)
+    (scored,) = [b for b in app.blocks.values() if getattr(b, "elem_id", None) == "rewards"]
+    assert scored.value == ["ink", "jpeg_compressibility"]

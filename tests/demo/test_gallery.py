@@ -70,19 +70,24 @@ def test_gallery_command_passes_its_options_and_an_empty_benchmarks_list_means_n
 
 
 def test_before_after_is_base_left_and_aligned_right_on_the_first_eval_prompts_and_gallery_seeds(tmp_path) -> None:
-    """before_after: prompt rows x seed columns (seeds 4_000_000 + j), base | aligned, 64 px tiles, run-set steps."""
+    """before_after: first test-split prompts in rows x seeds 4_000_000 + j in columns, base | aligned, 64 px tiles."""
     from flowrl.comparison.checkpoints import base_checkpoint, run_checkpoints
     from flowrl.comparison.evaluate import sample_checkpoint
     from flowrl.demo.gallery import GALLERY_SEED_BASE, before_after
     from flowrl.demo.plots import to_pil
     from flowrl.prompts.sets import load_prompts
 
-    run = make_run(tmp_path / "digits", seed=1)
+    data = tmp_path / "eval-set"  # a dataset folder: the gallery draws from its test split
+    data.mkdir()
+    (data / "train.txt").write_text("a bold handwritten 7\na thin handwritten 1\n")
+    (data / "test.txt").write_text("a bold handwritten 2\na thin handwritten 6\na bold handwritten 9\n")
+    run = make_run(tmp_path / "digits", seed=1, overrides=[f"prompts.eval={data}"])
     bank = CheckpointBank()
     (path,) = before_after(bank, run, tmp_path / "g", seeds=2, prompts=2, steps=2)
     assert path.name == "digits-before-after.png"
     final = run_checkpoints(run)[0]
     texts = [p.text for p in load_prompts(bank.config(final).prompts.eval, split="test")[:2] for _ in range(2)]
+    assert texts == ["a bold handwritten 2"] * 2 + ["a thin handwritten 6"] * 2
     seeds = [GALLERY_SEED_BASE + j for _ in range(2) for j in range(2)]
     before = sample_checkpoint(bank, base_checkpoint(final.model_path, run), texts, seeds, 2)
     after = sample_checkpoint(bank, final, texts, seeds, 2)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import yaml
 from run_folders import make_run
 
 from flowrl.comparison.checkpoints import CheckpointBank, read_run_config
@@ -479,3 +480,18 @@ def test_the_runs_rewards_are_the_default_scoring_set(runs, state) -> None:
     app = build_app(registry, state.bank)
     (scored,) = [b for b in app.blocks.values() if getattr(b, "elem_id", None) == "rewards"]
     assert scored.value == ["ink", "jpeg_compressibility"]
+
+
+@pytest.mark.slow
+def test_a_video_run_samples_its_configured_frame_count(tmp_path) -> None:
+    """A run whose config sets model.num_frames (9) samples clips of that length, not the model card's default (5)."""
+    from run_folders import make_wan_run
+
+    run = make_wan_run(tmp_path / "runs" / "wan", tmp_path / "wan-model")
+    cfg_file = run / "config.yaml"
+    data = yaml.safe_load(cfg_file.read_text())
+    data["model"]["num_frames"] = 9
+    cfg_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    state = DemoState(RunRegistry([tmp_path / "runs"]), CheckpointBank())
+    comparison = state.compare("a red fox running", "0", "ode", 2, 1.0, 0.7, ["wan"], ["temporal_consistency"])
+    assert comparison.images["wan"].shape == (1, 9, 3, 16, 16)

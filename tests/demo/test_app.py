@@ -495,3 +495,25 @@ def test_a_video_run_samples_its_configured_frame_count(tmp_path) -> None:
     state = DemoState(RunRegistry([tmp_path / "runs"]), CheckpointBank())
     comparison = state.compare("a red fox running", "0", "ode", 2, 1.0, 0.7, ["wan"], ["temporal_consistency"])
     assert comparison.images["wan"].shape == (1, 9, 3, 16, 16)
+
+
+def test_launch_without_blocking_serves_on_the_asked_host_and_port_and_returns_its_url() -> None:
+    """launch(block=False): the app serves on host:port through the queue and the call returns the local URL."""
+    import socket
+
+    import gradio as gr
+
+    from flowrl.demo.app import launch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with gr.Blocks() as app:
+        gr.Markdown("x")
+    url = launch(app, host="127.0.0.1", port=port, block=False)
+    try:
+        assert url.rstrip("/") == f"http://127.0.0.1:{port}" and app.is_running
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        app.close()
+    assert not app.is_running

@@ -500,6 +500,7 @@ def test_a_video_run_samples_its_configured_frame_count(tmp_path) -> None:
 def test_launch_without_blocking_serves_on_the_asked_host_and_port_and_returns_its_url() -> None:
     """launch(block=False): the app serves on host:port through the queue and the call returns the local URL."""
     import socket
+    import threading
 
     import gradio as gr
 
@@ -510,8 +511,14 @@ def test_launch_without_blocking_serves_on_the_asked_host_and_port_and_returns_i
         port = probe.getsockname()[1]
     with gr.Blocks() as app:
         gr.Markdown("x")
-    url = launch(app, host="127.0.0.1", port=port, block=False)
+    result: list[str] = []
+    caller = threading.Thread(target=lambda: result.append(launch(app, host="127.0.0.1", port=port, block=False)))
+    caller.daemon = True
+    caller.start()
+    caller.join(timeout=120)  # bounds only a failure: a launch that blocks would hang the suite
     try:
+        assert not caller.is_alive(), "launch(block=False) did not return: it blocked the caller"
+        url = result[0]
         assert url.rstrip("/") == f"http://127.0.0.1:{port}" and app.is_running
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:

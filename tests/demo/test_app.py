@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import yaml
-from run_folders import make_run
+from run_folders import free_port, make_run
 
 from flowrl.comparison.checkpoints import CheckpointBank, read_run_config
 from flowrl.demo.app import DemoState, build_app
@@ -28,6 +28,11 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def state(runs):
     return DemoState(RunRegistry([runs]), CheckpointBank())
+
+
+def handler(app: object, name: str) -> object:
+    """The function behind the app's event listener ``name`` (e.g. ``on_generate``), to call in-process."""
+    return next(f.fn for f in app.fns.values() if f.name == name)
 
 
 def test_the_app_builds_without_launching(runs):
@@ -257,9 +262,7 @@ def test_a_demo_started_in_the_background_stops_on_sigint(tmp_path):
     import sys
     import time
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     demo = subprocess.Popen(
         [sys.executable, "-m", "flowrl", "demo", str(tmp_path), "--port", str(port)],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"},
@@ -392,7 +395,7 @@ def test_the_generate_handler_fills_grid_table_status_and_turns_bad_input_into_a
     import gradio as gr
 
     app = build_app(RunRegistry([runs]), state.bank)
-    on_generate = next(f.fn for f in app.fns.values() if f.name == "on_generate")
+    on_generate = handler(app, "on_generate")
     grid, table, status, strip = on_generate("a bold handwritten 3", "0-2", "ode", 2, 1.0, 0.7, ["base", "run-a"], None)
     assert isinstance(grid, gr.Gallery) and grid.columns == 3
     assert list(table.iloc[:, 0]) == ["base", "run-a"]
@@ -460,7 +463,7 @@ def test_the_add_run_handler_offers_a_new_run_and_turns_a_refused_path_into_a_pa
     import gradio as gr
 
     app = build_app(RunRegistry([tmp_path]), state.bank)
-    on_add = next(f.fn for f in app.fns.values() if f.name == "on_add")
+    on_add = handler(app, "on_add")
     with pytest.raises(gr.Error, match="outside the folders this demo was started with"):
         on_add("/etc")
     make_run(tmp_path / "late", seed=4)
@@ -506,9 +509,7 @@ def test_launch_without_blocking_serves_on_the_asked_host_and_port_and_returns_i
 
     from flowrl.demo.app import launch
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with gr.Blocks() as app:
         gr.Markdown("x")
     result: list[str] = []

@@ -9,11 +9,10 @@ must show a visible error message while the app keeps serving. The screenshot is
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
-from run_folders import make_run
+from run_folders import free_port, make_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -39,12 +38,6 @@ pytestmark = [
         "(and pip install -e '.[dev,demo]' for playwright + gradio)",
     ),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,21 @@ def require_deepspeed() -> Any:
     return deepspeed
 
 
+def skip_inference_comm_build(deepspeed: Any) -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce on CPU, which flowrl's training never calls.
+
+    DeepSpeed's torch backend JIT-builds the ``deepspeed_shm_comm`` extension when it starts
+    (``deepspeed.comm.torch.build_shm_op``, once per ``TORCH_EXTENSIONS_DIR``), but only its
+    inference all-reduce (tensor-parallel inference layers) uses it; ZeRO's collectives go through
+    the gloo process group. The build cost a first two-process ZeRO-2 run 33 s of its 51 s here
+    (docs/scale-out.md). Marking the op incompatible is the check ``build_shm_op`` itself reads.
+
+    Args:
+        deepspeed: the imported ``deepspeed`` module (:func:`require_deepspeed`).
+    """
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config of a flowrl run: ``base`` (a launcher's, or empty) with flowrl's own settings.
 
@@ -169,6 +184,7 @@ class ZeroEngine:
             plugin.deepspeed_config.update(config)
             engine, _ = collective.accelerator.prepare(transformer, optimizer)
         else:  # CPU processes on gloo: the process group accelerate already set up
+            skip_inference_comm_build(deepspeed)
             engine, *_ = deepspeed.initialize(
                 model=transformer, optimizer=optimizer, config=zero_config(stage, max_grad_norm),
                 dist_init_required=False,

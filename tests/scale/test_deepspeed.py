@@ -34,7 +34,8 @@ HOLDS = re.compile(r"(zero[123]): rank (\d) of 2 holds (\d+) of (\d+) denoiser p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OBJECTIVES))
-def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
+def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # what DeepSpeed JIT-builds lands here
     args = [*OBJECTIVES[case], *TINY]
     one = train_one(args, tmp_path / "one")
     assert one.returncode == 0, one.stderr[-3000:]
@@ -46,6 +47,8 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path):
         gaps = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
         assert float(gaps.quantile(0.999)) <= BULK, f"{stage}: over 0.1 % of the LoRA weights differ by > {BULK:g}"
         assert_same_metrics(tmp_path / "one", tmp_path / stage, two.stdout)
+    built = sorted(p.name for p in (tmp_path / "extensions").rglob("*") if p.is_file())
+    assert built == [], f"DeepSpeed compiled {built} for a ZeRO training run (flowrl.zero.skip_inference_comm_build)"
 
 
 @pytest.mark.slow
@@ -192,3 +195,25 @@ def test_a_module_is_partitioned_when_any_parameter_is_a_zero3_partition() -> No
         pass
     module[0].weight.ds_id = 0
     assert is_partitioned(module)
+
+
+def test_deepspeed_skips_its_shared_memory_all_reduce_build_when_flowrl_marks_it(monkeypatch) -> None:
+    """The op flowrl marks is the CPU shared-memory comm builder's, and the mark is what DeepSpeed's backend reads.
+
+    Without the mark, ``build_shm_op`` JIT-compiles the extension (33 s of a first 51 s ZeRO-2 run here); the
+    two-process test above checks that no ZeRO run builds anything.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from flowrl.zero import skip_inference_comm_build
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("DeepSpeed's accelerator here is not the CPU one")
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    assert builder is not None and builder.NAME == "deepspeed_shm_comm"
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)  # restored after the test
+    skip_inference_comm_build(deepspeed)
+    assert deepspeed.ops.__compatible_ops__[builder.NAME] is False
+    assert build_shm_op() is None

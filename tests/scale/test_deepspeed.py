@@ -32,6 +32,17 @@ WORST, BULK = 1e-5, 1e-6
 HOLDS = re.compile(r"(zero[123]): rank (\d) of 2 holds (\d+) of (\d+) denoiser parameters")
 
 
+def assert_partitioned_as_the_stage_says(stage: str, stderr: str) -> None:
+    """Each rank's printed share: the whole denoiser under ZeRO-1/2, half of every parameter under ZeRO-3."""
+    holds = {int(m[2]): (int(m[3]), int(m[4])) for m in HOLDS.finditer(stderr) if m[1] == stage}
+    assert sorted(holds) == [0, 1], stderr[-3000:]
+    (l0, full), (l1, _) = holds[0], holds[1]
+    if stage != "zero3":  # the whole denoiser on every rank (only the LoRA's optimizer state is partitioned)
+        assert l0 == l1 == full
+    else:  # every parameter partitioned, the frozen base and the objective's frozen adapters included
+        assert l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OBJECTIVES))
 def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, monkeypatch):
@@ -47,6 +58,8 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, monkeypat
         gaps = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
         assert float(gaps.quantile(0.999)) <= BULK, f"{stage}: over 0.1 % of the LoRA weights differ by > {BULK:g}"
         assert_same_metrics(tmp_path / "one", tmp_path / stage, two.stdout)
+        assert_partitioned_as_the_stage_says(stage, two.stderr)
+    assert_diffusers_loads_lora(tmp_path / "zero3" / "lora")
     built = sorted(p.name for p in (tmp_path / "extensions").rglob("*") if p.is_file())
     assert built == [], f"DeepSpeed compiled {built} for a ZeRO training run (flowrl.zero.skip_inference_comm_build)"
 
@@ -62,23 +75,6 @@ def test_a_bad_step_is_undone_exactly(stage):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"zero{stage}: bad steps undone" in result.stdout
-
-
-@pytest.mark.slow
-def test_zero3_partitions_the_denoiser_and_the_lora_loads_with_diffusers(tmp_path):
-    args = [*OBJECTIVES["flow_grpo"], *TINY]
-    runs = {stage: train_two([*args, f"train.sharding={stage}"], tmp_path / stage) for stage in STAGES}
-    for stage, run in runs.items():
-        assert run.returncode == 0, run.stderr[-3000:]
-        holds = {int(m[2]): (int(m[3]), int(m[4])) for m in HOLDS.finditer(run.stderr) if m[1] == stage}
-        assert sorted(holds) == [0, 1], run.stderr[-3000:]
-        (l0, full), (l1, _) = holds[0], holds[1]
-        if stage != "zero3":  # the whole denoiser on every rank (only the LoRA's optimizer state is partitioned)
-            assert l0 == l1 == full
-        else:  # every parameter partitioned, the frozen base included
-            assert l0 + l1 == full and abs(l0 - full / 2) <= 0.01 * full
-
-    assert_diffusers_loads_lora(tmp_path / "zero3" / "lora")
 
 
 @pytest.mark.slow

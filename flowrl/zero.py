@@ -171,7 +171,7 @@ class ZeroEngine:
         Args:
             transformer: the denoiser with every adapter the objective attached.
             optimizer: torch AdamW over the trainable LoRA parameters.
-            stage: ZeRO stage, 2 or 3.
+            stage: ZeRO stage, 1, 2 or 3.
             max_grad_norm: ``optim.max_grad_norm``.
             collective: the launch (several processes).
         """

@@ -22,6 +22,7 @@ References:
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -412,6 +413,10 @@ def join_launch(timeout_s: float | None = None) -> Collective:
     """
     if launch_world_size() == 1:
         return Collective()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and importlib.util.find_spec("deepspeed"):
+        from .zero import skip_inference_comm_build
+
+        skip_inference_comm_build()  # accelerate starts DeepSpeed's backend on a DeepSpeed launch without use_cpu
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 

@@ -63,7 +63,7 @@ def require_deepspeed() -> Any:
     return deepspeed
 
 
-def skip_inference_comm_build(deepspeed: Any) -> None:
+def skip_inference_comm_build() -> None:
     """Keep DeepSpeed from compiling its shared-memory all-reduce on CPU, which flowrl's training never calls.
 
     DeepSpeed's torch backend JIT-builds the ``deepspeed_shm_comm`` extension when it starts
@@ -71,11 +71,15 @@ def skip_inference_comm_build(deepspeed: Any) -> None:
     inference all-reduce (tensor-parallel inference layers) uses it; ZeRO's collectives go through
     the gloo process group. The build cost a first two-process ZeRO-2 run 33 s of its 51 s here
     (docs/scale-out.md). Marking the op incompatible is the check ``build_shm_op`` itself reads.
-
-    Args:
-        deepspeed: the imported ``deepspeed`` module (:func:`require_deepspeed`).
+    Called before DeepSpeed starts: by :meth:`ZeroEngine.start` on CPU processes and by
+    :func:`flowrl.distributed.join_launch` on a DeepSpeed launch. A no-op where DeepSpeed's
+    accelerator is not the CPU (its GPU backends have no such build).
     """
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -184,7 +188,7 @@ class ZeroEngine:
             plugin.deepspeed_config.update(config)
             engine, _ = collective.accelerator.prepare(transformer, optimizer)
         else:  # CPU processes on gloo: the process group accelerate already set up
-            skip_inference_comm_build(deepspeed)
+            skip_inference_comm_build()
             engine, *_ = deepspeed.initialize(
                 model=transformer, optimizer=optimizer, config=zero_config(stage, max_grad_norm),
                 dist_init_required=False,

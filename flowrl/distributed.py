@@ -404,6 +404,25 @@ def lost_peer_message(err: BaseException, environ: dict[str, str] | None = None)
     )
 
 
+def skip_inference_comm_build() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce on CPU, which flowrl's training never calls.
+
+    DeepSpeed's torch backend JIT-builds the ``deepspeed_shm_comm`` extension when it starts
+    (``deepspeed.comm.torch.build_shm_op``, once per ``TORCH_EXTENSIONS_DIR``), but only its
+    inference all-reduce (tensor-parallel inference layers) uses it; ZeRO's collectives go through
+    the gloo process group. The build cost a first two-process ZeRO-2 run 33 s of its 51 s here
+    (docs/scale-out.md). Marking the op incompatible is the check ``build_shm_op`` itself reads.
+    Called before DeepSpeed starts: by :meth:`flowrl.zero.ZeroEngine.start` on CPU processes and by
+    :func:`join_launch` on a DeepSpeed launch. A no-op where DeepSpeed's accelerator is not the CPU
+    (its GPU backends have no such build).
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def join_launch(timeout_s: float | None = None) -> Collective:
     """The :class:`Collective` of this launch: an ``accelerate.Accelerator`` when ``WORLD_SIZE`` > 1.
 
@@ -414,8 +433,6 @@ def join_launch(timeout_s: float | None = None) -> Collective:
     if launch_world_size() == 1:
         return Collective()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and importlib.util.find_spec("deepspeed"):
-        from .zero import skip_inference_comm_build
-
         skip_inference_comm_build()  # accelerate starts DeepSpeed's backend on a DeepSpeed launch without use_cpu
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .distributed import Collective, agree_fault
+from .distributed import Collective, agree_fault, skip_inference_comm_build
 from .guards import tensor_fault, weight_fault
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -61,25 +61,6 @@ def require_deepspeed() -> Any:
             "(or set train.sharding=fsdp2)"
         ) from None
     return deepspeed
-
-
-def skip_inference_comm_build() -> None:
-    """Keep DeepSpeed from compiling its shared-memory all-reduce on CPU, which flowrl's training never calls.
-
-    DeepSpeed's torch backend JIT-builds the ``deepspeed_shm_comm`` extension when it starts
-    (``deepspeed.comm.torch.build_shm_op``, once per ``TORCH_EXTENSIONS_DIR``), but only its
-    inference all-reduce (tensor-parallel inference layers) uses it; ZeRO's collectives go through
-    the gloo process group. The build cost a first two-process ZeRO-2 run 33 s of its 51 s here
-    (docs/scale-out.md). Marking the op incompatible is the check ``build_shm_op`` itself reads.
-    Called before DeepSpeed starts: by :meth:`ZeroEngine.start` on CPU processes and by
-    :func:`flowrl.distributed.join_launch` on a DeepSpeed launch. A no-op where DeepSpeed's
-    accelerator is not the CPU (its GPU backends have no such build).
-    """
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def zero_config(stage: int, max_grad_norm: float, base: dict[str, Any] | None = None) -> dict[str, Any]:

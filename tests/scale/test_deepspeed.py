@@ -61,7 +61,7 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, monkeypat
         assert_partitioned_as_the_stage_says(stage, two.stderr)
     assert_diffusers_loads_lora(tmp_path / "zero3" / "lora")
     built = sorted(p.name for p in (tmp_path / "extensions").rglob("*") if p.is_file())
-    assert built == [], f"DeepSpeed compiled {built} for a ZeRO training run (flowrl.zero.skip_inference_comm_build)"
+    assert built == [], f"DeepSpeed compiled {built} for a ZeRO run (flowrl.distributed.skip_inference_comm_build)"
 
 
 @pytest.mark.slow
@@ -208,7 +208,7 @@ def test_deepspeed_skips_its_shared_memory_all_reduce_build_when_flowrl_marks_it
     from deepspeed.accelerator import get_accelerator
     from deepspeed.comm.torch import build_shm_op
 
-    from flowrl.zero import skip_inference_comm_build
+    from flowrl.distributed import skip_inference_comm_build
 
     if get_accelerator().device_name() != "cpu":
         pytest.skip("DeepSpeed's accelerator here is not the CPU one")

@@ -4,14 +4,12 @@ A "run" here is what ``flowrl train`` leaves behind, minus the training: the res
 ``config.yaml``, ``metrics.jsonl`` written by ``MetricsLogger``, and a LoRA with small random
 weights saved by the model adapter's own ``save_lora`` (diffusers' ``save_lora_weights``). With
 ``ema=True`` a DiffusionNFT ``Trainer`` is built on the policy and its state (trained + EMA
-adapters) is written by ``save_checkpoint``, as a run's checkpoint is. ``free_port`` gives the demo
-tests that serve a page a loopback port.
+adapters) is written by ``save_checkpoint``, as a run's checkpoint is.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import torch
@@ -111,10 +109,3 @@ def make_wan_run(folder: Path, model_dir: Path, *, seed: int = 0, scale: float =
     )
     rewards = {"temporal_consistency": {"weight": 1.0}, "ink": {"weight": 0.5, "target": "bold", "video": "mean"}}
     return make_run(folder, seed=seed, scale=scale, config=str(config), rewards=rewards)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 at the time of the call (bound to port 0 and released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -7,12 +7,13 @@ import os
 import pytest
 import torch
 import yaml
-from run_folders import free_port, make_run
+from run_folders import make_run
 
 from flowrl.comparison.checkpoints import CheckpointBank, read_run_config
 from flowrl.demo.app import DemoState, build_app
 from flowrl.demo.registry import RunRegistry
 from flowrl.evaluation.table import markdown_table, table_cells
+from flowrl.local_launch import free_port
 
 FORM = ("a bold handwritten 3", "0-2", "ode", 4, 1.0, 0.7)
 

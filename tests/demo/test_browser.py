@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
-from run_folders import free_port, make_run
+from run_folders import make_run
+
+from flowrl.local_launch import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save
 
 from bench.reward_faults import trickle_server
+from flowrl.local_launch import free_port
 from flowrl.rewards import MultiReward, RewardError, build_multi_reward, build_reward, ink
 from flowrl.rewards.remote import RemoteReward, RemoteRewardError
 from flowrl.rewards.server import RewardServer, check_bind, is_loopback
@@ -130,12 +131,6 @@ def test_token_and_bind_policy(serve, monkeypatch):
     assert torch.equal(RemoteReward(server.url, token="s3cret")(images(), PROMPTS), ink("bold")(images(), PROMPTS))
     monkeypatch.setenv("FLOWRL_REWARD_TOKEN", "s3cret")
     assert RemoteReward(server.url).info()["auth"] is True
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Garbage(BaseHTTPRequestHandler):

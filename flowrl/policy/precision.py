@@ -292,7 +292,10 @@ def check_explore_device(
 
 
 def _check_native_nvfp4(device: torch.device) -> None:
-    fix = "use precision='fp8_e4m3' on a Hopper or Ada GPU, or 'nvfp4' (emulated), instead"
+    fix = (
+        "use precision='bf16' on a Hopper or Ada GPU (its gain is the fewer explore steps; 'fp8_e4m3' ranks seeds "
+        "alike but sampled SD3.5-M at 0.91x bf16's rate on an H100, docs/solrl.md), or 'nvfp4' (emulated), instead"
+    )
     if device.type != "cuda":
         raise ValueError(
             f"native_nvfp4 needs a Blackwell GPU (compute capability >= 10.0); the policy is on {device}; {fix}"

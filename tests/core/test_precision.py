@@ -266,7 +266,7 @@ def test_the_copy_records_whether_its_precision_is_emulated(policy) -> None:
     "kwargs, match",
     [
         ({"precision": "fp4"}, "precision must be one of"),
-        ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='fp8_e4m3'"),
+        ({"precision": "native_nvfp4"}, "native_nvfp4 needs a Blackwell GPU .* use precision='bf16' on a Hopper"),
         ({"precision": "fp8_e4m3", "emulate": False}, r"needs CUDA \(torch._scaled_mm\)"),
         ({"precision": "int8_dynamic", "activations": True}, "activations=True applies to"),
         ({"precision": "fp32", "activations": True}, "activations=True applies to 'nvfp4' and 'fp8_e4m3'"),

@@ -70,5 +70,5 @@ def test_an_explore_precision_the_device_cannot_run_is_refused_before_the_model_
     code = main(["train", "--check", str(SOLRL), "solrl.precision=native_nvfp4"])
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1 and message in err, err
-    with pytest.raises(ValueError, match=r"needs a Blackwell GPU .*; use precision='fp8_e4m3' on a Hopper"):
+    with pytest.raises(ValueError, match=r"needs a Blackwell GPU .*; use precision='bf16' on a Hopper"):
         check_machine(load_config(SOLRL, ["solrl.precision=native_nvfp4"]))

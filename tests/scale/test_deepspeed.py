@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, train_one, train_two
+from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, one_process_run, train_two
 from test_sharding import (
     assert_checkpoints_as_one_process_and_exact_resume,
     assert_diffusers_loads_lora,
@@ -45,19 +45,18 @@ def assert_partitioned_as_the_stage_says(stage: str, stderr: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OBJECTIVES))
-def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, monkeypatch):
+def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # what DeepSpeed JIT-builds lands here
     args = [*OBJECTIVES[case], *TINY]
-    one = train_one(args, tmp_path / "one")
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = one_process_run(args, tmp_path_factory)
     for stage in STAGES:
         two = train_two([*args, f"train.sharding={stage}"], tmp_path / stage)
         assert two.returncode == 0, two.stderr[-3000:]
-        assert_same_lora(tmp_path / "one", tmp_path / stage, tol=WORST)
-        wa, wb = lora(tmp_path / "one"), lora(tmp_path / stage)
+        assert_same_lora(one, tmp_path / stage, tol=WORST)
+        wa, wb = lora(one), lora(tmp_path / stage)
         gaps = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
         assert float(gaps.quantile(0.999)) <= BULK, f"{stage}: over 0.1 % of the LoRA weights differ by > {BULK:g}"
-        assert_same_metrics(tmp_path / "one", tmp_path / stage, two.stdout)
+        assert_same_metrics(one, tmp_path / stage, two.stdout)
         assert_partitioned_as_the_stage_says(stage, two.stderr)
     assert_diffusers_loads_lora(tmp_path / "zero3" / "lora")
     built = sorted(p.name for p in (tmp_path / "extensions").rglob("*") if p.is_file())
@@ -79,21 +78,19 @@ def test_a_bad_step_is_undone_exactly(stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
-def test_zero_checkpoints_hold_full_tensors_and_resume_exactly(stage, tmp_path):
-    assert_checkpoints_as_one_process_and_exact_resume(tmp_path, [f"train.sharding={stage}"])
+def test_zero_checkpoints_hold_full_tensors_and_resume_exactly(stage, tmp_path, tmp_path_factory):
+    assert_checkpoints_as_one_process_and_exact_resume(tmp_path, [f"train.sharding={stage}"], tmp_path_factory)
 
 
 @pytest.mark.slow
-def test_a_deepspeed_launcher_config_on_cpu_trains_with_its_stage(tmp_path):
+def test_a_deepspeed_launcher_config_on_cpu_trains_with_its_stage(tmp_path, tmp_path_factory):
     """accelerate 1.15 turns a DeepSpeed config with ACCELERATE_USE_CPU=true into plain CPU processes; flowrl shards."""
     launch = ("--config_file", str(ROOT / "configs/accelerate/deepspeed_zero3.yaml"), "--num_processes", "2")
     args = [*OBJECTIVES["flow_grpo"], *TINY]
     two = train_two(args, tmp_path / "two", *launch)
     assert two.returncode == 0, two.stderr[-3000:]
     assert {m[1] for m in HOLDS.finditer(two.stderr)} == {"zero3"}  # the launcher's stage, not train.sharding
-    one = train_one(args, tmp_path / "one")
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert_same_lora(tmp_path / "one", tmp_path / "two")
+    assert_same_lora(one_process_run(args, tmp_path_factory), tmp_path / "two")
 
 
 def without_use_cpu() -> dict[str, str]:

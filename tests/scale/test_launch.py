@@ -95,6 +95,24 @@ def train_one(args: list[str], out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
+_ONE_PROCESS_RUNS: dict[tuple[str, ...], Path] = {}
+
+
+def one_process_run(args: list[str], temp: pytest.TempPathFactory) -> Path:
+    """The folder of a finished one-process run of ``args`` (:func:`train_one`), trained once per session.
+
+    The DDP, FSDP2 and ZeRO equivalence tests (here, test_sharding.py, test_deepspeed.py) compare their launches
+    with the same one-process runs; each is trained on its first request and shared. Callers only read it.
+    """
+    key = tuple(args)
+    if key not in _ONE_PROCESS_RUNS:
+        out = temp.mktemp("one") / "run"
+        result = train_one(args, out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        _ONE_PROCESS_RUNS[key] = out
+    return _ONE_PROCESS_RUNS[key]
+
+
 def train_two(args: list[str], out: Path, *launch: str) -> subprocess.CompletedProcess:
     """``accelerate launch`` with 2 CPU processes (gloo) of ``flowrl train``."""
     cmd = [ACCELERATE, "launch", *(launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")))]
@@ -122,13 +140,12 @@ def metrics(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OBJECTIVES))
-def test_two_processes_train_the_same_lora_as_one(case, tmp_path):
+def test_two_processes_train_the_same_lora_as_one(case, tmp_path, tmp_path_factory):
     args = [*OBJECTIVES[case], *TINY]
-    one, two = train_one(args, tmp_path / "one"), train_two(args, tmp_path / "two")
-    assert one.returncode == 0, one.stderr[-3000:]
+    one, two = one_process_run(args, tmp_path_factory), train_two(args, tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert_same_lora(tmp_path / "one", tmp_path / "two")
-    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert_same_lora(one, tmp_path / "two")
+    m1, m2 = metrics(one), metrics(tmp_path / "two")
     assert [r["step"] for r in m2] == [0, 1, 2]  # rank 0 alone logs: one row per step
     for r1, r2 in zip(m1[1:], m2[1:]):  # global rewards and sample counts, as on one process
         assert r2["reward_mean"] == pytest.approx(r1["reward_mean"], abs=1e-5)

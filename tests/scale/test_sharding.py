@@ -27,6 +27,7 @@ from test_launch import (
     env,
     lora,
     metrics,
+    one_process_run,
     train_faulty,
     train_one,
     train_two,
@@ -44,13 +45,12 @@ SHARD_LINE = re.compile(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(OBJECTIVES))
-def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path):
+def test_sharded_two_processes_train_the_same_lora_as_one(case, tmp_path, tmp_path_factory):
     args = [*OBJECTIVES[case], *TINY]
-    one, two = train_one(args, tmp_path / "one"), train_two([*args, *FSDP2], tmp_path / "two")
-    assert one.returncode == 0, one.stderr[-3000:]
+    one, two = one_process_run(args, tmp_path_factory), train_two([*args, *FSDP2], tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert_same_lora(tmp_path / "one", tmp_path / "two")
-    assert_same_metrics(tmp_path / "one", tmp_path / "two", two.stdout)
+    assert_same_lora(one, tmp_path / "two")
+    assert_same_metrics(one, tmp_path / "two", two.stdout)
     # both ranks own as many chunks: neither pads its rollout calls (one per global chunk before)
     assert [r["rollout/placeholder_calls"] for r in metrics(tmp_path / "two") if r["step"]] == [0.0, 0.0]
 
@@ -124,24 +124,26 @@ def test_each_rank_holds_half_the_denoiser_and_the_lora_loads_with_diffusers(tmp
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_hold_full_tensors_and_resume_exactly(tmp_path):
-    assert_checkpoints_as_one_process_and_exact_resume(tmp_path, FSDP2)
+def test_sharded_checkpoints_hold_full_tensors_and_resume_exactly(tmp_path, tmp_path_factory):
+    assert_checkpoints_as_one_process_and_exact_resume(tmp_path, FSDP2, tmp_path_factory)
 
 
-def assert_checkpoints_as_one_process_and_exact_resume(tmp_path: Path, sharded: list[str]) -> None:
+def assert_checkpoints_as_one_process_and_exact_resume(
+    tmp_path: Path, sharded: list[str], temp: pytest.TempPathFactory
+) -> None:
     """A sharded 2-process run's checkpoint holds one process's tensors, and resuming it is bitwise exact.
 
     Args:
         tmp_path: the test's folder.
         sharded: the overrides that shard the run (``train.sharding=...``).
+        temp: the session's temporary folders (the one-process run is shared, :func:`one_process_run`).
     """
     args = [*OBJECTIVES["diffusion_nft"], *TINY, "train.save_every=1", "output.keep_checkpoints=5"]
     full = train_two([*args, *sharded], tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    one = train_one([*args, "train.iterations=1"], tmp_path / "one")  # the same step on one process
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = one_process_run([*args, "train.iterations=1"], temp)  # the same step on one process
     sharded_ckpt = load_checkpoint(tmp_path / "full" / "checkpoints" / "iter-000001")
-    plain = load_checkpoint(tmp_path / "one" / "checkpoints" / "iter-000001")
+    plain = load_checkpoint(one / "checkpoints" / "iter-000001")
     for key in ("lora", "adapters", "optimizer"):  # the one-process layout: full tensors, same shapes and values
         flat_s, flat_p = _tensors(sharded_ckpt[key]), _tensors(plain[key])
         assert flat_s.keys() == flat_p.keys()

@@ -328,7 +328,7 @@ def validate_solrl(cfg: Config, where: str) -> None:
     if s.precision == "int8_dynamic" and (cfg.model.device != "cpu" or cfg.model.dtype != "float32"):
         raise ConfigError(
             f"{where}: solrl.precision=int8_dynamic is torch.ao's CPU fp32 path; model is {cfg.model.dtype} on "
-            f"{cfg.model.device}: use fp8_e4m3 or nvfp4"
+            f"{cfg.model.device}: on a CPU set model.dtype=float32; on a GPU use bf16 (fewer explore steps) or fp8_e4m3"
         )
 
 

@@ -280,7 +280,10 @@ def check_explore_device(
     if precision == "native_nvfp4":
         _check_native_nvfp4(device)
     if precision == "int8_dynamic" and device.type != "cpu":
-        raise ValueError(f"int8_dynamic is torch.ao's CPU path; the policy is on {device}; use fp8_e4m3 or nvfp4")
+        raise ValueError(
+            f"int8_dynamic is torch.ao's CPU path; the policy is on {device}; "
+            "use bf16 (fewer explore steps) or fp8_e4m3"
+        )
     if precision == "int8_dynamic" and dtype != torch.float32:
         raise ValueError(f"int8_dynamic quantises fp32 weights; the policy is {dtype}; load it in fp32")
     if precision != "fp8_e4m3":

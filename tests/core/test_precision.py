@@ -293,7 +293,7 @@ def test_device_checks_refuse_int8_off_the_cpu_and_native_nvfp4_off_cuda() -> No
     """check_explore_device (run on the config before loading): int8_dynamic is CPU-only, native_nvfp4 CUDA-only."""
     from flowrl.policy.precision import check_explore_device
 
-    with pytest.raises(ValueError, match="int8_dynamic is torch.ao's CPU path; the policy is on cuda"):
+    with pytest.raises(ValueError, match="int8_dynamic is torch.ao's CPU path; the policy is on cuda; use bf16"):
         check_explore_device("int8_dynamic", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="native_nvfp4 needs a Blackwell GPU .* the policy is on cpu"):
         check_explore_device("native_nvfp4", torch.device("cpu"), torch.bfloat16)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,17 +41,12 @@ import torch
 import yaml
 
 from flowrl.distributed import Collective, exit_launched_process
+from flowrl.local_launch import free_port
 from flowrl.policy.memory import trainable_attention
 from flowrl.sharding import local_numel, shard_transformer
 
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_one_process(device: str, via: str) -> Collective:

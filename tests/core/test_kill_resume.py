@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
-from bench.kill_resume import (  # noqa: E402
-    ITERATIONS,
-    Kill,
+from bench.kill_resume import ITERATIONS, Kill, launch, run_until_finished  # noqa: E402
+from bench.resume_checks import (  # noqa: E402
     check_metrics,
     check_state,
     check_summary,
     check_weights,
     compare_series,
-    launch,
     metrics_duplicates,
-    run_until_finished,
     tb_accumulated,
     tb_duplicates,
     tb_replayed,

@@ -15,19 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not an installed package
+from bench import resume_checks as checks  # noqa: E402
 from bench.kill_resume import ITERATIONS, Kill, launch, run_until_finished  # noqa: E402
-from bench.resume_checks import (  # noqa: E402
-    check_metrics,
-    check_state,
-    check_summary,
-    check_weights,
-    compare_series,
-    metrics_duplicates,
-    tb_accumulated,
-    tb_duplicates,
-    tb_replayed,
-    tb_served_python,
-)
 
 pytestmark = pytest.mark.slow  # five real training processes, about 80 s on the shared 2-core machine
 
@@ -62,20 +51,20 @@ def test_kill_at_random_point_and_inside_checkpoint_write_then_resume_exactly(re
     assert second.logged_step == target and second.checkpoint == target - 1
     assert not list((run / "checkpoints").glob("*.partial"))  # the resume removed it and wrote the checkpoint again
 
-    assert check_weights(run, ref) == "ok"
-    assert check_state(run, ref) == "ok"
-    assert metrics_duplicates(run) == 0
-    assert check_metrics(run, ref) == "ok"
-    assert check_summary(run, ref) == "ok"
+    assert checks.check_weights(run, ref) == "ok"
+    assert checks.check_state(run, ref) == "ok"
+    assert checks.metrics_duplicates(run) == 0
+    assert checks.check_metrics(run, ref) == "ok"
+    assert checks.check_summary(run, ref) == "ok"
 
-    accumulated = tb_accumulated(run)
-    replayed, files, doubled = tb_replayed(run)
-    served = tb_served_python(run)  # `tensorboard --load_fast=false`; its first START purges nothing
+    accumulated = checks.tb_accumulated(run)
+    replayed, files, doubled = checks.tb_replayed(run)
+    served = checks.tb_served_python(run)  # `tensorboard --load_fast=false`; its first START purges nothing
     assert files == 1 + sum(1 for ln in trial.launches if ln.command == "resume")  # one events file per launch
     assert doubled > 0  # the raw events do hold step `target` twice: the purge is what hides it
-    assert tb_duplicates(accumulated) == 0 and tb_duplicates(replayed) == 0 and tb_duplicates(served) == 0
-    reference_tb = tb_accumulated(ref)
-    assert compare_series(accumulated, reference_tb) == "ok"
-    assert compare_series(replayed, reference_tb) == "ok"
-    assert compare_series(served, reference_tb) == "ok"
+    assert [checks.tb_duplicates(series) for series in (accumulated, replayed, served)] == [0, 0, 0]
+    reference_tb = checks.tb_accumulated(ref)
+    assert checks.compare_series(accumulated, reference_tb) == "ok"
+    assert checks.compare_series(replayed, reference_tb) == "ok"
+    assert checks.compare_series(served, reference_tb) == "ok"
     assert [s for s, _ in accumulated["reward_mean"]] == list(range(1, ITERATIONS + 1))

@@ -61,26 +61,35 @@ def test_image_models_reject_a_frame_count(tiny_sd3):
         model_latent_shape(tiny_sd3, (8, 8), 5)
 
 
+def _pipeline_and_guided_euler(model, x: torch.Tensor, size: int, frames: int, steps: int, scale: float, output: str):
+    """``WanPipeline(guidance_scale=scale, negative_prompt)`` from latents ``x``, and our guided Euler on its sigmas.
+
+    Returns:
+        (the pipeline's ``frames`` output, our final latents (B, C, F', h, w)).
+    """
+    ref = model.pipe(
+        prompt=PROMPTS,
+        negative_prompt=[NEGATIVE] * 2,
+        height=size,
+        width=size,
+        num_frames=frames,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        latents=x.clone(),
+        output_type=output,
+        max_sequence_length=8,
+    ).frames
+    guided = GuidedAdapter(model, scale, NEGATIVE)
+    cond = guided.encode_prompt(PROMPTS)
+    with torch.no_grad():
+        ours = ode_solve(lambda z, s: guided.velocity(z, s, cond), x, model.pipe.scheduler.sigmas.double())
+    return ref, ours
+
+
 def test_guided_euler_and_decode_match_the_wan_pipeline():
     """Same latents and sigmas: guided Euler + decode == WanPipeline(guidance_scale=5, negative_prompt)."""
     model = tiny_wan_adapter()
-    x = _latents(model)
-    frames = model.pipe(
-        prompt=PROMPTS,
-        negative_prompt=[NEGATIVE] * 2,
-        height=16,
-        width=16,
-        num_frames=5,
-        num_inference_steps=3,
-        guidance_scale=5.0,
-        latents=x.clone(),
-        output_type="pt",
-        max_sequence_length=8,
-    ).frames
-    guided = GuidedAdapter(model, 5.0, NEGATIVE)
-    cond = guided.encode_prompt(PROMPTS)
-    with torch.no_grad():
-        final = ode_solve(lambda z, s: guided.velocity(z, s, cond), x, model.pipe.scheduler.sigmas.double())
+    frames, final = _pipeline_and_guided_euler(model, _latents(model), 16, 5, 3, 5.0, "pt")
     video = model.decode(final)
     assert video.shape == (2, 5, 3, 16, 16) and video.dtype == torch.float32
     assert frames.shape == video.shape
@@ -91,22 +100,7 @@ def test_per_token_timesteps_match_the_pipeline():
     """expand_timesteps (Wan2.2-TI2V layout): one timestep per latent token, as WanPipeline builds it."""
     model = tiny_wan_adapter(expand_timesteps=True)
     x = torch.randn(2, *model.latent_shape(32, 32, 9), generator=torch.Generator().manual_seed(4))
-    ref = model.pipe(
-        prompt=PROMPTS,
-        negative_prompt=[NEGATIVE] * 2,
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=2,
-        guidance_scale=2.0,
-        latents=x.clone(),
-        output_type="latent",
-        max_sequence_length=8,
-    ).frames
-    guided = GuidedAdapter(model, 2.0, NEGATIVE)
-    cond = guided.encode_prompt(PROMPTS)
-    with torch.no_grad():
-        ours = ode_solve(lambda z, s: guided.velocity(z, s, cond), x, model.pipe.scheduler.sigmas.double())
+    ref, ours = _pipeline_and_guided_euler(model, x, 32, 9, 2, 2.0, "latent")
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
 
 

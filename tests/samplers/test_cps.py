@@ -1,6 +1,9 @@
 """Float64 identity tests for flowrl.samplers.cps (Coefficients-Preserving Sampling).
 
 Reference math: shared/reference/grpo-family.md §1.2 ("CPS step").
+
+The contract every SDE step keeps (the Euler step at level 0, prev-sample scoring, per-row
+steps, ranks, dtypes) is tested for all four steps in test_sde_contract.py.
 """
 
 from __future__ import annotations
@@ -9,41 +12,17 @@ import math
 
 import pytest
 import torch
+from sde_inputs import F64, SHAPES, xv
 
-from flowrl.samplers import cps_log_prob_reference, cps_step, euler_step
+from flowrl.samplers import cps_log_prob_reference, cps_step
 
 torch.set_num_threads(1)
-
-F64 = torch.float64
-SHAPES = {3: (2, 6, 5), 4: (2, 3, 4, 4), 5: (2, 3, 2, 4, 4)}
-
-
-def _xv(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=F64), torch.randn(shape, generator=g, dtype=F64)
-
-
-@pytest.mark.parametrize("rank", [3, 4, 5])
-@pytest.mark.parametrize("sigmas", [(1.0, 0.9), (0.6, 0.45), (0.05, 0.0)])
-def test_noise_level_zero_is_the_euler_step(rank: int, sigmas: tuple[float, float]) -> None:
-    """a = 0: ``(1 - s') x0_hat + s' x1_hat = x0_hat + s' (x1_hat - x0_hat) = x - s v + s' v``.
-
-    x0_hat and x1_hat are the u = 0 and u = 1 points of the straight line ``x + (u - sigma) v``
-    through x with slope v, so re-noising to sigma' lands on that line at u = sigma': the
-    Euler step. Equal up to rounding (the two forms associate differently), not bitwise.
-    """
-    x, v = _xv(SHAPES[rank])
-    out = cps_step(x, v, sigmas[0], sigmas[1], 0.0, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(out.sample, euler_step(x, v, sigmas[0], sigmas[1]), rtol=0, atol=1e-14)
-    assert torch.equal(out.sample, out.mean)
-    assert torch.equal(out.std, torch.zeros(x.shape[0], *([1] * (rank - 1)), dtype=F64))
-    assert torch.equal(out.log_prob, torch.zeros(x.shape[0], dtype=F64))
 
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("sigma,sigma_next,a", [(1.0, 0.9, 0.8), (0.6, 0.45, 0.5), (0.3, 0.2, 1.0)])
 def test_mean_and_std_by_hand(rank: int, sigma: float, sigma_next: float, a: float) -> None:
-    x, v = _xv(SHAPES[rank], seed=rank)
+    x, v = xv(SHAPES[rank], seed=rank)
     out = cps_step(x, v, sigma, sigma_next, a, generator=torch.Generator().manual_seed(0))
     s = sigma_next * math.sin(a * math.pi / 2)
     x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
@@ -54,14 +33,14 @@ def test_mean_and_std_by_hand(rank: int, sigma: float, sigma_next: float, a: flo
 
 
 def test_full_noise_level_drops_the_predicted_noise() -> None:
-    x, v = _xv(SHAPES[4])
+    x, v = xv(SHAPES[4])
     out = cps_step(x, v, 0.7, 0.4, 1.0, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out.mean, 0.6 * (x - 0.7 * v), rtol=0, atol=1e-15)
     torch.testing.assert_close(out.std, torch.full_like(out.std, 0.4), rtol=0, atol=1e-15)
 
 
 def test_last_step_is_deterministic_x0_hat() -> None:
-    x, v = _xv(SHAPES[4])
+    x, v = xv(SHAPES[4])
     out = cps_step(x, v, 0.1, 0.0, 0.8, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out.sample, x - 0.1 * v, rtol=0, atol=1e-15)
     assert torch.equal(out.log_prob, torch.zeros(2, dtype=F64))
@@ -86,7 +65,7 @@ def test_coefficients_are_preserved_on_a_straight_path() -> None:
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_log_prob_is_the_true_gaussian_density(rank: int) -> None:
-    x, v = _xv(SHAPES[rank], seed=7)
+    x, v = xv(SHAPES[rank], seed=7)
     sigma, sigma_next = torch.tensor([0.7, 1.0], dtype=F64), torch.tensor([0.6, 0.9], dtype=F64)
     a = torch.tensor([0.8, 0.5], dtype=F64)
     out = cps_step(x, v, sigma, sigma_next, a, generator=torch.Generator().manual_seed(11))
@@ -98,7 +77,7 @@ def test_log_prob_is_the_true_gaussian_density(rank: int) -> None:
 
 
 def test_reference_log_prob_drops_constants_and_variance() -> None:
-    x, v = _xv(SHAPES[5], seed=4)
+    x, v = xv(SHAPES[5], seed=4)
     out = cps_step(x, v, 0.6, 0.45, 0.8, generator=torch.Generator().manual_seed(2))
     ref = cps_log_prob_reference(out.sample, out.mean)
     torch.testing.assert_close(ref, -((out.sample - out.mean) ** 2).mean(dim=(1, 2, 3, 4)), rtol=0, atol=0)
@@ -127,36 +106,3 @@ def test_reference_log_prob_of_half_precision_inputs_is_computed_in_fp32() -> No
     mixed = cps_log_prob_reference(sample.to(torch.bfloat16), mean)  # one fp64 input: fp64 throughout
     assert mixed.dtype == F64
     torch.testing.assert_close(mixed, -((sample.to(torch.bfloat16).double() - mean) ** 2).mean(dim=(1, 2, 3)))
-
-
-@pytest.mark.parametrize("rank", [3, 4, 5])
-def test_prev_sample_scoring_reproduces_log_prob(rank: int) -> None:
-    x, v = _xv(SHAPES[rank], seed=3)
-    for sigma, sigma_next in [(1.0, 0.92), (0.5, 0.41)]:
-        step = cps_step(x, v, sigma, sigma_next, 0.8, generator=torch.Generator().manual_seed(2))
-        again = cps_step(x, v, sigma, sigma_next, 0.8, prev_sample=step.sample)
-        assert torch.equal(again.log_prob, step.log_prob) and torch.equal(again.mean, step.mean)
-        other = cps_step(x, v, sigma, sigma_next, 0.8, prev_sample=step.mean)
-        assert bool((other.log_prob > step.log_prob).all())
-
-
-def test_given_noise_and_per_sample_rows() -> None:
-    x, v = _xv((3, 2, 4, 4), seed=5)
-    noise = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(6), dtype=F64)
-    sig, sig_next = torch.tensor([1.0, 0.6, 0.2], dtype=F64), torch.tensor([0.9, 0.5, 0.0], dtype=F64)
-    a = torch.tensor([0.8, 0.0, 0.5], dtype=F64)
-    out = cps_step(x, v, sig, sig_next, a, noise=noise)
-    torch.testing.assert_close(out.sample, out.mean + out.std * noise, rtol=0, atol=0)
-    for b in range(3):
-        row = cps_step(
-            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1]
-        )
-        torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
-        torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
-    assert out.log_prob[1].item() == 0.0 and out.log_prob[2].item() == 0.0
-
-
-def test_float32_inputs_compute_in_float32() -> None:
-    x, v = _xv(SHAPES[3])
-    out = cps_step(x.float(), v.float(), 0.5, 0.4, 0.8, generator=torch.Generator().manual_seed(0))
-    assert out.sample.dtype == torch.float32 and out.log_prob.dtype == torch.float32

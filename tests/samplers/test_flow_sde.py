@@ -2,6 +2,9 @@
 
 Reference math: Flow-GRPO (Liu et al., 2025) eq. (8)-(9), as written up in
 shared/reference/grpo-family.md §1.2.
+
+The contract every SDE step keeps (the Euler step at level 0, prev-sample scoring, per-row
+steps, ranks, dtypes) is tested for all four steps in test_sde_contract.py.
 """
 
 from __future__ import annotations
@@ -10,18 +13,11 @@ import math
 
 import pytest
 import torch
+from sde_inputs import F64, SHAPES, gaussian_velocity, xv
 
-from flowrl.samplers import euler_step, flow_sde_step, gaussian_log_prob, make_sigmas, sde_noise_levels
+from flowrl.samplers import flow_sde_step, gaussian_log_prob, make_sigmas, sde_noise_levels
 
 torch.set_num_threads(1)
-
-F64 = torch.float64
-SHAPES = {3: (2, 6, 5), 4: (2, 3, 4, 4), 5: (2, 3, 2, 4, 4)}
-
-
-def _xv(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=F64), torch.randn(shape, generator=g, dtype=F64)
 
 
 def _col(value: torch.Tensor | float, ndim: int) -> torch.Tensor:
@@ -34,28 +30,13 @@ def _reference_s(sigma: float, a: float) -> float:
     return a * math.sqrt(sigma / (1 - sigma))
 
 
-# --------------------------------------------------------------------------- ODE limit
-
-
-@pytest.mark.parametrize("rank", [3, 4, 5])
-@pytest.mark.parametrize("sigmas", [(1.0, 0.9), (0.6, 0.45), (0.05, 0.0)])
-def test_noise_level_zero_is_euler(rank: int, sigmas: tuple[float, float]) -> None:
-    x, v = _xv(SHAPES[rank])
-    out = flow_sde_step(x, v, sigmas[0], sigmas[1], 0.0, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(out.sample, euler_step(x, v, sigmas[0], sigmas[1]))
-    assert torch.equal(out.mean, out.sample)
-    assert torch.equal(out.std, torch.zeros_like(out.std))
-    assert torch.equal(out.log_prob, torch.zeros(x.shape[0], dtype=F64))
-    assert out.sample.dtype == F64
-
-
 # --------------------------------------------------------------------------- mean / std
 
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("sigma,sigma_next,a", [(0.8, 0.7, 0.7), (0.35, 0.2, 1.0), (0.1, 0.0, 0.5)])
 def test_mean_matches_both_reference_forms(rank: int, sigma: float, sigma_next: float, a: float) -> None:
-    x, v = _xv(SHAPES[rank], seed=rank)
+    x, v = xv(SHAPES[rank], seed=rank)
     out = flow_sde_step(x, v, sigma, sigma_next, a, generator=torch.Generator().manual_seed(0))
     s, dt = _reference_s(sigma, a), sigma_next - sigma
     product_form = x * (1 + s**2 * dt / (2 * sigma)) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -67,7 +48,7 @@ def test_mean_matches_both_reference_forms(rank: int, sigma: float, sigma_next: 
 
 def test_mean_at_pure_noise_uses_the_step_diffusion() -> None:
     """At sigma = 1 the mean formula still holds with the (substituted) diffusion of this step."""
-    x, v = _xv(SHAPES[4])
+    x, v = xv(SHAPES[4])
     sigma, sigma_next, a = 1.0, 0.9, 0.7
     out = flow_sde_step(x, v, sigma, sigma_next, a, generator=torch.Generator().manual_seed(0))
     s = out.std.reshape(-1)[0].item() / math.sqrt(sigma - sigma_next)
@@ -80,7 +61,7 @@ def test_mean_at_pure_noise_uses_the_step_diffusion() -> None:
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_std_formula(rank: int) -> None:
-    x, v = _xv(SHAPES[rank])
+    x, v = xv(SHAPES[rank])
     sigma, sigma_next, a = 0.6, 0.45, 0.8
     out = flow_sde_step(x, v, sigma, sigma_next, a, generator=torch.Generator().manual_seed(0))
     expected = _reference_s(sigma, a) * math.sqrt(sigma - sigma_next)
@@ -89,7 +70,7 @@ def test_std_formula(rank: int) -> None:
 
 
 def test_std_at_pure_noise_matches_reference() -> None:
-    x, v = _xv(SHAPES[4])
+    x, v = xv(SHAPES[4])
     sigma_next, a = 0.9, 0.7
     out = flow_sde_step(x, v, 1.0, sigma_next, a, generator=torch.Generator().manual_seed(0))
     expected = a * math.sqrt(1.0 / (1.0 - sigma_next)) * math.sqrt(1.0 - sigma_next)
@@ -101,7 +82,7 @@ def test_std_at_pure_noise_matches_reference() -> None:
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_log_prob_matches_torch_normal(rank: int) -> None:
-    x, v = _xv(SHAPES[rank], seed=7)
+    x, v = xv(SHAPES[rank], seed=7)
     sigma = torch.tensor([0.7, 0.4], dtype=F64)
     sigma_next = torch.tensor([0.6, 0.3], dtype=F64)
     a = torch.tensor([0.7, 1.2], dtype=F64)
@@ -116,18 +97,8 @@ def test_log_prob_matches_torch_normal(rank: int) -> None:
     assert out.log_prob.shape == (2,) and out.log_prob.dtype == F64
 
 
-def test_given_noise_defines_the_sample() -> None:
-    x, v = _xv(SHAPES[4])
-    noise = torch.randn(SHAPES[4], generator=torch.Generator().manual_seed(5), dtype=F64)
-    out = flow_sde_step(x, v, 0.5, 0.4, 0.7, noise=noise)
-    torch.testing.assert_close(out.sample, out.mean + out.std * noise, rtol=0, atol=0)
-    z = (out.sample - out.mean) / out.std
-    expected = (-0.5 * z**2 - torch.log(out.std) - 0.5 * math.log(2 * math.pi)).mean(dim=(1, 2, 3))
-    torch.testing.assert_close(out.log_prob, expected, rtol=0, atol=1e-12)
-
-
 def test_generator_is_deterministic() -> None:
-    x, v = _xv(SHAPES[5])
+    x, v = xv(SHAPES[5])
     a = flow_sde_step(x, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(9))
     b = flow_sde_step(x, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(9))
     c = flow_sde_step(x, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(10))
@@ -135,23 +106,9 @@ def test_generator_is_deterministic() -> None:
     assert not torch.equal(a.sample, c.sample)
 
 
-@pytest.mark.parametrize("rank", [3, 4, 5])
-@pytest.mark.parametrize("reduce", ["mean", "sum"])
-def test_prev_sample_scoring_reproduces_log_prob(rank: int, reduce: str) -> None:
-    x, v = _xv(SHAPES[rank], seed=3)
-    for sigma, sigma_next in [(1.0, 0.92), (0.5, 0.41)]:
-        step = flow_sde_step(x, v, sigma, sigma_next, 0.7, generator=torch.Generator().manual_seed(2), reduce=reduce)
-        again = flow_sde_step(x, v, sigma, sigma_next, 0.7, prev_sample=step.sample, reduce=reduce)
-        assert torch.equal(again.log_prob, step.log_prob)
-        assert torch.equal(again.mean, step.mean) and torch.equal(again.sample, step.sample)
-        # A different stored sample scores differently (the check can fail).
-        other = flow_sde_step(x, v, sigma, sigma_next, 0.7, prev_sample=step.mean, reduce=reduce)
-        assert bool((other.log_prob > step.log_prob).all())
-
-
 def test_empirical_moments_match_mean_and_std() -> None:
     n = 40000
-    base_x, base_v = _xv((1, 2, 2, 2), seed=4)
+    base_x, base_v = xv((1, 2, 2, 2), seed=4)
     x, v = base_x.expand(n, -1, -1, -1).contiguous(), base_v.expand(n, -1, -1, -1).contiguous()
     out = flow_sde_step(x, v, 0.7, 0.55, 0.9, generator=torch.Generator().manual_seed(123))
     std = out.std.reshape(-1)[0].item()
@@ -170,10 +127,7 @@ def test_marginals_preserved_for_gaussian_data() -> None:
     """
     m, c, a, num_steps, n = 0.5, 0.3, 0.7, 200, 20000
 
-    def velocity(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        var = (1 - s) ** 2 * c**2 + s**2
-        return -m + (s - (1 - s) * c**2) * (x - (1 - s) * m) / var
-
+    velocity = gaussian_velocity(m, c)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 1, 1, 1, generator=g, dtype=F64)
     sigmas = make_sigmas("shift", num_steps, shift=3.0)
@@ -182,102 +136,6 @@ def test_marginals_preserved_for_gaussian_data() -> None:
         x = flow_sde_step(x, velocity(x, sigmas[i]), sigmas[i], sigmas[i + 1], float(levels[i]), generator=g).sample
     assert x.mean().item() == pytest.approx(m, abs=0.02)
     assert x.std().item() == pytest.approx(c, abs=0.02)
-
-
-# --------------------------------------------------------------------------- shapes / broadcasting
-
-
-def test_ranks_agree_with_flattened_tokens() -> None:
-    """The step is elementwise per sample: a rank-5 latent gives the same numbers as its (B, N, D) view."""
-    x5, v5 = _xv(SHAPES[5], seed=8)
-    noise = torch.randn(SHAPES[5], generator=torch.Generator().manual_seed(1), dtype=F64)
-    sig, sig_next, a = (
-        torch.tensor([0.9, 0.5], dtype=F64),
-        torch.tensor([0.8, 0.3], dtype=F64),
-        torch.tensor([0.7, 0.3], dtype=F64),
-    )
-    out5 = flow_sde_step(x5, v5, sig, sig_next, a, noise=noise)
-    flat = (2, 24, 4)
-    out3 = flow_sde_step(x5.reshape(flat), v5.reshape(flat), sig, sig_next, a, noise=noise.reshape(flat))
-    out4 = flow_sde_step(
-        x5.reshape(2, 3, 8, 4), v5.reshape(2, 3, 8, 4), sig, sig_next, a, noise=noise.reshape(2, 3, 8, 4)
-    )
-    for out in (out3, out4):
-        torch.testing.assert_close(out.sample.reshape(SHAPES[5]), out5.sample, rtol=0, atol=0)
-        torch.testing.assert_close(out.log_prob, out5.log_prob, rtol=0, atol=1e-14)
-    assert out5.std.shape == (2, 1, 1, 1, 1) and out3.std.shape == (2, 1, 1)
-
-
-@pytest.mark.parametrize("rank", [3, 4, 5])
-def test_per_sample_sigma_and_noise_level(rank: int) -> None:
-    shape = (3,) + SHAPES[rank][1:]
-    x, v = _xv(shape, seed=rank)
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(4), dtype=F64)
-    sig = torch.tensor([1.0, 0.6, 0.2], dtype=F64)
-    sig_next = torch.tensor([0.95, 0.5, 0.0], dtype=F64)
-    a = torch.tensor([0.7, 0.0, 1.1], dtype=F64)
-    out = flow_sde_step(x, v, sig, sig_next, a, noise=noise)
-    for b in range(3):
-        row = flow_sde_step(
-            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(a[b]), noise=noise[b : b + 1]
-        )
-        torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
-        torch.testing.assert_close(out.std[b : b + 1], row.std, rtol=0, atol=0)
-        torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
-    assert out.log_prob[1].item() == 0.0  # a = 0 row is a deterministic Euler step
-    torch.testing.assert_close(out.sample[1], euler_step(x[1:2], v[1:2], 0.6, 0.5)[0], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("which", ["sigma", "sigma_next", "noise_level"])
-def test_mismatched_per_sample_raises(which: str) -> None:
-    x, v = _xv((3, 2, 4, 4))
-    kwargs = {"sigma": 0.5, "sigma_next": 0.4, "noise_level": 0.7}
-    kwargs[which] = torch.tensor([kwargs[which]] * 2, dtype=F64)
-    with pytest.raises(ValueError, match=r"\(3,\)") as info:
-        flow_sde_step(x, v, kwargs["sigma"], kwargs["sigma_next"], kwargs["noise_level"])
-    assert "\n" not in str(info.value)
-
-
-def test_float32_inputs_compute_in_float32_and_float64_in_float64() -> None:
-    x, v = _xv(SHAPES[4])
-    out32 = flow_sde_step(x.float(), v.float(), 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(0))
-    out64 = flow_sde_step(x, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(0))
-    assert out32.sample.dtype == torch.float32 and out32.log_prob.dtype == torch.float32
-    assert out64.sample.dtype == F64 and out64.log_prob.dtype == F64
-    torch.testing.assert_close(out32.sample.double(), out64.sample, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("sde", ["flow", "dance", "cps", "sage"])
-def test_half_precision_and_mixed_inputs_compute_in_the_compute_dtype(sde: str) -> None:
-    """The compute dtype is fp32 for bf16 / fp16 inputs and fp64 when x or v is fp64 (either one).
-
-    bf16 x and v give the fp32 step of their upcast values (not a bf16 one); an fp32 x with an fp64 v
-    gives the fp64 step, bit for bit; a bf16 stored x' is scored as fp32 and returned as fp32; fp64 noise
-    for fp32 inputs is rounded to fp32 before it is scaled (the fused kernel's order), not the sum after.
-    """
-    from flowrl.samplers import get_sde_step
-
-    step = get_sde_step(sde)
-    x, v = _xv(SHAPES[4], seed=12)
-    z = torch.randn(SHAPES[4], generator=torch.Generator().manual_seed(13))
-    for half in (torch.bfloat16, torch.float16):
-        xh, vh = x.to(half), v.to(half)
-        got = step(xh, vh, 0.7, 0.6, 0.7, noise=z)
-        want = step(xh.float(), vh.float(), 0.7, 0.6, 0.7, noise=z)
-        assert got.sample.dtype == got.mean.dtype == got.log_prob.dtype == torch.float32
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        scored = step(xh, vh, 0.7, 0.6, 0.7, prev_sample=got.sample.to(half))
-        assert scored.sample.dtype == torch.float32 and torch.equal(scored.sample, got.sample.to(half).float())
-    for xm, vm in ((x.float(), v), (x, v.float())):
-        got = step(xm, vm, 0.7, 0.6, 0.7, noise=z)
-        want = step(xm.double(), vm.double(), 0.7, 0.6, 0.7, noise=z)
-        assert got.mean.dtype == got.log_prob.dtype == F64
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    z64 = torch.randn(SHAPES[4], generator=torch.Generator().manual_seed(14), dtype=F64)
-    wide_noise = step(x.float(), v.float(), 0.7, 0.6, 0.7, noise=z64)  # the noise is cast to fp32, not the sample
-    assert all(
-        torch.equal(a, b) for a, b in zip(wide_noise, step(x.float(), v.float(), 0.7, 0.6, 0.7, noise=z64.float()))
-    )
 
 
 # --------------------------------------------------------------------------- gaussian_log_prob

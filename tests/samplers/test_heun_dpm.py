@@ -10,21 +10,16 @@ import math
 
 import pytest
 import torch
+from sde_inputs import F64, SHAPES, gaussian_velocity
 
 from flowrl.samplers import DPMState, dpmpp_2m_step, euler_step, heun_step, linear_sigmas, log_snr, ode_solve
 
 torch.set_num_threads(1)
 
-F64 = torch.float64
-SHAPES = {3: (2, 6, 5), 4: (2, 3, 4, 4), 5: (2, 3, 2, 4, 4)}
 M, C = 0.7, 0.4  # data distribution N(M, C^2)
 
 
-def _gaussian_velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Exact v = E[eps - x0 | x_sigma] for x0 ~ N(M, C^2), eps ~ N(0, 1)."""
-    s = sigma.view(-1, *([1] * (x.ndim - 1))).to(x.dtype)
-    var = (1 - s) ** 2 * C**2 + s**2
-    return -M + (s - (1 - s) * C**2) * (x - (1 - s) * M) / var
+_gaussian_velocity = gaussian_velocity(M, C)  # exact v = E[eps - x0 | x_sigma] for x0 ~ N(M, C^2)
 
 
 def _flow_map(x: torch.Tensor, a: float, b: float) -> torch.Tensor:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sde_inputs import SHAPES
 
 from flowrl.samplers import Trajectory, euler_step, flow_sde_step, make_sigmas, rollout, sde_noise_levels
 
 torch.set_num_threads(1)
-
-SHAPES = {3: (2, 6, 5), 4: (2, 3, 4, 4), 5: (2, 3, 2, 4, 4)}
 
 
 def _velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

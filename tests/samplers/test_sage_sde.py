@@ -1,6 +1,9 @@
 """Float64 identity tests for flowrl.samplers.sage_sde (SAGE-GRPO's manifold-aware SDE).
 
 Reference math: shared/reference/nft-awm-solrl-sage.md §4.1.
+
+The contract every SDE step keeps (the Euler step at level 0, prev-sample scoring, per-row
+steps, ranks, dtypes) is tested for all four steps in test_sde_contract.py.
 """
 
 from __future__ import annotations
@@ -9,18 +12,11 @@ import math
 
 import pytest
 import torch
+from sde_inputs import F64, SHAPES, gaussian_velocity, xv
 
 from flowrl.samplers import euler_step, flow_sde_step, make_sigmas, sage_sde_step, sage_sde_variance, sde_noise_levels
 
 torch.set_num_threads(1)
-
-F64 = torch.float64
-SHAPES = {3: (2, 6, 5), 4: (2, 3, 4, 4), 5: (2, 3, 2, 4, 4)}
-
-
-def _xv(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=F64), torch.randn(shape, generator=g, dtype=F64)
 
 
 def _t(value: float) -> torch.Tensor:
@@ -34,16 +30,6 @@ def _simpson(lo: float, hi: float, eta: float, points: int = 100_001) -> float:
     w = torch.ones(points, dtype=F64)
     w[1:-1:2], w[2:-1:2] = 4.0, 2.0
     return float((w * f).sum() * (hi - lo) / (3 * (points - 1)))
-
-
-@pytest.mark.parametrize("rank", [3, 4, 5])
-@pytest.mark.parametrize("sigmas", [(1.0, 0.9), (0.6, 0.45), (0.05, 0.0)])
-def test_eta_zero_is_euler(rank: int, sigmas: tuple[float, float]) -> None:
-    x, v = _xv(SHAPES[rank])
-    out = sage_sde_step(x, v, sigmas[0], sigmas[1], 0.0, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(out.sample, euler_step(x, v, sigmas[0], sigmas[1]))
-    assert torch.equal(out.std, torch.zeros(x.shape[0], *([1] * (rank - 1)), dtype=F64))
-    assert torch.equal(out.log_prob, torch.zeros(x.shape[0], dtype=F64))
 
 
 @pytest.mark.parametrize("sigma,sigma_next", [(0.99, 0.9), (0.9, 0.8), (0.5, 0.3), (0.1, 0.0), (0.997, 0.95)])
@@ -101,7 +87,7 @@ def test_clamp_and_its_validation() -> None:
     at_one = sage_sde_variance(_t(1.0), _t(0.9), eta, sigma_max=1 - 1e-3).item()
     assert at_one == pytest.approx(_simpson(0.9, 1 - 1e-3, eta), rel=1e-9)
     assert sage_sde_variance(_t(1.0), _t(0.999), eta).item() == 0.0  # both ends above the clamp
-    x, v = _xv(SHAPES[4])
+    x, v = xv(SHAPES[4])
     out = sage_sde_step(x, v, 1.0, 0.999, eta, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out.sample, euler_step(x, v, 1.0, 0.999))
     for bad in (1.0, 0.0, 1.5):
@@ -122,7 +108,7 @@ def test_fp32_variance_of_a_tiny_step_is_never_negative() -> None:
     assert bool((raw < 0).any())  # the grid holds steps whose unclamped integral is negative
     var = sage_sde_variance(sigma, sigma_next, 0.7)
     assert var.dtype == torch.float32 and bool((var >= 0).all())
-    x, v = _xv((sigma.shape[0], 2, 3))
+    x, v = xv((sigma.shape[0], 2, 3))
     out = sage_sde_step(x.float(), v.float(), sigma, sigma_next, 0.7, generator=torch.Generator().manual_seed(0))
     assert bool(torch.isfinite(out.std).all() & torch.isfinite(out.mean).all() & torch.isfinite(out.log_prob).all())
 
@@ -130,7 +116,7 @@ def test_fp32_variance_of_a_tiny_step_is_never_negative() -> None:
 @pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("sigma,sigma_next,eta", [(1.0, 0.9, 0.5), (0.7, 0.55, 0.5), (0.2, 0.0, 1.0)])
 def test_mean_is_euler_plus_half_variance_times_score(rank: int, sigma: float, sigma_next: float, eta: float) -> None:
-    x, v = _xv(SHAPES[rank], seed=rank)
+    x, v = xv(SHAPES[rank], seed=rank)
     out = sage_sde_step(x, v, sigma, sigma_next, eta, generator=torch.Generator().manual_seed(0))
     var = eta**2 * (math.log((1 - sigma_next) / (1 - min(sigma, 1 - 3e-3))) - (min(sigma, 1 - 3e-3) - sigma_next))
     x0_hat = x - sigma * v
@@ -144,7 +130,7 @@ def test_mean_is_euler_plus_half_variance_times_score(rank: int, sigma: float, s
 
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_log_prob_matches_torch_normal(rank: int) -> None:
-    x, v = _xv(SHAPES[rank], seed=7)
+    x, v = xv(SHAPES[rank], seed=7)
     sigma, sigma_next = torch.tensor([0.7, 1.0], dtype=F64), torch.tensor([0.6, 0.93], dtype=F64)
     eta = torch.tensor([0.5, 0.8], dtype=F64)
     out = sage_sde_step(x, v, sigma, sigma_next, eta, generator=torch.Generator().manual_seed(11))
@@ -155,34 +141,6 @@ def test_log_prob_matches_torch_normal(rank: int) -> None:
     torch.testing.assert_close(out_sum.log_prob, elem.sum(dim=dims), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("rank", [3, 4, 5])
-def test_prev_sample_scoring_reproduces_log_prob(rank: int) -> None:
-    x, v = _xv(SHAPES[rank], seed=3)
-    for sigma, sigma_next in [(1.0, 0.92), (0.5, 0.41)]:
-        step = sage_sde_step(x, v, sigma, sigma_next, 0.5, generator=torch.Generator().manual_seed(2))
-        again = sage_sde_step(x, v, sigma, sigma_next, 0.5, prev_sample=step.sample)
-        assert torch.equal(again.log_prob, step.log_prob) and torch.equal(again.mean, step.mean)
-        other = sage_sde_step(x, v, sigma, sigma_next, 0.5, prev_sample=step.mean)
-        assert bool((other.log_prob > step.log_prob).all())
-
-
-def test_given_noise_per_sample_rows_and_dtype() -> None:
-    x, v = _xv((3, 2, 4, 4), seed=5)
-    noise = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(6), dtype=F64)
-    sig, sig_next = torch.tensor([1.0, 0.6, 0.2], dtype=F64), torch.tensor([0.95, 0.5, 0.0], dtype=F64)
-    eta = torch.tensor([0.5, 0.0, 1.0], dtype=F64)
-    out = sage_sde_step(x, v, sig, sig_next, eta, noise=noise)
-    torch.testing.assert_close(out.sample, out.mean + out.std * noise, rtol=0, atol=0)
-    for b in range(3):
-        row = sage_sde_step(
-            x[b : b + 1], v[b : b + 1], float(sig[b]), float(sig_next[b]), float(eta[b]), noise=noise[b : b + 1]
-        )
-        torch.testing.assert_close(out.sample[b : b + 1], row.sample, rtol=0, atol=0)
-        torch.testing.assert_close(out.log_prob[b : b + 1], row.log_prob, rtol=0, atol=0)
-    out32 = sage_sde_step(x.float(), v.float(), 0.5, 0.4, 0.5, generator=torch.Generator().manual_seed(0))
-    assert out32.sample.dtype == torch.float32 and out32.log_prob.dtype == torch.float32
-
-
 def test_marginals_preserved_for_gaussian_data() -> None:
     """x0 ~ N(m, c^2) with the exact velocity: SAGE sampling must end at N(m, c^2).
 
@@ -190,10 +148,7 @@ def test_marginals_preserved_for_gaussian_data() -> None:
     """
     m, c, eta, num_steps, n = 0.5, 0.3, 1.0, 200, 20000
 
-    def velocity(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        var = (1 - s) ** 2 * c**2 + s**2
-        return -m + (s - (1 - s) * c**2) * (x - (1 - s) * m) / var
-
+    velocity = gaussian_velocity(m, c)
     sigmas = make_sigmas("shift", num_steps, shift=3.0)
     levels = sde_noise_levels(num_steps, eta)
     g = torch.Generator().manual_seed(0)

@@ -79,31 +79,10 @@ def clip_like(layers: int = 4) -> ClipLikeReward:
 
 
 def _serve(layers: int):
-    import subprocess
-    import sys
+    """The ``clip_like`` reward with ``layers`` blocks, served by ``flowrl serve-reward`` in its own process."""
+    from bench.remote_reward import serve_reward_process
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flowrl",
-            "serve-reward",
-            "bench.async_scoring:clip_like",
-            f"layers={layers}",
-            "--port",
-            "0",
-            "--idle-exit",
-            "300",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    line = proc.stdout.readline()
-    if not line.startswith("serving reward"):
-        proc.kill()
-        raise RuntimeError(f"serve-reward did not start: {line!r}")
-    return proc, line.split(" at ")[1].split(" ")[0]
+    return serve_reward_process("bench.async_scoring:clip_like", f"layers={layers}")
 
 
 def _trainer(layers: int, chunk_size: int, url: str | None = None, pieces: int | None = None, device: str = "cpu"):

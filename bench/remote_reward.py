@@ -26,7 +26,8 @@ import time
 import torch
 
 
-def _serve(name: str, *options: str) -> tuple[subprocess.Popen, str]:
+def serve_reward_process(name: str, *options: str) -> tuple[subprocess.Popen, str]:
+    """Start ``flowrl serve-reward NAME OPTIONS`` on a free port; the process and the URL it printed."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowrl", "serve-reward", name, *options, "--port", "0", "--idle-exit", "300"],
         stdout=subprocess.PIPE,
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, options, images, label in cases:
         prompts = [f"a bold handwritten {i % 10}" for i in range(images.shape[0])]
         local = build_reward(name, **dict(o.split("=") for o in options))
-        proc, url = _serve(name, *options)
+        proc, url = serve_reward_process(name, *options)
         thread_server = RewardServer(local, name, port=0).start()
         st_size, png_size = len(encode_batch(images, prompts)), len(encode_batch_png(images, prompts))
         try:

@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
+from bench.remote_reward import serve_reward_process
+
 
 class ClipLikeReward:
     """Cosine between a random-init CLIP vision embedding of the image and a fixed direction."""
@@ -80,8 +82,6 @@ def clip_like(layers: int = 4) -> ClipLikeReward:
 
 def _serve(layers: int):
     """The ``clip_like`` reward with ``layers`` blocks, served by ``flowrl serve-reward`` in its own process."""
-    from bench.remote_reward import serve_reward_process
-
     return serve_reward_process("bench.async_scoring:clip_like", f"layers={layers}")
 
 

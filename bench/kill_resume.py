@@ -35,8 +35,9 @@ Every finished run is compared with the reference:
   served must equal the reference's;
 - ``summary.json``'s start and end evaluation figures equal the reference's.
 
-Prints one row per kill and the totals. The checks live in ``bench/resume_checks.py``; the tests
-(``tests/core/test_kill_resume.py``) import them and this module's launch helpers.
+Prints one row per kill and the totals. The checks of a run's folder live in ``bench/resume_checks.py``
+(the tests, ``tests/core/test_kill_resume.py``, import them and this module's launch helpers); the
+tensorboard server check is here, beside the other process handling.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,12 +65,12 @@ from bench.resume_checks import (
     check_weights,
     compare_series,
     metrics_duplicates,
-    served_scalars,
     tb_accumulated,
     tb_duplicates,
     tb_replayed,
     tb_served_python,
 )
+from flowrl.local_launch import free_port
 from flowrl.resume import checkpoint_folders
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,6 +362,60 @@ def compare(trial: Trial, ref: Path) -> Trial:
         "summary": check_summary(run, ref),
     }
     return trial
+
+
+# -- the tensorboard server ------------------------------------------------------------------
+
+
+def _get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def served_scalars(logdir: Path, runs: list[str], tags: list[str], load_fast: bool, wait_s: float = 120) -> dict:
+    """Scalars as a real ``tensorboard`` server serves them: run -> tag -> [(step, value)].
+
+    Polls until two reads a second apart agree and every run has every tag.
+    """
+    port = free_port()
+    cmd = [
+        str(Path(sys.executable).with_name("tensorboard")),
+        f"--logdir={logdir}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--load_fast={'true' if load_fast else 'false'}",
+        "--reload_interval=1",
+    ]
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            previous, deadline = None, time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                time.sleep(1)
+                try:
+                    current = {
+                        run: {
+                            tag: [
+                                (int(step), float(value))
+                                for _, step, value in _get(
+                                    f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?"
+                                    + urllib.parse.urlencode({"run": run, "tag": tag})
+                                )
+                            ]
+                            for tag in tags
+                        }
+                        for run in runs
+                    }
+                except OSError:
+                    continue  # not listening yet, or a run or tag not loaded yet (HTTP 400)
+                if current == previous:
+                    return current
+                previous = current
+            out.seek(0)
+            raise RuntimeError(f"tensorboard (load_fast={load_fast}) did not settle:\n{out.read()[-2000:].decode()}")
+        finally:
+            _signal_group(proc.pid, signal.SIGKILL)  # the rust data server runs as a child of tensorboard
+            proc.wait()
 
 
 def check_served(workdir: Path, ref: Path, trials: list[Trial]) -> dict[str, dict[str, str]]:

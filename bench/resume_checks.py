@@ -1,32 +1,23 @@
 """What a resumed run is checked against: an uninterrupted reference run of the same config.
 
-Used by ``bench/kill_resume.py`` and ``tests/core/test_kill_resume.py``. Every check takes the
-finished run's folder and the reference's and returns ``"ok"`` or what differs (counts are
-returned as ints):
+Used by ``bench/kill_resume.py`` (which also asks real ``tensorboard`` servers) and
+``tests/core/test_kill_resume.py``. Every check takes the finished run's folder and the reference's
+and returns ``"ok"`` or what differs (counts are returned as ints):
 
 - weights and state: the final LoRA and the last checkpoint's LoRA, optimizer and RNG tensors,
   every tensor ``torch.equal``, and its ``trainer.json`` (the config's ``output.dir`` aside);
 - metrics: ``metrics.jsonl`` parses line by line, has strictly increasing steps 0..N (each once)
   and equals the reference row by row outside ``NOT_STATE``;
 - TensorBoard: the scalars as ``EventAccumulator``, as ``tensorboard --load_fast=false`` and as a
-  replay of the raw events files give them, and as a real ``tensorboard`` server serves them;
+  replay of the raw events files give them;
 - ``summary.json``: the start and end evaluation figures.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
-from flowrl.local_launch import free_port
 from flowrl.resume import checkpoint_folders
 
 NOT_STATE = ("time/", "prompt_cache/")  # wall times; the prompt cache is cold again after a restart
@@ -199,60 +190,3 @@ def check_summary(run: Path, ref: Path) -> str:
         if mine[key] != theirs[key]:
             return f"summary {key} differs ({json.dumps(mine[key])[:60]})"
     return "ok"
-
-
-# -- the tensorboard server ------------------------------------------------------------------
-
-
-def _get(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def served_scalars(logdir: Path, runs: list[str], tags: list[str], load_fast: bool, wait_s: float = 120) -> dict:
-    """Scalars as a real ``tensorboard`` server serves them: run -> tag -> [(step, value)].
-
-    Polls until two reads a second apart agree and every run has every tag.
-    """
-    port = free_port()
-    cmd = [
-        str(Path(sys.executable).with_name("tensorboard")),
-        f"--logdir={logdir}",
-        "--host=127.0.0.1",
-        f"--port={port}",
-        f"--load_fast={'true' if load_fast else 'false'}",
-        "--reload_interval=1",
-    ]
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            previous, deadline = None, time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                time.sleep(1)
-                try:
-                    current = {
-                        run: {
-                            tag: [
-                                (int(step), float(value))
-                                for _, step, value in _get(
-                                    f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?"
-                                    + urllib.parse.urlencode({"run": run, "tag": tag})
-                                )
-                            ]
-                            for tag in tags
-                        }
-                        for run in runs
-                    }
-                except OSError:
-                    continue  # not listening yet, or a run or tag not loaded yet (HTTP 400)
-                if current == previous:
-                    return current
-                previous = current
-            out.seek(0)
-            raise RuntimeError(f"tensorboard (load_fast={load_fast}) did not settle:\n{out.read()[-2000:].decode()}")
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()

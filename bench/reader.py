@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from flowrl.models.digits.reader import reader_report
     from flowrl.rewards.digit_classifier import default_weights_path
+    from flowrl.rewards.shipped import shipped_report
 
     start = time.perf_counter()
     judges = Judges()
@@ -222,10 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
             grid = torch.cat([images[:: args.seeds] for images, _ in samples.values()])
             save_digit_grid(grid, args.grid, rows=len(samples), scale=8)
-    from safetensors import safe_open
-
-    with safe_open(str(default_weights_path()), framework="pt") as f:
-        reward_report = json.loads((f.metadata() or {}).get("report", "{}"))
+    reward_report = shipped_report(default_weights_path())
     reader = reader_report()
     print()
     print(f"reader: trained on the '{reader['train_part']}' part (n={reader['n_train']}), seed {reader['seed']}")

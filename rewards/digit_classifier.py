@@ -22,15 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .shipped import asset_path, load_shipped, save_shipped
+
 WEIGHTS_FILENAME = "digit_classifier.safetensors"
 REGENERATE_COMMAND = "python -m flowrl.rewards.digit_classifier --out flowrl/assets/digit_classifier.safetensors"
+FORMAT = "flowrl.digit_classifier/1"
 
 
 def default_weights_path() -> Path:
     """Path of the shipped classifier weights inside the installed ``flowrl`` package."""
-    import flowrl
-
-    return Path(flowrl.__file__).resolve().parent / "assets" / WEIGHTS_FILENAME
+    return asset_path(WEIGHTS_FILENAME)
 
 
 class MaxPool2x2(nn.Module):
@@ -221,7 +222,7 @@ def train_digit_classifier(
 
 
 def load_digit_classifier(path: str | Path | None = None, device: str | torch.device = "cpu") -> DigitClassifier:
-    """Load classifier weights saved with safetensors, in eval mode.
+    """Load classifier weights saved with safetensors, frozen and in eval mode.
 
     Args:
         path: weights file; ``None`` means the shipped :func:`default_weights_path`.
@@ -232,45 +233,18 @@ def load_digit_classifier(path: str | Path | None = None, device: str | torch.de
 
     Raises:
         FileNotFoundError: the file is missing (message gives the command that regenerates it).
-        ValueError: the file is not a valid safetensors file of this classifier.
+        ValueError: the file is corrupt, not a digit classifier's, or does not match :class:`DigitClassifier`.
     """
-    from safetensors.torch import load_file
-
-    path = Path(path) if path is not None else default_weights_path()
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"digit classifier weights not found at {path}; regenerate them with `{REGENERATE_COMMAND}`"
-        )
-    try:
-        state = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several error types for corrupt files
-        raise ValueError(
-            f"digit classifier weights at {path} are corrupt ({type(err).__name__}); "
-            f"regenerate them with `{REGENERATE_COMMAND}`"
-        ) from err
-    model = DigitClassifier()
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise ValueError(
-            f"digit classifier weights at {path} do not match DigitClassifier (missing or misshapen tensors); "
-            f"regenerate them with `{REGENERATE_COMMAND}`"
-        ) from err
-    model.requires_grad_(False)
-    return model.eval().to(device)
+    path = path if path is not None else default_weights_path()
+    model = load_shipped(
+        DigitClassifier(), path, fmt=FORMAT, what="digit classifier weights", regenerate=REGENERATE_COMMAND
+    )
+    return model.to(device)
 
 
 def save_digit_classifier(state: dict[str, Tensor], path: str | Path, report: dict[str, Any] | None = None) -> Path:
     """Save a state dict with safetensors (report stored as string metadata); returns the path."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "flowrl.digit_classifier/1"}
-    if report is not None:
-        metadata["report"] = json.dumps(report, sort_keys=True)
-    save_file(state, str(path), metadata=metadata)
-    return path
+    return save_shipped(state, path, FORMAT, report)
 
 
 def main(argv: list[str] | None = None) -> None:

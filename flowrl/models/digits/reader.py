@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from flowrl.rewards.shipped import asset_path, load_shipped, save_shipped, shipped_report
+
 from .reader_augment import SKELETON_THRESHOLDS, augmented_features, skeleton_distances
 from .reader_features import MIN_CONTRAST, N_FEATURES, NO_CONTRAST, contrast, features, to_gray
 
@@ -54,7 +56,7 @@ HIDDEN = 256
 
 def default_weights_path() -> Path:
     """Path of the shipped reader weights inside the installed ``flowrl`` package."""
-    return Path(__file__).resolve().parents[2] / "assets" / WEIGHTS_FILENAME
+    return asset_path(WEIGHTS_FILENAME)
 
 
 class ReaderHead(nn.Module):
@@ -214,59 +216,23 @@ def indices_digest(indices: np.ndarray) -> str:
 
 def save_reader(state: dict[str, Tensor], path: str | Path, report: dict[str, Any]) -> Path:
     """Save the reader with safetensors; the report (training part, indices checksum) goes in the header."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path), metadata={"format": FORMAT, "report": json.dumps(report, sort_keys=True)})
-    return path
+    return save_shipped(state, path, FORMAT, report)
 
 
 def reader_report(path: str | Path | None = None) -> dict[str, Any]:
     """The training report stored in the weights' safetensors header."""
-    from safetensors import safe_open
-
-    with safe_open(str(path or default_weights_path()), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("report", "{}"))
+    return shipped_report(path or default_weights_path())
 
 
 def load_reader(path: str | Path | None = None) -> ReaderHead:
-    """Load the reader head from safetensors, in eval mode.
+    """Load the reader head from safetensors, frozen and in eval mode.
 
     Raises:
         FileNotFoundError: the file is missing (the message gives the command that regenerates it).
-        ValueError: the file is not a valid safetensors file of this reader.
+        ValueError: the file is corrupt, not a digit reader's, or does not match :class:`ReaderHead`.
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = Path(path) if path is not None else default_weights_path()
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"digit reader weights not found at {path}; regenerate them with `{REGENERATE_COMMAND}`"
-        )
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            fmt = (f.metadata() or {}).get("format")
-        state = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several error types for corrupt files
-        raise ValueError(
-            f"digit reader weights at {path} are corrupt ({type(err).__name__}); regenerate them with "
-            f"`{REGENERATE_COMMAND}`"
-        ) from err
-    if fmt != FORMAT:
-        raise ValueError(
-            f"{path} is not a digit reader ({FORMAT}; got {fmt!r}); regenerate it with `{REGENERATE_COMMAND}`"
-        )
-    model = ReaderHead()
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise ValueError(
-            f"digit reader weights at {path} do not match ReaderHead; regenerate them with `{REGENERATE_COMMAND}`"
-        ) from err
-    model.requires_grad_(False)
-    return model.eval()
+    path = path if path is not None else default_weights_path()
+    return load_shipped(ReaderHead(), path, fmt=FORMAT, what="digit reader weights", regenerate=REGENERATE_COMMAND)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,15 +67,18 @@ def _base_folder(base: str) -> Path | None:
 
 
 def _load_base(base: str, dtype: str) -> Any:
-    """The base model's adapter on the CPU; missing weights name ``--base``, the flag export takes, as the fix.
+    """The base model's adapter on the CPU; missing or damaged weights name ``--base`` (export's flag) as the fix.
 
     Raises:
         FileNotFoundError: one line naming the model, the download command and ``--base``.
+        ValueError: a damaged weight file, named with the same fix (or another refusal of :func:`load_adapter`).
     """
     try:
         return load_adapter(base, dtype=dtype, device="cpu")
-    except FileNotFoundError as err:
-        raise FileNotFoundError(str(err).replace(SET_MODEL_PATH, "pass --base ")) from None
+    except (FileNotFoundError, ValueError) as err:
+        if SET_MODEL_PATH not in str(err):
+            raise
+        raise type(err)(str(err).replace(SET_MODEL_PATH, "pass --base ")) from None
 
 
 def export_merged(

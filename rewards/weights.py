@@ -70,6 +70,22 @@ def _download_hint(repo_id: str, filename: str | None, source: WeightSource) -> 
     )
 
 
+def safetensors_damage(path: Path) -> str | None:
+    """Why a ``.safetensors`` file cannot be opened (truncated, overlong, garbled header), or None when it can.
+
+    Reads the header only, not the tensors, so it costs the same for any file size. A loader that meets
+    such a file fails without naming it (transformers) or with a generic line (diffusers); callers
+    check first and name the file and the fix.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return None
+    except Exception as err:  # noqa: BLE001 - safetensors raises several error types for damaged files
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def _is_hub_ref(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) >= 2 and not spec.startswith(("/", ".", "~")) and all(parts) and "\\" not in spec
@@ -156,6 +172,7 @@ def resolve_model_folder(spec: str | os.PathLike, source: WeightSource, *, weigh
 
     Raises:
         FileNotFoundError: the folder or the weights are missing (one line: how to download, which key).
+        ValueError: a ``.safetensors`` file in it is damaged (one line naming it, with the same fix).
     """
     path = Path(os.fspath(spec)).expanduser()
     if path.exists():
@@ -176,6 +193,11 @@ def resolve_model_folder(spec: str | os.PathLike, source: WeightSource, *, weigh
         raise FileNotFoundError(
             f"{source.model}: {folder} holds no model weights; " + _download_hint(str(spec), None, source)
         )
+    for file in sorted(folder.glob("*.safetensors")) if weights else ():
+        if (reason := safetensors_damage(file)) is not None:
+            raise ValueError(
+                f"{source.model}: weight file {file} is damaged ({reason}); " + _download_hint(str(spec), None, source)
+            )
     return folder
 
 
@@ -224,11 +246,13 @@ def load_checkpoint(path: Path, *, nested_key: str | None = None) -> dict[str, T
         Tensors by name, on the CPU. A leading "module." (DataParallel) is stripped from every key.
 
     Raises:
-        ValueError: the file is not a tensor state dict (the message names the file).
+        ValueError: the file is damaged or not a tensor state dict (the message names the file).
     """
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
+        if (reason := safetensors_damage(path)) is not None:
+            raise ValueError(f"{path} is damaged ({reason}); download it again")
         state = load_file(str(path), device="cpu")
     else:
         try:

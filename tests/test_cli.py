@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,16 @@ def test_bad_reward_is_named_and_nothing_is_written(tiny_folder, tmp_path, body,
 def test_missing_model_weights(tmp_path):
     result = flowrl("train", f"model.path={tmp_path / 'nowhere'}", cwd=tmp_path)
     assert_one_line_error(result, "nowhere", "download")
+
+
+def test_a_damaged_model_weight_file_is_one_line_naming_it(tiny_folder, tmp_path):
+    broken = tmp_path / "tiny"
+    shutil.copytree(tiny_folder, broken)
+    (weights,) = (broken / "text_encoder").glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = flowrl("train", f"model.path={broken}", f"output.dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert_one_line_error(result, f"weight file {weights}", "is damaged", "hf download")
+    assert not (tmp_path / "out").exists()
 
 
 def test_rewards_list(tmp_path):

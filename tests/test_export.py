@@ -74,6 +74,13 @@ def test_export_cli_and_errors(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "and pass --base ./models/<model>" in err and "model.path" not in err
+    damaged = tmp_path / "damaged"
+    load_adapter("flowrl-digits").pipe.save_pretrained(str(damaged))
+    (damaged / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"garbage")
+    assert main(["export", "--merge", str(lora_dir), "--out", str(tmp_path / "c"), "--base", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is damaged" in err and "and pass --base ./models/" in err
+    assert "model.path" not in err
 
 
 def test_merged_export_of_a_flux_lora(tmp_path):

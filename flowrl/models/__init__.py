@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 
 from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
-from .hub import resolve_model_path
+from .hub import check_weights, resolve_model_path
 from .loading import PIPELINES, load_pipeline_adapter, read_model_index
 
 EMBEDDED = "flowrl-digits"
+REBUILD_EMBEDDED = "rebuild them with `flowrl pretrain-digits` (or reinstall flowrl)"
 
 __all__ = ["Cond", "EMBEDDED", "ModelAdapter", "PIPELINES", "load_adapter", "repeat_cond", "select_cond"]
 
@@ -33,16 +34,16 @@ def pipeline_folder(path: str | None) -> Path:
 
     Raises:
         FileNotFoundError: the folder or its weights are missing.
-        ValueError: a local folder's ``model_index.json`` is not a JSON object.
+        ValueError: a local folder's ``model_index.json`` is not a JSON object, or a weight file is damaged.
     """
     if path in (None, EMBEDDED):
         from .digits.model import DIGITS_DIR
 
         if not (DIGITS_DIR / "model_index.json").is_file():
-            raise FileNotFoundError(
-                f"embedded model weights are missing at {DIGITS_DIR}; rebuild them with `flowrl pretrain-digits`"
-            )
-        path = str(DIGITS_DIR)
+            raise FileNotFoundError(f"embedded model weights are missing at {DIGITS_DIR}; {REBUILD_EMBEDDED}")
+        read_model_index(DIGITS_DIR)
+        check_weights(DIGITS_DIR, EMBEDDED, fix=REBUILD_EMBEDDED)
+        return DIGITS_DIR
     local = Path(path).expanduser()
     if local.is_dir():
         read_model_index(local)  # a malformed index fails here in one line, before the weight check reads it
@@ -69,9 +70,9 @@ def load_adapter(
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (the message says how to fix it).
-        ValueError: a malformed ``model_index.json``, a pipeline class flowrl has no adapter for,
-            ``distilled_guidance`` for a model without a guidance embedding, or a folder that
-            needs remote code.
+        ValueError: a damaged weight file (the message names it and the fix), a malformed
+            ``model_index.json``, a pipeline class flowrl has no adapter for, ``distilled_guidance``
+            for a model without a guidance embedding, or a folder that needs remote code.
     """
     _quiet_hub_libraries()
     folder = pipeline_folder(path)

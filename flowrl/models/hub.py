@@ -16,6 +16,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..rewards.weights import safetensors_damage
+
 KNOWN_REPOS = {
     "StableDiffusion3Pipeline": "stabilityai/stable-diffusion-3.5-medium",
     "FluxPipeline": "black-forest-labs/FLUX.1-dev",
@@ -46,14 +48,16 @@ def hub_offline() -> bool:
 SET_MODEL_PATH = "set model.path="  # the fix a missing-weights line names (flowrl export names --base instead)
 
 
-def missing_weights_message(model: str, reason: str, repo: str | None = None) -> str:
-    """One line: which model, why, the download command and the config key to set."""
+def download_fix(model: str, repo: str | None = None) -> str:
+    """The fix a weights error names: the download command and the config key to set."""
     repo = repo or (model if _HUB_ID.match(model) else "<owner>/<model>")
     target = f"./models/{repo.split('/')[-1]}"
-    return (
-        f"weights for model {model!r} are missing ({reason}); download them with "
-        f"`hf download {repo} --local-dir {target}` and {SET_MODEL_PATH}{target}"
-    )
+    return f"download them with `hf download {repo} --local-dir {target}` and {SET_MODEL_PATH}{target}"
+
+
+def missing_weights_message(model: str, reason: str, repo: str | None = None, fix: str | None = None) -> str:
+    """One line: which model, why, and the fix (default: the download command and the config key to set)."""
+    return f"weights for model {model!r} are missing ({reason}); {fix or download_fix(model, repo)}"
 
 
 def _endpoint() -> str:
@@ -74,11 +78,25 @@ def _hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def check_weights(folder: Path, model: str) -> None:
-    """Raise a one-line FileNotFoundError when a model component of a pipeline folder has no weights.
+def check_weights(folder: Path, model: str, fix: str | None = None) -> None:
+    """Refuse, in one line, a pipeline folder whose model components lack weights or hold damaged ones.
 
     Components are the subfolders named in ``model_index.json`` that hold a ``config.json`` (models;
-    tokenizers and schedulers have other config files) or that are missing altogether.
+    tokenizers and schedulers have other config files) or that are missing altogether. Each
+    ``.safetensors`` file's header is read (not its tensors), which
+    catches a truncated, overlong or garbled file before a loader fails on it without naming it; a
+    shard index must be valid JSON and every shard it lists must exist.
+
+    Args:
+        folder: the pipeline folder.
+        model: the model's name in messages (``model.path`` as given).
+        fix: what the message tells the user to do; default: the download command of the folder's
+            pipeline class and the config key to set.
+
+    Raises:
+        FileNotFoundError: no ``model_index.json``, a component folder missing, a component without
+            weight files, or a shard its index lists missing.
+        ValueError: a ``.safetensors`` file or a shard index that cannot be read.
     """
     index = folder / "model_index.json"
     if not index.is_file():
@@ -87,15 +105,33 @@ def check_weights(folder: Path, model: str) -> None:
         )
     listed = json.loads(index.read_text())
     cls_name = listed.get("_class_name")
-    repo = KNOWN_REPOS.get(cls_name) if isinstance(cls_name, str) else None
+    fix = fix or download_fix(model, KNOWN_REPOS.get(cls_name) if isinstance(cls_name, str) else None)
     for name, spec in listed.items():
         if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
             continue
         sub = folder / name
         if not sub.is_dir():
-            raise FileNotFoundError(missing_weights_message(model, f"component folder {sub} does not exist", repo))
+            raise FileNotFoundError(missing_weights_message(model, f"component folder {sub} does not exist", fix=fix))
         if (sub / "config.json").is_file() and not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in sub.iterdir()):
-            raise FileNotFoundError(missing_weights_message(model, f"{sub} holds no weight files", repo))
+            raise FileNotFoundError(missing_weights_message(model, f"{sub} holds no weight files", fix=fix))
+        _check_weight_files(sub, model, fix)
+
+
+def _check_weight_files(sub: Path, model: str, fix: str) -> None:
+    """Read each safetensors header and each shard index of one component folder (see :func:`check_weights`)."""
+    for path in sorted(sub.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(path.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(
+                f"shard index {path} of model {model!r} is unreadable ({type(err).__name__}); {fix}"
+            ) from None
+        for shard in sorted(shards):
+            if not (sub / shard).is_file():
+                raise FileNotFoundError(missing_weights_message(model, f"{path.name} lists {sub / shard}", fix=fix))
+    for path in sorted(sub.glob("*.safetensors")):
+        if (reason := safetensors_damage(path)) is not None:
+            raise ValueError(f"weight file {path} of model {model!r} is damaged ({reason}); {fix}")
 
 
 def _download(repo_id: str, cache_dir: str | None) -> Path:

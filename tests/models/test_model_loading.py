@@ -77,6 +77,72 @@ def test_a_missing_component_folder_is_one_line_with_download_command(flux_folde
     assert "hf download black-forest-labs/FLUX.1-dev" in msg
 
 
+def _damage(path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # garbage: not a safetensors file at all
+        path.write_bytes(b"garbage" * 10)
+
+
+@pytest.mark.parametrize("component", ["transformer", "vae", "text_encoder_2"])
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_damaged_weight_file_is_named_in_one_line_before_loading(flux_folder, tmp_path, component, how) -> None:
+    """diffusers said "Unable to load weights" and transformers named no file at all; the header check names it."""
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    (weights,) = (broken / component).glob("*.safetensors")
+    _damage(weights, how)
+    with pytest.raises(ValueError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and f"weight file {weights} of model {str(broken)!r} is damaged" in msg
+    assert "hf download black-forest-labs/FLUX.1-dev" in msg and "model.path=" in msg
+
+
+def test_a_sharded_component_loads_and_a_missing_shard_or_a_bad_index_is_named(flux_folder, tmp_path) -> None:
+    sharded = tmp_path / "flux"
+    shutil.copytree(flux_folder, sharded)
+    reference = load_adapter(str(flux_folder))
+    for f in (sharded / "transformer").glob("*.safetensors"):
+        f.unlink()
+    reference.transformer.save_pretrained(str(sharded / "transformer"), max_shard_size="20KB")
+    shards = sorted((sharded / "transformer").glob("*.safetensors"))
+    (index,) = (sharded / "transformer").glob("*.safetensors.index.json")
+    assert len(shards) > 2
+    _check_velocity(load_adapter(str(sharded)), reference)
+    text = index.read_text()
+    index.write_text(text[:-20])
+    with pytest.raises(ValueError, match=f"shard index {index} of model .* is unreadable .*hf download"):
+        load_adapter(str(sharded))
+    index.write_text(text)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"are missing \\({index.name} lists {shards[1]}\\); download"):
+        load_adapter(str(sharded))
+
+
+def test_the_embedded_model_s_damaged_or_missing_weights_name_the_rebuild_command(tmp_path, monkeypatch) -> None:
+    """Not the download command of the SD3 class it shares (it said `hf download stabilityai/...` before)."""
+    from flowrl.models.digits import model as digits_model
+
+    copy = tmp_path / "flowrl-digits"
+    shutil.copytree(digits_model.DIGITS_DIR, copy)
+    monkeypatch.setattr(digits_model, "DIGITS_DIR", copy)
+    load_adapter()  # the copy loads
+    vae = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    _damage(vae, "truncated")
+    with pytest.raises(ValueError) as damaged:
+        load_adapter("flowrl-digits")
+    vae.unlink()
+    with pytest.raises(FileNotFoundError) as missing:
+        load_adapter()
+    assert f"weight file {vae} of model 'flowrl-digits' is damaged" in str(damaged.value)
+    assert f"{vae.parent} holds no weight files" in str(missing.value)
+    for err in (damaged, missing):
+        assert str(err.value).endswith("rebuild them with `flowrl pretrain-digits` (or reinstall flowrl)")
+        assert "hf download" not in str(err.value)
+
+
 def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()

@@ -67,6 +67,22 @@ def test_checkpoints_unwrap_state_dict_and_data_parallel_prefix(tmp_path):
         load_checkpoint(tmp_path / "y.pt")
 
 
+def test_a_damaged_reward_model_file_is_one_line_naming_it(tmp_path):
+    """transformers raised safetensors' "Error while deserializing header" without naming the file."""
+    model = save_clip_folder(tmp_path / "model", seed=4)
+    processor = save_clip_processor(tmp_path / "processor")
+    (weights,) = model.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:4000])
+    with pytest.raises(ValueError) as err:
+        pickscore(model=str(model), processor=str(processor))
+    message = str(err.value)
+    assert "\n" not in message and f"weight file {weights} is damaged (" in message
+    assert "hf download" in message and "rewards.pickscore.model=" in message
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="bad.safetensors is damaged .*download it again"):
+        load_checkpoint(tmp_path / "bad.safetensors")
+
+
 def test_rewards_list_says_cached_when_default_weights_are_in_the_cache(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
-from .hub import check_weights, resolve_model_path
+from .hub import KNOWN_REPOS, check_weights, download_fix, resolve_model_path
 from .loading import PIPELINES, load_pipeline_adapter, read_model_index
 
 EMBEDDED = "flowrl-digits"
@@ -70,14 +70,28 @@ def load_adapter(
 
     Raises:
         FileNotFoundError: the folder or its weights are missing (the message says how to fix it).
-        ValueError: a damaged weight file (the message names it and the fix), a malformed
-            ``model_index.json``, a pipeline class flowrl has no adapter for, ``distilled_guidance``
-            for a model without a guidance embedding, or a folder that needs remote code.
+        ValueError: a damaged weight file (the message names it and the fix), a component whose config
+            the loaders cannot read or find, a malformed ``model_index.json``, a pipeline class flowrl has
+            no adapter for, ``distilled_guidance`` for a model without a guidance embedding, or a folder
+            that needs remote code.
     """
     _quiet_hub_libraries()
     folder = pipeline_folder(path)
     cls_name = read_model_index(folder).get("_class_name", "")
     model_id = EMBEDDED if path in (None, EMBEDDED) else str(path)
-    return load_pipeline_adapter(
-        cls_name, folder, dtype=_DTYPES[dtype], device=device, model_id=model_id, distilled_guidance=distilled_guidance
-    )
+    try:
+        return load_pipeline_adapter(
+            cls_name,
+            folder,
+            dtype=_DTYPES[dtype],
+            device=device,
+            model_id=model_id,
+            distilled_guidance=distilled_guidance,
+        )
+    except OSError as err:
+        if err.errno is not None:  # the filesystem's own error (permissions, disk): the CLI names the path
+            raise
+        # diffusers / transformers raise errno-less OSErrors for a component's unreadable or missing config
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
+        raise ValueError(f"model {model_id!r} could not be loaded from {folder} ({reason}); {fix}") from None

@@ -143,6 +143,31 @@ def test_the_embedded_model_s_damaged_or_missing_weights_name_the_rebuild_comman
         assert "hf download" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "file, damage, fragment",
+    [
+        ("transformer/config.json", "truncate", "transformer/config.json' is not a valid JSON file"),
+        ("scheduler/scheduler_config.json", "truncate", "scheduler_config.json' is not a valid JSON file"),
+        ("vae/config.json", "delete", "no file named config.json found in directory"),
+    ],
+)
+def test_a_component_config_the_loaders_cannot_read_is_one_line_with_the_fix(
+    flux_folder, tmp_path, file, damage, fragment
+) -> None:
+    """diffusers raised an OSError without an errno, which the CLI printed as a traceback."""
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    if damage == "delete":
+        (broken / file).unlink()
+    else:
+        (broken / file).write_text((broken / file).read_text()[:10])
+    with pytest.raises(ValueError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"model {str(broken)!r} could not be loaded from {broken} (")
+    assert fragment in msg and "hf download black-forest-labs/FLUX.1-dev" in msg
+
+
 def test_uncached_hub_id_fails_fast_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()

@@ -17,7 +17,9 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..console import stderr_line
 from ..models.adapter import Cond, ModelAdapter
+from ..rewards.weights import safetensors_damage
 
 
 def _tokenizer_identity(tokenizer: object) -> str:
@@ -73,8 +75,16 @@ class PromptCache:
         return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
     def _load(self, key: str) -> Cond | None:
+        """The stored conditioning of ``key``; None when it is not on disk or its file is damaged.
+
+        A damaged file (truncated, garbled) is a miss, said in one warning line: the prompt is encoded
+        again and the file rewritten, so a bad cache entry never stops a run.
+        """
         path = self.directory / f"{key}.safetensors" if self.directory else None
         if path is None or not path.is_file():
+            return None
+        if (reason := safetensors_damage(path)) is not None:
+            stderr_line(f"flowrl: warning: prompt cache file {path} is damaged ({reason}); encoding its prompt again")
             return None
         return load_file(str(path))
 

@@ -33,6 +33,21 @@ def test_disk_cache_is_reused_by_a_new_instance(tiny_sd3, tmp_path):
     torch.testing.assert_close(reused["encoder_hidden_states"], cond["encoder_hidden_states"], rtol=0, atol=0)
 
 
+def test_a_damaged_cache_file_is_a_miss_that_is_encoded_again_and_rewritten(tiny_sd3, tmp_path, capsys):
+    first = PromptCache(tiny_sd3, tmp_path)
+    cond = first.encode(["a handwritten 7"])
+    (path,) = (tmp_path / first.fingerprint).glob("*.safetensors")
+    path.write_bytes(path.read_bytes()[:50])
+    second = PromptCache(tiny_sd3, tmp_path)
+    again = second.encode(["a handwritten 7"])
+    assert second.misses == 1 and second.hits == 0
+    assert f"flowrl: warning: prompt cache file {path} is damaged (" in capsys.readouterr().err
+    torch.testing.assert_close(again["encoder_hidden_states"], cond["encoder_hidden_states"], rtol=0, atol=0)
+    third = PromptCache(tiny_sd3, tmp_path)  # the file was rewritten whole
+    third.encode(["a handwritten 7"])
+    assert third.hits == 1 and "warning" not in capsys.readouterr().err
+
+
 def test_other_weights_give_another_fingerprint(tiny_sd3):
     other = SD3Adapter(tiny_sd3_pipeline(seed=1), max_sequence_length=2, resolution=(8, 8))
     assert model_fingerprint(tiny_sd3) != model_fingerprint(other)

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
+from .weights import safetensors_damage
+
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -82,12 +84,11 @@ def load_shipped(model: M, path: str | Path, *, fmt: str, what: str, regenerate:
     fix = f"regenerate them with `{regenerate}`"
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found at {path}; {fix}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            found = (f.metadata() or {}).get("format")
-        state = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several error types for corrupt files
-        raise ValueError(f"{what} at {path} are corrupt ({type(err).__name__}); {fix}") from err
+    if (reason := safetensors_damage(path)) is not None:
+        raise ValueError(f"{what} at {path} are corrupt ({reason}); {fix}")
+    with safe_open(str(path), framework="pt") as f:
+        found = (f.metadata() or {}).get("format")
+    state = load_file(str(path))
     if found != fmt:
         raise ValueError(f"{path} does not hold {what} (format {fmt!r}; got {found!r}); {fix}")
     try:

@@ -83,9 +83,9 @@ def check_weights(folder: Path, model: str, fix: str | None = None) -> None:
 
     Components are the subfolders named in ``model_index.json`` that hold a ``config.json`` (models;
     tokenizers and schedulers have other config files) or that are missing altogether. Each
-    ``.safetensors`` file's header is read (not its tensors), which
-    catches a truncated, overlong or garbled file before a loader fails on it without naming it; a
-    shard index must be valid JSON and every shard it lists must exist.
+    ``.safetensors`` file's header is read (not its tensors), which catches a truncated, overlong or
+    garbled file before a loader fails on it without naming it; a shard index must be valid JSON and
+    every shard it lists must exist.
 
     Args:
         folder: the pipeline folder.

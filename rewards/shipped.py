@@ -78,7 +78,6 @@ def load_shipped(model: M, path: str | Path, *, fmt: str, what: str, regenerate:
             tensors do not match ``model`` (missing, unexpected or misshapen).
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     path = Path(path)
     fix = f"regenerate them with `{regenerate}`"
@@ -86,9 +85,9 @@ def load_shipped(model: M, path: str | Path, *, fmt: str, what: str, regenerate:
         raise FileNotFoundError(f"{what} not found at {path}; {fix}")
     if (reason := safetensors_damage(path)) is not None:
         raise ValueError(f"{what} at {path} are corrupt ({reason}); {fix}")
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="pt") as f:  # one open for the tag and the tensors
         found = (f.metadata() or {}).get("format")
-    state = load_file(str(path))
+        state = {name: f.get_tensor(name) for name in f.keys()}
     if found != fmt:
         raise ValueError(f"{path} does not hold {what} (format {fmt!r}; got {found!r}); {fix}")
     try:

@@ -16,7 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch import ACCELERATE, OBJECTIVES, ROOT, TINY, assert_same_lora, env, lora, one_process_run, train_two
+from test_launch import (
+    ACCELERATE,
+    FREE_PORT,
+    OBJECTIVES,
+    ROOT,
+    TINY,
+    assert_same_lora,
+    env,
+    lora,
+    one_process_run,
+    train_two,
+)
 from test_sharding import (
     assert_checkpoints_as_one_process_and_exact_resume,
     assert_diffusers_loads_lora,
@@ -67,7 +78,7 @@ def test_zero_two_processes_train_the_same_lora_as_one(case, tmp_path, tmp_path_
 @pytest.mark.parametrize("stage", (1, 2, 3))
 def test_a_bad_step_is_undone_exactly(stage):
     """A weight-check fault and a non-finite gradient: weights, masters and moments restored (zero_step_check.py)."""
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
+    cmd = [ACCELERATE, "launch", *FREE_PORT, "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
     cmd += [str(Path(__file__).with_name("zero_step_check.py")), str(stage)]
     result = subprocess.run(
         cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=300
@@ -109,7 +120,7 @@ def test_a_deepspeed_launch_without_gpus_or_use_cpu_is_refused_on_every_rank(tmp
         pytest.skip("this machine has GPUs: accelerate joins the DeepSpeed processes there")
     script = tmp_path / "probe.py"
     script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
-    launch = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")]
+    launch = [ACCELERATE, "launch", *FREE_PORT, "--config_file", str(ROOT / "configs/accelerate/deepspeed_zero2.yaml")]
     out = subprocess.run(
         [*launch, "--num_processes", "2", str(script)],
         env={**without_use_cpu(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")},

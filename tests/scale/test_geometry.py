@@ -139,7 +139,7 @@ def test_fsdp_launch_without_gpus_is_refused_on_every_rank(tmp_path: Path):
     script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
     accelerate = Path(sys.executable).with_name("accelerate")
     out = subprocess.run(
-        [str(accelerate), "launch", "--config_file", str(config), str(script)],
+        [str(accelerate), "launch", "--main_process_port", "0", "--config_file", str(config), str(script)],
         capture_output=True,
         text=True,
         timeout=180,

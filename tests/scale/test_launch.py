@@ -22,6 +22,9 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# accelerate picks a free rendezvous port: launches of two suites (or two pytest-xdist workers) on one host
+# never meet on its default 29500
+FREE_PORT = ("--main_process_port", "0")
 TINY = [
     "sampler.num_steps=3",
     "train.iterations=2",
@@ -115,7 +118,12 @@ def one_process_run(args: list[str], temp: pytest.TempPathFactory) -> Path:
 
 def train_two(args: list[str], out: Path, *launch: str) -> subprocess.CompletedProcess:
     """``accelerate launch`` with 2 CPU processes (gloo) of ``flowrl train``."""
-    cmd = [ACCELERATE, "launch", *(launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")))]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        *FREE_PORT,
+        *(launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"))),
+    ]
     cmd += ["-m", "flowrl", "train", *args, f"output.dir={out}"]
     return subprocess.run(
         cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=600
@@ -296,7 +304,7 @@ def test_a_failure_on_one_rank_ends_the_launch_with_its_line_and_one_line_of_the
         "    return reward\n"
     )
     args = [*OBJECTIVES["flow_grpo"], *TINY, "train.iterations=4", 'rewards={"rank_one_reward:make": {"weight": 1.0}}']
-    cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
+    cmd = [ACCELERATE, "launch", *FREE_PORT, "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml")]
     cmd += ["-m", "flowrl", "train", *args, f"output.dir={tmp_path / 'run'}"]
     launch_env = env(ACCELERATE_USE_CPU="true", PYTHONPATH=str(tmp_path))
     result = subprocess.run(cmd, cwd=ROOT, env=launch_env, capture_output=True, text=True, timeout=600)
@@ -339,7 +347,7 @@ def train_faulty(out: Path, processes: int, fault: str, *extra: str) -> subproce
     args = [str(FAULT), str(out), "0", fault, *OBJECTIVES["flow_grpo"], *TINY, *extra]
     cmd = [sys.executable, *args]
     if processes == 2:
-        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"), *args]
+        cmd = [ACCELERATE, "launch", *FREE_PORT, "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"), *args]
     return subprocess.run(
         cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=400
     )

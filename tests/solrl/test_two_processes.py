@@ -44,7 +44,8 @@ def _env(**extra: str) -> dict[str, str]:
 def _train(args: list[str], out: Path, processes: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "flowrl", "train"]
     if processes > 1:
-        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"), "-m", "flowrl"]
+        cmd = [ACCELERATE, "launch", "--main_process_port", "0"]  # a free port: never a clash on 29500
+        cmd += ["--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"), "-m", "flowrl"]
         cmd += ["train"]
     env = _env(ACCELERATE_USE_CPU="true") if processes > 1 else _env()
     return subprocess.run(

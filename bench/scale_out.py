@@ -57,8 +57,8 @@ def train_command(processes: int, env: dict[str, str]) -> list[str]:
         return [sys.executable, "-m", "flowrl", "train"]
     env["ACCELERATE_USE_CPU"] = "true"
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]
-    return cmd + ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train"]
+    cmd = [accelerate, "launch", "--main_process_port", "0", "--multi_gpu", "--num_processes", str(processes)]
+    return cmd + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train"]
 
 
 def median_iteration(out: Path) -> float:

@@ -369,3 +369,39 @@ def test_test_module_basenames_are_unique():
             other = seen[path.name].relative_to(ROOT)
             pytest.fail(f"{path.relative_to(ROOT)} and {other} share a basename; rename one")
         seen[path.name] = path
+
+
+def launches_without_a_free_port(source: str) -> list[int]:
+    """Lines of ``source`` that build an ``accelerate launch`` command they run without ``--main_process_port``.
+
+    A run command names the executable through a variable (``ACCELERATE``, ``accelerate``, ``str(accelerate)``);
+    the literal string ``"accelerate"`` is only parsed (tests/scale/test_geometry.py), never run. A run command
+    must pass ``--main_process_port`` (``*FREE_PORT``, tests/scale/test_launch.py): on accelerate's default 29500,
+    two launches at once (two pytest-xdist workers, two suites on one host) refuse each other.
+    """
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.List) or len(node.elts) < 2:
+            continue
+        head, verb = node.elts[:2]
+        if not (isinstance(verb, ast.Constant) and verb.value == "launch") or isinstance(head, ast.Constant):
+            continue
+        port = any(isinstance(e, ast.Constant) and e.value == "--main_process_port" for e in node.elts) or any(
+            isinstance(e, ast.Starred) and isinstance(e.value, ast.Name) and e.value.id == "FREE_PORT"
+            for e in node.elts
+        )
+        if not port:
+            bad.append(node.lineno)
+    return bad
+
+
+def test_launches_without_a_free_port_are_found():
+    source = 'a = [ACCELERATE, "launch", "-m", "flowrl"]\nb = [str(x), "launch", "--main_process_port", "0"]\n'
+    source += 'c = [ACCELERATE, "launch", *FREE_PORT]\nd = ["accelerate", "launch", "--cpu"]\ne = [x, "launch", y]\n'
+    assert launches_without_a_free_port(source) == [1, 5]
+
+
+def test_every_accelerate_launch_the_tests_and_benches_run_takes_a_free_port():
+    files = sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")])
+    bad = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in launches_without_a_free_port(f.read_text())]
+    assert not bad, f"accelerate launch without --main_process_port 0 (FREE_PORT in tests/scale/test_launch.py): {bad}"

@@ -74,6 +74,8 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
         [
             str(accelerate),
             "launch",
+            "--main_process_port",
+            "0",
             "--cpu",
             "--num_processes",
             "2",
@@ -93,9 +95,13 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout  # one process, 2 asked for
     if not torch.cuda.is_available():  # without --multi_gpu and without GPUs accelerate starts one process too
-        plain = [str(accelerate), "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+        plain = [str(accelerate), "launch", "--main_process_port", "0", "--num_processes", "2", "--num_machines", "1"]
         out = subprocess.run(
-            [*plain, "--dynamo_backend", "no", str(script)], capture_output=True, text=True, timeout=120, env=env
+            [*plain, "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout

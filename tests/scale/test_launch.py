@@ -118,13 +118,8 @@ def one_process_run(args: list[str], temp: pytest.TempPathFactory) -> Path:
 
 def train_two(args: list[str], out: Path, *launch: str) -> subprocess.CompletedProcess:
     """``accelerate launch`` with 2 CPU processes (gloo) of ``flowrl train``."""
-    cmd = [
-        ACCELERATE,
-        "launch",
-        *FREE_PORT,
-        *(launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"))),
-    ]
-    cmd += ["-m", "flowrl", "train", *args, f"output.dir={out}"]
+    launch = launch or ("--config_file", str(ROOT / "configs/accelerate/cpu_gloo.yaml"))
+    cmd = [ACCELERATE, "launch", *FREE_PORT, *launch, "-m", "flowrl", "train", *args, f"output.dir={out}"]
     return subprocess.run(
         cmd, cwd=ROOT, env=env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True, timeout=600
     )

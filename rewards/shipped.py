@@ -86,10 +86,9 @@ def load_shipped(model: M, path: str | Path, *, fmt: str, what: str, regenerate:
     if (reason := safetensors_damage(path)) is not None:
         raise ValueError(f"{what} at {path} are corrupt ({reason}); {fix}")
     with safe_open(str(path), framework="pt") as f:  # one open for the tag and the tensors
-        found = (f.metadata() or {}).get("format")
+        if (found := (f.metadata() or {}).get("format")) != fmt:  # refused before any tensor is read
+            raise ValueError(f"{path} does not hold {what} (format {fmt!r}; got {found!r}); {fix}")
         state = {name: f.get_tensor(name) for name in f.keys()}
-    if found != fmt:
-        raise ValueError(f"{path} does not hold {what} (format {fmt!r}; got {found!r}); {fix}")
     try:
         model.load_state_dict(state)
     except RuntimeError as err:

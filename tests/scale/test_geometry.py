@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_launch import FREE_PORT
 
 from flowrl.distributed import check_rank_device, derive_geometry, silent_single_process, single_process_message
 
@@ -74,8 +75,7 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
         [
             str(accelerate),
             "launch",
-            "--main_process_port",
-            "0",
+            *FREE_PORT,
             "--cpu",
             "--num_processes",
             "2",
@@ -95,7 +95,7 @@ def test_silent_single_process_under_the_real_launcher(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split().count("asked") == 1 and "asked 2" in out.stdout  # one process, 2 asked for
     if not torch.cuda.is_available():  # without --multi_gpu and without GPUs accelerate starts one process too
-        plain = [str(accelerate), "launch", "--main_process_port", "0", "--num_processes", "2", "--num_machines", "1"]
+        plain = [str(accelerate), "launch", *FREE_PORT, "--num_processes", "2", "--num_machines", "1"]
         out = subprocess.run(
             [*plain, "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
             capture_output=True,
@@ -145,7 +145,7 @@ def test_fsdp_launch_without_gpus_is_refused_on_every_rank(tmp_path: Path):
     script.write_text("from flowrl.distributed import join_launch\njoin_launch()\nprint('joined')\n")
     accelerate = Path(sys.executable).with_name("accelerate")
     out = subprocess.run(
-        [str(accelerate), "launch", "--main_process_port", "0", "--config_file", str(config), str(script)],
+        [str(accelerate), "launch", *FREE_PORT, "--config_file", str(config), str(script)],
         capture_output=True,
         text=True,
         timeout=180,

@@ -19,7 +19,8 @@ Precisions (``PRECISIONS``):
   with compute capability >= 8.9 (activations scaled per tensor / per row dynamically; layers
   whose dims are not multiples of 16 stay full precision). See :mod:`flowrl.policy.fp8`.
 - ``"int8_dynamic"``: ``torch.ao`` dynamic int8 quantisation of the selected layers (CPU, fp32).
-- ``"native_nvfp4"``: torchao's NVFP4 W4A4 on a Blackwell GPU (compute capability >= 10.0).
+- ``"native_nvfp4"``: torchao's NVFP4 W4A4 on a Blackwell GPU (compute capability >= 10.0); layers
+  whose dims are not multiples of 16 stay full precision (torchao refuses them).
 
 Which layers (``QuantRule``): like Sol-RL's ``replace_linear_with_te``, embedders and the final
 layers stay at the policy's precision (name patterns, fnmatch on the module's dotted name), and
@@ -159,7 +160,8 @@ def build_explore(
     _merge_lora(module, adapter)
     module.requires_grad_(False).eval()
     chosen = tuple(n for n, m in module.named_modules() if rule.selects(n, m)) if precision in QUANTISED else ()
-    if precision == "fp8_e4m3" and not emulate:  # torch._scaled_mm needs both dims divisible by 16
+    if (precision == "fp8_e4m3" and not emulate) or precision == "native_nvfp4":
+        # torch._scaled_mm and torchao's NVFP4 (which raises otherwise) need both weight dims divisible by 16
         chosen = tuple(n for n in chosen if not any(d % 16 for d in module.get_submodule(n).weight.shape))
     if precision in QUANTISED and not chosen:
         raise ValueError(f"QuantRule {rule} selects no Linear layer for precision={precision!r}; lower min_features")
@@ -309,7 +311,7 @@ def _check_native_nvfp4(device: torch.device) -> None:
             f"native_nvfp4 needs compute capability >= 10.0 (Blackwell); this GPU is {major}.{minor}; {fix}"
         )
     if importlib.util.find_spec("torchao") is None:
-        raise ValueError(f"native_nvfp4 needs torchao's NVFP4 (pip install torchao); it is not installed; {fix}")
+        raise ValueError(f"native_nvfp4 needs torchao (pip install 'flowrl[torchao]'); it is not installed; {fix}")
 
 
 def _merge_lora(module: nn.Module, adapter: str) -> None:
@@ -431,7 +433,14 @@ def _int8_dynamic(linear: nn.Linear) -> nn.Module:
 
 
 def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
-    """Quantise the named Linear layers to NVFP4 W4A4 with torchao (Blackwell; untested without one)."""
+    """Quantise the named Linear layers to NVFP4 W4A4 with torchao (Blackwell).
+
+    Their weights become torchao ``NVFP4Tensor`` objects in the format of :mod:`flowrl.kernels.nvfp4`: the same
+    codes, block scales and tensor scale as our reference (``tests/core/test_native_nvfp4.py``, run on the CPU
+    with torchao's own sm100 check lifted, since the matmul itself needs Blackwell), except that torchao
+    clamps block scales to E4M3's smallest normal (2^-6, ours its smallest subnormal 2^-9) and multiplies by a
+    reciprocal (its codes may differ at exact E2M1 ties). Activations are quantised per call on the GPU.
+    """
     from torchao.quantization import quantize_
 
     try:

@@ -439,7 +439,9 @@ def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
     codes, block scales and tensor scale as our reference (``tests/core/test_native_nvfp4.py``, run on the CPU
     with torchao's own sm100 check lifted, since the matmul itself needs Blackwell), except that torchao
     clamps block scales to E4M3's smallest normal (2^-6, ours its smallest subnormal 2^-9) and multiplies by a
-    reciprocal (its codes may differ at exact E2M1 ties). Activations are quantised per call on the GPU.
+    reciprocal (its codes may differ at exact E2M1 ties). Activations are quantised per call on the GPU, by
+    torchao's Triton kernel where its ``mslk`` package is installed (``pip install mslk-cuda``) and in torch
+    otherwise: torchao's default would import ``mslk`` at the first forward and fail there without it.
     """
     from torchao.quantization import quantize_
 
@@ -450,7 +452,8 @@ def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
             "native_nvfp4 needs torchao with NVFP4DynamicActivationNVFP4WeightConfig; upgrade torchao"
         ) from err
     selected = set(names)
-    quantize_(module, Config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
+    config = Config(use_triton_kernel=importlib.util.find_spec("mslk") is not None)
+    quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
     return module
 
 

@@ -180,6 +180,23 @@ def test_native_nvfp4_keeps_layers_whose_dims_are_not_multiples_of_16_at_full_pr
         precision._native_nvfp4(nn.Sequential(nn.Linear(48, 40)), ("0",))
 
 
+def test_native_nvfp4_quantises_activations_in_torch_when_mslk_is_not_installed(ao, blackwell_gates_lifted) -> None:
+    """torchao's default quantises activations with a Triton kernel from the separate ``mslk`` package, imported
+    at the first forward: without it every explore forward on a Blackwell GPU would fail there. The copy asks
+    for torchao's torch quantiser instead, so on this CPU the forward gets past the activations and stops only at
+    the FP4 matmul, which needs the hardware.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("mslk") is not None:
+        pytest.skip("mslk is installed here: the Triton quantiser is the one to use")
+    explore = build_explore(nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16), "native_nvfp4")
+    assert explore.module[0].weight.act_quant_kwargs.use_triton_kernel is False
+    with pytest.raises(Exception) as failure:  # torch._scaled_mm refuses FP4 operands off a Blackwell GPU
+        explore.module(torch.randn(5, 64, dtype=torch.bfloat16))
+    assert "mslk" not in str(failure.value)
+
+
 def test_the_tested_torchao_is_the_pinned_one(ao) -> None:
     """pyproject's ``torchao`` extra pins the version these tests ran against."""
     import torchao

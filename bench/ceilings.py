@@ -11,7 +11,8 @@ clocks on a CPU), on random data (never zeros, which some units run faster):
 - ``copy``: one tensor copied into another, counting bytes read plus bytes written (2 x its size);
 - ``bf16 matmul``: an N x N by N x N bf16 product, 2 N^3 FLOPs;
 - ``fp8 _scaled_mm``: the same product in FP8 E4M3 with per-row / per-column fp32 scales, as
-  ``flowrl.policy.fp8.ScaledMMLinear`` runs it (CUDA with compute capability >= 8.9 only).
+  ``flowrl.policy.fp8.ScaledMMLinear`` runs it (CUDA with compute capability >= 8.9 only), then again with
+  ``use_fast_accum=True`` (``ScaledMMLinear(fast_accum=True)``).
 
 Usage::
 
@@ -22,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -92,8 +94,13 @@ def matmul_ceiling(device: torch.device, n: int, repeats: int, peaks: GpuPeaks |
     return Ceiling(name, f"{n}^3", seconds, 2 * n**3 / seconds, "TFLOP/s", datasheet)
 
 
-def fp8_ceiling(device: torch.device, n: int, repeats: int, peaks: GpuPeaks | None) -> Ceiling:
-    """An n x n x n FP8 E4M3 product with per-row (A) and per-column (B) fp32 scales, bf16 out."""
+def fp8_ceiling(
+    device: torch.device, n: int, repeats: int, peaks: GpuPeaks | None, fast_accum: bool = False
+) -> Ceiling:
+    """An n x n x n FP8 E4M3 product with per-row (A) and per-column (B) fp32 scales, bf16 out.
+
+    ``fast_accum``: ``use_fast_accum`` (the tensor cores' own accumulator, no periodic fp32 promotion).
+    """
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, generator=g, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, generator=g, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
@@ -101,10 +108,13 @@ def fp8_ceiling(device: torch.device, n: int, repeats: int, peaks: GpuPeaks | No
     scale_b = torch.rand(1, n, generator=g, device=device) + 0.5
 
     def product() -> torch.Tensor:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        )
 
     seconds = median_seconds(product, device, repeats)
-    return Ceiling("fp8 _scaled_mm (row)", f"{n}^3", seconds, 2 * n**3 / seconds, "TFLOP/s", peaks and peaks.fp8_flops)
+    name = "fp8 _scaled_mm (row, fast accumulation)" if fast_accum else "fp8 _scaled_mm (row)"
+    return Ceiling(name, f"{n}^3", seconds, 2 * n**3 / seconds, "TFLOP/s", peaks and peaks.fp8_flops)
 
 
 def fp8_refusal(device: torch.device) -> str | None:
@@ -145,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|---:|")
     ceilings = []
     refusal = fp8_refusal(device)
-    measures = [copy_ceiling, matmul_ceiling] + ([fp8_ceiling] if refusal is None else [])
-    for measure, size in zip(measures, (gib, n, n)):
+    fp8_fast = functools.partial(fp8_ceiling, fast_accum=True)
+    measures = [copy_ceiling, matmul_ceiling] + ([fp8_ceiling, fp8_fast] if refusal is None else [])
+    for measure, size in zip(measures, (gib, n, n, n)):
         ceilings.append(measure(device, size, args.repeats, peaks))
         print(row(ceilings[-1]), flush=True)
     if refusal is not None:

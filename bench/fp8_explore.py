@@ -11,7 +11,9 @@ variants build the copy with ``fuse_under_compile=True``: under ``--compile`` th
 traced from torch operators, which the compiler may fuse into the norm or modulation before it,
 instead of the opaque kernel operator (eager calls run the kernel either way). The ``:unshared`` variants
 quantise each Linear's input separately, as before 2026-11-29; the others quantise a tensor that several
-Linears read (q / k / v, FLUX's ``proj_mlp``) once (:mod:`flowrl.policy.shared_input`).
+Linears read (q / k / v, FLUX's ``proj_mlp``) once (:mod:`flowrl.policy.shared_input`). The ``:fastacc``
+variants run the FP8 GEMMs with ``use_fast_accum`` (``build_explore(fast_accum=True)``: the tensor cores' own
+accumulator, as inference stacks run FP8 forwards), the others with torch's default promotion to fp32.
 
 Models: the transformers of ``bench/gpu_plan.py`` built from their published configs with random
 bf16 weights and the shipped LoRA (``bench.gpu_measure``'s builder: nothing is downloaded; speed does
@@ -74,6 +76,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (precision, build
     "fp8_e4m3:tensor:fused": ("fp8_e4m3", {"scaling": "tensor", "fuse_under_compile": True}),
     "fp8_e4m3:row:fused": ("fp8_e4m3", {"scaling": "row", "fuse_under_compile": True}),
     "fp8_e4m3:row:unshared": ("fp8_e4m3", {"scaling": "row", "share_inputs": False}),
+    "fp8_e4m3:tensor:fastacc": ("fp8_e4m3", {"scaling": "tensor", "fast_accum": True}),
+    "fp8_e4m3:row:fastacc": ("fp8_e4m3", {"scaling": "row", "fast_accum": True}),
+    "fp8_e4m3:row:fused:fastacc": ("fp8_e4m3", {"scaling": "row", "fuse_under_compile": True, "fast_accum": True}),
     "nvfp4": ("nvfp4", {}),
     "nvfp4:act": ("nvfp4", {"activations": True}),
     "nvfp4:act:unshared": ("nvfp4", {"activations": True, "share_inputs": False}),

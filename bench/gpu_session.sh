@@ -63,7 +63,8 @@ step ceilings 30 python3 -m bench.ceilings --json "$OUT/ceilings.json"
 # The tests rewritten after round 2: the fused Flow-SDE gradient held to float64, the bench's FP8 sweep bit check;
 # memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's
 # copy without a stream sync (new); FP8 layers sharing one quantised input (new 2026-11-29); bf16 rollouts on the
-# training attention kernels, first-update ratio exactly 1 (new 2026-11-29, session 20).
+# training attention kernels, first-update ratio exactly 1 (new 2026-11-29, session 20); FP8 fast accumulation
+# (new 2026-12-07).
 step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
   tests/kernels/test_bench_kernels.py "tests/test_cuda.py::test_the_default_job_under_cudagraphs_replays_the_eager_kernels" \
   "tests/test_cuda.py::test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise" \
@@ -71,6 +72,8 @@ step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_s
   "tests/test_cuda.py::test_bf16_tiny_sd3_with_sd35_head_width_keeps_the_ratio_one_on_cuda" \
   tests/kernels/test_fp8.py::test_fp8_layers_sharing_an_input_quantise_it_once \
   tests/core/test_precision.py::test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh \
+  tests/kernels/test_fp8.py::test_fast_accum_is_passed_to_scaled_mm_and_changes_only_the_accumulation \
+  tests/core/test_precision.py::test_fast_accum_reaches_every_fp8_layer_survives_a_refresh_and_stays_close \
   -p no:cacheprovider
 
 # Issue 17: the default job under CUDA graphs of the eager kernels (memory.compile=cudagraphs: seconds of tracing per
@@ -81,9 +84,11 @@ keep_run /tmp/default-cudagraphs default_job_cudagraphs
 
 # Issue 15: compiled FP8 explore against compiled bf16, block by block (one graph per block variant, 3 for
 # SD3.5-M's 24 blocks; round 1's whole-model FP8 compiles outlasted 170 s, round 2's bf16 + FP8 its 91 s cap);
-# ":fused" traces the activation quantiser from torch operators so inductor can fuse it into the op before.
+# ":fused" traces the activation quantiser from torch operators so inductor can fuse it into the op before;
+# ":fastacc" (new 2026-12-07) runs the FP8 GEMMs with use_fast_accum, as inference stacks do (step 5b measures it
+# eagerly against the default accumulation).
 step fp8_compiled_blocks 170 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --compile default \
-  --compile-scope blocks --variants bf16 fp8_e4m3:row fp8_e4m3:row:fused
+  --compile-scope blocks --variants bf16 fp8_e4m3:row:fused fp8_e4m3:row:fused:fastacc
 
 # Issue 15: the per-Linear ledger (bf16 vs quantise vs _scaled_mm: where FP8's GEMM gain goes), then the FP8
 # quantiser's GPU time and launch configurations (each a Triton compile: printed last).
@@ -94,10 +99,10 @@ step gpu_measure_sd3_compiled 60 python3 -m bench.gpu_measure --models SD3.5-M -
   --compile default --compile-scope blocks
 
 # Issue 15: eager FP8 with each activation quantised once for the Linears that read it (q / k / v; new 2026-11-29)
-# against one quantisation per Linear (round 2's 0.91x bf16), SD3.5-M.
+# against one quantisation per Linear (round 2's 0.91x bf16), and with fast accumulation (new 2026-12-07), SD3.5-M.
 # 12 seeds a prompt (48 candidates): round 2's 24 took 56 s for three copies.
-step fp8_shared_inputs 50 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --seeds 12 \
-  --variants bf16 fp8_e4m3:row:unshared fp8_e4m3:row
+step fp8_shared_inputs 65 python3 -m bench.fp8_explore --models SD3.5-M --repeats 1 --seeds 12 \
+  --variants bf16 fp8_e4m3:row:unshared fp8_e4m3:row fp8_e4m3:row:fastacc
 
 # With what is left: FLUX.1-dev's FP8 explore (eager) and its batch-16 training row with the OOM diagnosis (141 GB on
 # an H200: it may fit).

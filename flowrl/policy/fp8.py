@@ -71,6 +71,12 @@ class ScaledMMLinear(nn.Module):
     ``shared_input``: a :class:`~flowrl.policy.shared_input.SharedInput` shared by the model's FP8
     layers; a layer that reads the tensor the previous one quantised (q / k / v) takes its codes and
     scales instead of quantising again (eager only; bit for bit the same output).
+
+    ``fast_accum``: ``torch._scaled_mm``'s ``use_fast_accum``: Hopper's FP8 tensor cores accumulate in
+    their own reduced-precision accumulator without promoting partial sums to fp32 every few K-steps,
+    as inference stacks do in the forward pass (Transformer Engine's fprop, torchao's float8
+    inference). Faster GEMMs, a slightly less exact sum; off by default until measured on a GPU
+    (``bench.fp8_explore``'s ``:fastacc`` variants, docs/gpu-session.md).
     """
 
     def __init__(
@@ -80,11 +86,13 @@ class ScaledMMLinear(nn.Module):
         *,
         fuse_under_compile: bool = False,
         shared_input: SharedInput | None = None,
+        fast_accum: bool = False,
     ):
         super().__init__()
         self.scaling = scaling
         self.fuse_under_compile = fuse_under_compile
         self.shared_input = shared_input
+        self.fast_accum = fast_accum
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scale = fp8_quantize(linear.weight.detach(), scaling)
         self.register_buffer("weight", weight)
@@ -102,7 +110,13 @@ class ScaledMMLinear(nn.Module):
         fused = self.bias is not None and x.dtype == torch.bfloat16  # out_dtype bf16 takes only a bf16 bias
         bias = self.bias.to(torch.bfloat16) if fused else None
         out = torch._scaled_mm(
-            q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=bias, out_dtype=torch.bfloat16
+            q,
+            self.weight.t(),
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=bias,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=self.fast_accum,
         )
         out = out.to(x.dtype)
         out = out if self.bias is None or fused else out + self.bias.to(x.dtype)

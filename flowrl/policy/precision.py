@@ -100,6 +100,8 @@ class ExploreModel:
         shared_input: where the copy quantises activations (``activations=True``, or fp8 on
             ``torch._scaled_mm``), the memo that lets sibling layers reading one tensor (q / k / v)
             quantise it once (:mod:`flowrl.policy.shared_input`); None otherwise or when turned off.
+        fast_accum: fp8 on ``torch._scaled_mm`` only: its GEMMs use Hopper's fast accumulation
+            (:class:`~flowrl.policy.fp8.ScaledMMLinear`), also after a refresh.
     """
 
     module: nn.Module
@@ -113,6 +115,7 @@ class ExploreModel:
     backend: Backend
     fuse_under_compile: bool = False
     shared_input: SharedInput | None = None
+    fast_accum: bool = False
 
 
 def build_explore(
@@ -127,6 +130,7 @@ def build_explore(
     backend: Backend = "auto",
     fuse_under_compile: bool = False,
     share_inputs: bool = True,
+    fast_accum: bool = False,
 ) -> ExploreModel:
     """Deep-copy the policy's transformer, merge one LoRA adapter (peft ``merge``) and set its precision.
 
@@ -144,6 +148,8 @@ def build_explore(
             activations with torch operators the compiler can fuse (``ScaledMMLinear``).
         share_inputs: where activations are quantised, quantise a tensor that several layers read
             (q / k / v) once and hand the result to each (eager calls; the same output bit for bit).
+        fast_accum: "fp8_e4m3" on ``torch._scaled_mm``: accumulate the FP8 GEMMs in the tensor cores'
+            fast accumulator (``use_fast_accum``; off by default until measured on a GPU).
 
     Returns:
         The :class:`ExploreModel`, in eval mode.
@@ -155,7 +161,7 @@ def build_explore(
     """
     rule = rule or QuantRule()
     transformer = policy_transformer(policy)
-    emulate = _check_request(precision, transformer, activations, scaling, emulate, fuse_under_compile)
+    emulate = _check_request(precision, transformer, activations, scaling, emulate, fuse_under_compile, fast_accum)
     module = copy.deepcopy(transformer)
     _merge_lora(module, adapter)
     module.requires_grad_(False).eval()
@@ -178,6 +184,7 @@ def build_explore(
         backend,
         fuse_under_compile,
         SharedInput() if share_inputs and quantises_inputs else None,
+        fast_accum,
     )
     _apply_precision(explore, io_dtype=_float_dtype(transformer))
     if explore.shared_input is not None:  # the memo's last activation is not kept past the forward
@@ -237,6 +244,7 @@ def _check_request(
     scaling: str,
     emulate: bool | None,
     fuse_under_compile: bool = False,
+    fast_accum: bool = False,
 ) -> bool:
     """Validate the options before any copy; returns the resolved ``emulate``."""
     if precision not in PRECISIONS:
@@ -248,11 +256,12 @@ def _check_request(
     emulate = check_explore_device(
         precision, module_device(transformer), _float_dtype(transformer), activations=activations, emulate=emulate
     )
-    if fuse_under_compile and (precision != "fp8_e4m3" or emulate):
-        raise ValueError(
-            "fuse_under_compile applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
-            f"got precision={precision!r}, emulate={emulate}"
-        )
+    for name, value in (("fuse_under_compile", fuse_under_compile), ("fast_accum", fast_accum)):
+        if value and (precision != "fp8_e4m3" or emulate):
+            raise ValueError(
+                f"{name} applies to fp8_e4m3 on torch._scaled_mm (CUDA, emulate=False); "
+                f"got precision={precision!r}, emulate={emulate}"
+            )
     return emulate if precision == "fp8_e4m3" else precision == "nvfp4"
 
 
@@ -379,6 +388,7 @@ def _load_weight(explore: ExploreModel, name: str, weight: Tensor) -> None:
             explore.scaling,
             fuse_under_compile=explore.fuse_under_compile,
             shared_input=explore.shared_input,
+            fast_accum=explore.fast_accum,
         )
         _set_submodule(explore.module, name, layer)
     elif explore.precision == "int8_dynamic":

@@ -274,6 +274,8 @@ def test_the_copy_records_whether_its_precision_is_emulated(policy) -> None:
         ({"precision": "fp8_e4m3", "scaling": "block"}, "scaling must be"),
         ({"precision": "fp8_e4m3", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
         ({"precision": "nvfp4", "fuse_under_compile": True}, "fuse_under_compile applies to fp8_e4m3 on"),
+        ({"precision": "fp8_e4m3", "fast_accum": True}, "fast_accum applies to fp8_e4m3 on"),
+        ({"precision": "bf16", "fast_accum": True}, "fast_accum applies to fp8_e4m3 on"),
     ],
 )
 def test_bad_requests_are_one_line_errors(policy, kwargs, match):
@@ -350,6 +352,28 @@ def test_fuse_under_compile_reaches_every_fp8_layer_and_survives_a_refresh(tiny_
     refresh(explore, tiny_sd3)
     layers = [m for m in explore.module.modules() if isinstance(m, ScaledMMLinear)]
     assert layers and all(layer.fuse_under_compile for layer in layers)
+
+
+@pytest.mark.cuda
+@NEEDS_SCALED_MM
+def test_fast_accum_reaches_every_fp8_layer_survives_a_refresh_and_stays_close(tiny_sd3):
+    """Every ScaledMMLinear of a ``fast_accum`` copy accumulates fast, also after a refresh; its velocity stays
+    within 2 % (relative L2) of the default copy's, whose FP8 codes and scales are the same."""
+    from flowrl.policy.fp8 import ScaledMMLinear
+
+    params = lora_policy_on_cuda(tiny_sd3)
+    rule = QuantRule(min_features=0)
+    fast, precise = (build_explore(tiny_sd3, "fp8_e4m3", rule=rule, fast_accum=f) for f in (True, False))
+    perturb(params, seed=1)
+    refresh(fast, tiny_sd3)
+    refresh(precise, tiny_sd3)
+    layers = [m for m in fast.module.modules() if isinstance(m, ScaledMMLinear)]
+    assert layers and all(layer.fast_accum for layer in layers)
+    assert not any(m.fast_accum for m in precise.module.modules() if isinstance(m, ScaledMMLinear))
+    inputs = tiny_sd3_transformer_inputs(0, "cuda")
+    with torch.no_grad():
+        a, b = (e.module(**inputs)[0].float() for e in (fast, precise))
+    assert (a - b).norm() <= 0.02 * b.norm()
 
 
 @pytest.mark.cuda

@@ -31,6 +31,8 @@ def test_the_fp8_product_runs_as_scaled_mm_linear_runs_it():
         pytest.skip("this torch's CPU _scaled_mm has no row scaling (2.11: per-tensor only)")
     got = ceilings.fp8_ceiling(torch.device("cpu"), 64, 1, H200)
     assert got.rate == pytest.approx(2 * 64**3 / got.seconds) and got.datasheet == H200.fp8_flops
+    fast = ceilings.fp8_ceiling(torch.device("cpu"), 64, 1, H200, fast_accum=True)
+    assert fast.name == "fp8 _scaled_mm (row, fast accumulation)" and got.name == "fp8 _scaled_mm (row)"
     assert "needs CUDA" in ceilings.fp8_refusal(torch.device("cpu"))  # the bench runs it on CUDA >= 8.9 only
 
 

@@ -81,7 +81,7 @@ def test_the_roofline_columns_use_the_peaks_of_the_gpu_the_bench_runs_on():
 
 
 def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch):
-    """The ledger's five parts per shape, on the CPU's ``_scaled_mm`` (the bench runs it on CUDA only)."""
+    """The ledger's seven parts per shape, on the CPU's ``_scaled_mm`` (the bench runs it on CUDA only)."""
     if not cpu_scaled_mm_supports("row"):
         pytest.skip("this torch's CPU _scaled_mm has no row scaling (2.11: per-tensor only)")
     monkeypatch.setattr(bench, "FP8_LINEARS", [(37, 32, 48)])
@@ -92,10 +92,11 @@ def test_the_fp8_linear_ledger_runs_each_part_on_the_cpus_scaled_mm(monkeypatch)
         "quantise (row)",
         "quantise (row), via the operator",
         "_scaled_mm (row, quantised input)",
+        "_scaled_mm (row, quantised input), fast accumulation",
         "ScaledMMLinear row",
         "ScaledMMLinear tensor",
     ]
     tflops = [line.split(" | ")[-1].rstrip(" |") for line in lines]
     assert lines[0].split(" | ")[-2] == "1.00"  # the bf16 row is the ratio's base
-    assert [t == "-" for t in tflops] == [False, True, True, False, False, False]  # only the quantiser has no GEMM
+    assert [t == "-" for t in tflops] == [False, True, True, False, False, False, False]  # the quantiser: no GEMM
     assert all(line.count("|") == bench.LEDGER_HEADER[1].count("|") for line in lines)

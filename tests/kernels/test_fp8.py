@@ -246,6 +246,31 @@ def test_scaled_mm_linear_matches_the_old_forward(device, scaling, dtype, bias, 
 
 @pytest.mark.parametrize("device", SCALED_MM_DEVICES)
 @pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_fast_accum_is_passed_to_scaled_mm_and_changes_only_the_accumulation(device, scaling, monkeypatch):
+    """``fast_accum`` reaches ``torch._scaled_mm`` (``use_fast_accum``); same codes and scales, so the output
+    is the default layer's but for the sum's rounding: within 2^-7 of |x| |W| per entry (K = 256)."""
+    if device == "cpu" and not cpu_scaled_mm_supports(scaling):
+        pytest.skip(f"this torch's CPU _scaled_mm has no {scaling} scaling")
+    seen = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: seen.append(kw["use_fast_accum"]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(8)
+    linear = nn.Linear(256, 96).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 256, generator=g) / 16)
+    fast, precise = (ScaledMMLinear(linear, scaling, fast_accum=f).to(device) for f in (True, False))
+    x = torch.randn(2, 40, 256, generator=g).bfloat16().to(device)
+    with torch.no_grad():
+        a, b = fast(x).float(), precise(x).float()
+    assert seen == [True, False]
+    bound = 2.0**-7 * (
+        x.float().abs() @ linear.weight.float().abs().t().to(device)
+    ) + 2.0**-7 * linear.bias.float().abs().to(device)
+    assert ((a - b).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", SCALED_MM_DEVICES)
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
 def test_fp8_layers_sharing_an_input_quantise_it_once(device, scaling, monkeypatch):
     """q / k / v on one tensor: one quantiser call, outputs equal to unshared layers; a write in between requantises."""
     if device == "cpu" and not cpu_scaled_mm_supports(scaling):

@@ -298,27 +298,24 @@ def fp8_linear_rows(device: torch.device, repeats: int) -> Iterator[str]:
         fp8 = {scaling: ScaledMMLinear(linear, scaling) for scaling in ("row", "tensor")}
         q, scale = fp8_quantize_op(x, "row")
         by_row = fp8["row"]
+
+        def scaled_mm(fast: bool) -> torch.Tensor:
+            return torch._scaled_mm(
+                q,
+                by_row.weight.t(),
+                scale_a=scale,
+                scale_b=by_row.weight_scale,
+                bias=by_row.bias,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=fast,
+            )
+
         parts = {
             "bf16 F.linear": lambda: torch.nn.functional.linear(x, linear.weight, linear.bias),
             "quantise (row)": lambda: fp8_quantize_rows(x),  # as ScaledMMLinear calls it in eager code
             "quantise (row), via the operator": lambda: fp8_quantize_op(x, "row"),  # as traced code does
-            "_scaled_mm (row, quantised input)": lambda: torch._scaled_mm(
-                q,
-                by_row.weight.t(),
-                scale_a=scale,
-                scale_b=by_row.weight_scale,
-                bias=by_row.bias,
-                out_dtype=torch.bfloat16,
-            ),
-            "_scaled_mm (row, quantised input), fast accumulation": lambda: torch._scaled_mm(
-                q,
-                by_row.weight.t(),
-                scale_a=scale,
-                scale_b=by_row.weight_scale,
-                bias=by_row.bias,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            ),
+            "_scaled_mm (row, quantised input)": functools.partial(scaled_mm, fast=False),
+            "_scaled_mm (row, quantised input), fast accumulation": functools.partial(scaled_mm, fast=True),
             "ScaledMMLinear row": lambda: fp8["row"](x),
             "ScaledMMLinear tensor": lambda: fp8["tensor"](x),
         }

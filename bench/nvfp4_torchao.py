@@ -16,7 +16,7 @@ Usage (torchao is not in the main venv: put it on the path, as README command (b
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -44,27 +44,36 @@ CASES: dict[str, Callable[[torch.Generator], Tensor]] = {
 
 
 def at_ties(w: Tensor, scales: Tensor, rel: float = 1e-6) -> Tensor:
-    """Where ``|w| / block scale`` (scales: (M, K / 16) fp32) is on an E2M1 rounding boundary: (M * K,) bool."""
-    y = (w.float().reshape(*scales.shape, BLOCK_SIZE) / scales.unsqueeze(-1)).abs().reshape(-1)
+    """Where ``|w| / block scale`` (scales: (M, K / 16) fp32) is on an E2M1 rounding boundary: ``w.shape`` bool."""
+    y = (w.float().reshape(*scales.shape, BLOCK_SIZE) / scales.unsqueeze(-1)).abs().reshape(w.shape)
     return torch.stack([(y - b).abs() <= rel * b for b, _ in E2M1_BOUNDS]).any(dim=0)
+
+
+def torchao_encode(w: Tensor, swizzled: bool = False) -> Any:
+    """Torchao's NVFP4Tensor of ``w`` (M, K) as its dynamic weight config stores it (two-level scales, torch path)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    scale = per_tensor_amax_to_scale(w.abs().max())
+    return NVFP4Tensor.to_nvfp4(w, per_tensor_scale=scale, is_swizzled_scales=swizzled, use_triton_kernel=False)
+
+
+def torchao_codes(t: Any) -> Tensor:
+    """E2M1 codes of a torchao NVFP4Tensor, its shape, with its -0 (code 8) read as +0 as ours writes it."""
+    codes = unpack_fp4(t.qdata.contiguous().view(torch.uint8)).reshape(t.shape)
+    return torch.where(codes == NEGATIVE_ZERO, torch.zeros_like(codes), codes)
 
 
 def compare(w: Tensor) -> dict[str, object]:
     """Encode ``w`` (M, K) with torchao and with ``nvfp4_quantize``; the counts and errors of one table row."""
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-
-    scale = per_tensor_amax_to_scale(w.abs().max())
-    theirs = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=scale, is_swizzled_scales=False, use_triton_kernel=False)
-    ours = nvfp4_quantize(w, backend="torch")
-    their_codes = unpack_fp4(theirs.qdata.contiguous().view(torch.uint8)).reshape(-1)
-    their_codes = torch.where(their_codes == NEGATIVE_ZERO, torch.zeros_like(their_codes), their_codes)
+    theirs, ours = torchao_encode(w), nvfp4_quantize(w, backend="torch")
+    scale = theirs.per_tensor_scale
     their_scales, our_scales = theirs.scale.view(torch.uint8).reshape(-1), ours.scales.view(torch.uint8).reshape(-1)
     reference = w.float()
 
     def error(x_hat: Tensor) -> float:
         return float((x_hat - reference).norm() / reference.norm())
 
-    differ = their_codes != unpack_fp4(ours.codes).reshape(-1)
+    differ = torchao_codes(theirs) != unpack_fp4(ours.codes).reshape(w.shape)
     ties = at_ties(w, ours.scales.float() * ours.tensor_scale)
     return {
         "codes": (int(differ.sum()), int(ties.sum()), int((differ & ~ties).sum()), w.numel()),

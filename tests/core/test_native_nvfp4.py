@@ -22,8 +22,8 @@ import tomllib
 import torch
 from torch import nn
 
+from bench.nvfp4_torchao import at_ties, torchao_codes, torchao_encode
 from flowrl.kernels import nvfp4_dequantize, nvfp4_quantize, unpack_fp4
-from flowrl.kernels.nvfp4 import E2M1_BOUNDS
 from flowrl.policy import precision
 from flowrl.policy.lora import add_lora
 from flowrl.policy.precision import build_explore, refresh
@@ -43,24 +43,6 @@ def ao():
     return nvfp4_tensor
 
 
-def torchao_encode(ao, w: torch.Tensor):
-    """torchao's NVFP4 of ``w`` as its dynamic weight config stores it (two-level scales)."""
-    scale = ao.per_tensor_amax_to_scale(w.abs().max())
-    return ao.NVFP4Tensor.to_nvfp4(w, per_tensor_scale=scale, is_swizzled_scales=True, use_triton_kernel=False)
-
-
-def torchao_codes(t) -> torch.Tensor:
-    """E2M1 codes of a torchao NVFP4Tensor, with its negative zero (code 8) read as +0 as ours writes it."""
-    codes = unpack_fp4(t.qdata.contiguous().view(torch.uint8)).reshape(t.shape)
-    return torch.where(codes == 8, torch.zeros_like(codes), codes)
-
-
-def at_an_e2m1_tie(w: torch.Tensor, scales: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
-    """Where ``|w| / block scale`` sits on an E2M1 rounding boundary (within ``rel``): (M, K) bool."""
-    y = (w.float().reshape(*w.shape[:-1], -1, 16) / scales.unsqueeze(-1)).abs().reshape(w.shape)
-    return torch.stack([(y - b).abs() <= rel * b for b, _ in E2M1_BOUNDS]).any(dim=0)
-
-
 DATA = {
     "normal": lambda g: torch.randn(256, 512, generator=g),
     "normal_small": lambda g: torch.randn(256, 512, generator=g) * 0.02,
@@ -78,12 +60,12 @@ def test_torchao_stores_our_tensor_scale_block_scales_and_codes(ao, kind: str) -
     round to different neighbours; nowhere else.
     """
     w = DATA[kind](torch.Generator().manual_seed(1))
-    ours, theirs = nvfp4_quantize(w, backend="torch"), torchao_encode(ao, w)
+    ours, theirs = nvfp4_quantize(w, backend="torch"), torchao_encode(w, swizzled=True)
     assert torch.equal(theirs.per_tensor_scale.view(torch.int32), ours.tensor_scale.view(torch.int32))
     our_scales = ours.scales.float() * ours.tensor_scale
     assert torch.equal(theirs.get_hp_scales().view(torch.int32), our_scales.view(torch.int32))
     differ = torchao_codes(theirs) != unpack_fp4(ours.codes).reshape(w.shape)
-    assert not (differ & ~at_an_e2m1_tie(w, our_scales)).any()
+    assert not (differ & ~at_ties(w, our_scales)).any()
     if kind == "bf16":  # the ties are really there and really differ: the exemption is not vacuous
         assert differ.sum() > 0
 
@@ -97,7 +79,7 @@ def test_torchao_clamps_tiny_block_scales_to_e4m3s_smallest_normal(ao) -> None:
     """
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     w[0, 0] = 1e5
-    ours, theirs = nvfp4_quantize(w, backend="torch"), torchao_encode(ao, w)
+    ours, theirs = nvfp4_quantize(w, backend="torch"), torchao_encode(w, swizzled=True)
     s, q_ours, theirs_scales = ours.tensor_scale, ours.scales.float(), theirs.get_hp_scales()
     subnormal = q_ours < E4M3_SMALLEST_NORMAL
     assert subnormal.float().mean() > 0.9
@@ -131,7 +113,7 @@ def assert_encodes(ao, layer: nn.Linear, weight: torch.Tensor) -> None:
     ours = nvfp4_quantize(weight, backend="torch")
     assert torch.equal(layer.weight.get_hp_scales(), ours.scales.float() * ours.tensor_scale)
     differ = torchao_codes(layer.weight) != unpack_fp4(ours.codes).reshape(weight.shape)
-    assert not (differ & ~at_an_e2m1_tie(weight, ours.scales.float() * ours.tensor_scale)).any()
+    assert not (differ & ~at_ties(weight, ours.scales.float() * ours.tensor_scale)).any()
 
 
 def test_native_nvfp4_encodes_the_chosen_layers_of_the_merged_policy_and_refresh_re_encodes_them(

@@ -36,6 +36,7 @@ References:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
@@ -455,16 +456,21 @@ def _native_nvfp4(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
     """
     from torchao.quantization import quantize_
 
+    selected = set(names)
+    quantize_(module, _native_nvfp4_config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
+    return module
+
+
+@functools.cache
+def _native_nvfp4_config() -> Any:
+    """The NVFP4 W4A4 config handed to torchao, built once per process (a refresh re-encodes layer by layer)."""
     try:
         from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig as Config
     except ImportError as err:
         raise ValueError(
             "native_nvfp4 needs torchao with NVFP4DynamicActivationNVFP4WeightConfig; upgrade torchao"
         ) from err
-    selected = set(names)
-    config = Config(use_triton_kernel=importlib.util.find_spec("mslk") is not None)
-    quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
-    return module
+    return Config(use_triton_kernel=importlib.util.find_spec("mslk") is not None)
 
 
 UNCAST_INPUTS = ("timestep",)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+from test_precision import TARGETS, merged_weight, perturb
 from torch import nn
 
 from bench.nvfp4_torchao import at_ties, torchao_codes, torchao_encode
@@ -51,6 +52,18 @@ DATA = {
 }
 
 
+def codes_differing_only_at_ties(theirs, w: torch.Tensor) -> torch.Tensor:
+    """Check torchao's NVFP4 of ``w`` against our reference: tensor scale and block scales bit for bit, codes
+    equal off the E2M1 ties; returns where the codes differ (``w.shape`` bool, all at ties)."""
+    ours = nvfp4_quantize(w, backend="torch")
+    assert torch.equal(theirs.per_tensor_scale.view(torch.int32), ours.tensor_scale.view(torch.int32))
+    our_scales = ours.scales.float() * ours.tensor_scale
+    assert torch.equal(theirs.get_hp_scales().view(torch.int32), our_scales.view(torch.int32))
+    differ = torchao_codes(theirs) != unpack_fp4(ours.codes).reshape(w.shape)
+    assert not (differ & ~at_ties(w, our_scales)).any()
+    return differ
+
+
 @pytest.mark.parametrize("kind", sorted(DATA))
 def test_torchao_stores_our_tensor_scale_block_scales_and_codes(ao, kind: str) -> None:
     """Same tensor scale and block scales bit for bit; the same codes but at exact E2M1 ties.
@@ -60,12 +73,7 @@ def test_torchao_stores_our_tensor_scale_block_scales_and_codes(ao, kind: str) -
     round to different neighbours; nowhere else.
     """
     w = DATA[kind](torch.Generator().manual_seed(1))
-    ours, theirs = nvfp4_quantize(w, backend="torch"), torchao_encode(w, swizzled=True)
-    assert torch.equal(theirs.per_tensor_scale.view(torch.int32), ours.tensor_scale.view(torch.int32))
-    our_scales = ours.scales.float() * ours.tensor_scale
-    assert torch.equal(theirs.get_hp_scales().view(torch.int32), our_scales.view(torch.int32))
-    differ = torchao_codes(theirs) != unpack_fp4(ours.codes).reshape(w.shape)
-    assert not (differ & ~at_ties(w, our_scales)).any()
+    differ = codes_differing_only_at_ties(torchao_encode(w, swizzled=True), w)
     if kind == "bf16":  # the ties are really there and really differ: the exemption is not vacuous
         assert differ.sum() > 0
 
@@ -110,10 +118,7 @@ def blackwell_gates_lifted(ao, monkeypatch):
 def assert_encodes(ao, layer: nn.Linear, weight: torch.Tensor) -> None:
     """``layer`` holds torchao's NVFP4 of ``weight``, with our reference's codes and scales."""
     assert isinstance(layer.weight, ao.NVFP4Tensor)
-    ours = nvfp4_quantize(weight, backend="torch")
-    assert torch.equal(layer.weight.get_hp_scales(), ours.scales.float() * ours.tensor_scale)
-    differ = torchao_codes(layer.weight) != unpack_fp4(ours.codes).reshape(weight.shape)
-    assert not (differ & ~at_ties(weight, ours.scales.float() * ours.tensor_scale)).any()
+    codes_differing_only_at_ties(layer.weight, weight)
 
 
 def test_native_nvfp4_encodes_the_chosen_layers_of_the_merged_policy_and_refresh_re_encodes_them(
@@ -126,27 +131,20 @@ def test_native_nvfp4_encodes_the_chosen_layers_of_the_merged_policy_and_refresh
     new merged weights, as a fresh build would.
     """
     transformer = tiny_sd3.transformer
-    params = add_lora(transformer, rank=4, alpha=8, targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.2"))
+    params = add_lora(transformer, rank=4, alpha=8, targets=TARGETS)
     explore = build_explore(transformer, "native_nvfp4")
     assert explore.quantised and not any("embed" in n or n == "proj_out" for n in explore.quantised)
     for name, layer in explore.module.named_modules():
         if isinstance(layer, nn.Linear) and name not in explore.quantised:
             assert type(layer.weight) is nn.Parameter  # kept at the policy's precision
-    with torch.no_grad():
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.2)
+    perturb(params, seed=1)  # a training step's change of the LoRA
     refresh(explore, transformer)
     fresh = build_explore(transformer, "native_nvfp4")
     for name in explore.quantised:
         layer, refreshed = transformer.get_submodule(name), explore.module.get_submodule(name)
-        assert_encodes(ao, refreshed, merged(layer) if hasattr(layer, "lora_A") else layer.weight.detach())
+        weight = merged_weight(transformer, name) if hasattr(layer, "lora_A") else layer.weight.detach()
+        assert_encodes(ao, refreshed, weight)
         assert torch.equal(refreshed.weight.qdata, fresh.module.get_submodule(name).weight.qdata)
-
-
-def merged(layer) -> torch.Tensor:
-    """W + B A * scale of a peft LoRA layer, from its parts."""
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    return (layer.base_layer.weight + (b @ a) * layer.scaling["default"]).detach()
 
 
 def test_native_nvfp4_keeps_layers_whose_dims_are_not_multiples_of_16_at_full_precision(

@@ -282,8 +282,13 @@ def _explore_bytes(cfg: Config) -> float:
 
 
 def stage1_candidates(cfg: Config, processes: int) -> int:
-    """Sol-RL stage-1 candidates one process samples per iteration: its share of per_iteration x candidates."""
-    return -(-cfg.prompts.per_iteration * cfg.solrl.candidates // processes)
+    """Sol-RL stage-1 candidates the busiest process samples per iteration.
+
+    Stage 1 deals whole prompts to the ranks (prompt ``p`` to rank ``p % processes``,
+    :meth:`flowrl.solrl.pipeline.SolRL.explore_stage`), so rank 0 explores ``ceil(per_iteration /
+    processes)`` prompts of ``solrl.candidates`` seeds each.
+    """
+    return -(-cfg.prompts.per_iteration // processes) * cfg.solrl.candidates
 
 
 def _explore(cfg: Config, g: Geometry, z: Sizes, processes: int) -> tuple[list[Part], list[Part]]:

@@ -22,8 +22,8 @@ How it stays bit-exact with the torch reference (:func:`flowrl.kernels.fp8.fp8_q
   division that flushed subnormals to zero would show there. The scale is ``div_rn(amax, 448)`` on CPU and
   ``amax * fp32(1/448)`` on CUDA, as torch computes it on each (:mod:`flowrl.kernels.fp8`). No
   multiply feeds an add, so no FMA contraction can change a result.
-- **bf16 is upcast from its bits** (``bits << 16``), because the interpreter's bf16 -> fp32 cast
-  flushes bf16 subnormals; fp16 and fp32 load as they are.
+- **bf16 is upcast from its bits** (``bits << 16``, :func:`~flowrl.kernels.triton_load.load_fp32`),
+  because the interpreter's bf16 -> fp32 cast flushes bf16 subnormals; fp16 and fp32 load as they are.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .triton_load import load_fp32
 
 MAX_BLOCK_K = 8192  # the longest row held in registers at once
 TILE = 4096  # elements per program for short rows (ROWS = TILE // BLOCK_K rows)
@@ -78,15 +80,6 @@ def _scale(amax_bits, RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def _load(x_ptr, offsets, mask, BF16_BITS: tl.constexpr):
-    """Load x as fp32; bf16 arrives as int16 bits and is widened by a shift (exact, subnormals too)."""
-    if BF16_BITS:
-        raw = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        return (raw << 16).to(tl.float32, bitcast=True)
-    return tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _store_codes(q_ptr, offsets, mask, x, scale):
     y = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
     tl.store(q_ptr + offsets, _e4m3_code(y).to(tl.uint8), mask=mask)
@@ -119,7 +112,7 @@ def _quantize_kernel(
         scale = _scale(tensor_bits + tl.zeros([ROWS], tl.int32), RECIPROCAL)
     if CHUNKS == 1:
         mask = live[:, None] & (cols[None, :] < K)
-        x = _load(x_ptr, src + cols[None, :], mask, BF16_BITS)
+        x = load_fp32(x_ptr, src + cols[None, :], mask, BF16_BITS)
         if not PER_TENSOR:
             scale = _scale(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), RECIPROCAL)
         _store_codes(q_ptr, dst + cols[None, :], mask, x, scale)
@@ -128,13 +121,13 @@ def _quantize_kernel(
             amax_bits = tl.zeros([ROWS], tl.int32)
             for c in range(CHUNKS):
                 k = c * BLOCK_K + cols[None, :]
-                x = _load(x_ptr, src + k, live[:, None] & (k < K), BF16_BITS)
+                x = load_fp32(x_ptr, src + k, live[:, None] & (k < K), BF16_BITS)
                 amax_bits = tl.maximum(amax_bits, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
             scale = _scale(amax_bits, RECIPROCAL)
         for c in range(CHUNKS):
             k = c * BLOCK_K + cols[None, :]
             mask = live[:, None] & (k < K)
-            _store_codes(q_ptr, dst + k, mask, _load(x_ptr, src + k, mask, BF16_BITS), scale)
+            _store_codes(q_ptr, dst + k, mask, load_fp32(x_ptr, src + k, mask, BF16_BITS), scale)
     if PER_TENSOR:
         tl.store(scale_ptr + tl.arange(0, ROWS), scale, mask=(tl.arange(0, ROWS) == 0) & (pid == 0))
     else:

@@ -8,7 +8,9 @@ The format, exactly as computed here (the torch reference) and by the Triton ker
   (zeros never change a block's amax); codes and scales cover the padded length
   ``Kp = 16 * ceil(K / 16)``, and dequantisation drops the padding again.
 - **Compute dtype.** Inputs (fp16, bf16, fp32; fp64 is rounded to fp32 first) are quantised in
-  fp32; every division is IEEE round-to-nearest (``div_rn`` in the kernel).
+  fp32; every division is IEEE round-to-nearest (``div_rn`` in the kernel; in the reference a
+  divisor is a tensor on x's device, never a Python number, which torch's CUDA kernel would turn
+  into a multiplication by its fp32 reciprocal: :func:`_divide`).
 - **Tensor scale** (fp32): ``s = max(amax(|x|) / (6 * 448), 2^-117)``. The floor keeps every block
   scale ``q * s`` a normal fp32 number; an all-zero tensor gets ``s = 2^-117`` and all codes 0.
   A NaN or inf anywhere in ``x`` raises ``ValueError`` (the format has no encoding for them).
@@ -69,6 +71,16 @@ class NVFP4Tensor(NamedTuple):
 # --------------------------------------------------------------------------- reference pieces
 
 
+def _divide(a: Tensor, d: float) -> Tensor:
+    """``a / d`` in fp32, rounded once on every device.
+
+    torch's CUDA division by a Python number (a CPU scalar) multiplies by ``fp32(1 / d)``, which can
+    round differently (``amax = 0.11132812`` gives ``amax / 6`` on one side of an E4M3 midpoint and
+    ``amax * fp32(1 / 6)`` on the other); a 0-d tensor on ``a``'s device takes the true division.
+    """
+    return a / torch.tensor(d, dtype=torch.float32, device=a.device)
+
+
 def nvfp4_tensor_scale(x: Tensor) -> Tensor:
     """The fp32 per-tensor scale ``max(amax(|x|) / 2688, 2^-117)``.
 
@@ -84,7 +96,7 @@ def nvfp4_tensor_scale(x: Tensor) -> Tensor:
     amax = x.detach().abs().amax().float()
     if not bool(torch.isfinite(amax)):
         raise ValueError("nvfp4 input holds NaN or inf, which NVFP4 cannot encode; check the tensor before quantising")
-    return torch.clamp(amax / (E2M1_MAX * E4M3_MAX), min=TENSOR_SCALE_MIN)
+    return torch.clamp(_divide(amax, E2M1_MAX * E4M3_MAX), min=TENSOR_SCALE_MIN)
 
 
 def e4m3_round(r: Tensor) -> Tensor:
@@ -168,7 +180,7 @@ def nvfp4_quantize_reference(x: Tensor) -> NVFP4Tensor:
     """
     s = nvfp4_tensor_scale(x)
     xb = _blocks(x)
-    r = torch.clamp(xb.abs().amax(dim=-1) / E2M1_MAX / s, E4M3_MIN, E4M3_MAX)
+    r = torch.clamp(_divide(xb.abs().amax(dim=-1), E2M1_MAX) / s, E4M3_MIN, E4M3_MAX)
     q = e4m3_round(r)
     codes = e2m1_codes(xb / (q * s).unsqueeze(-1))
     return NVFP4Tensor(pack_fp4(codes.flatten(-2)), e4m3_bits(q).view(torch.float8_e4m3fn), s, x.shape)

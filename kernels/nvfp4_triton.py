@@ -1,7 +1,8 @@
 """Triton kernels for NVFP4 (format: :mod:`flowrl.kernels.nvfp4`); imported only by its dispatchers.
 
 One program handles ``BLOCKS`` 16-element blocks, loaded as two (BLOCKS, 8) tiles (even and odd
-elements), so a packed byte is built from one element of each tile. All divisions are
+elements), so a packed byte is built from one element of each tile. bf16 is loaded from its bits
+(:func:`~flowrl.kernels.triton_load.load_fp32`: the interpreter's cast flushes bf16 subnormals). All divisions are
 ``div_rn`` (IEEE round-to-nearest; Triton's ``/`` is approximate on CUDA), and the value path has
 no multiply-add pair a compiler could contract into an FMA, so results match the torch reference
 bit for bit.
@@ -13,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .triton_load import load_fp32
 
 BLOCKS = 64  # 16-element blocks per program: 1024 elements
 
@@ -84,6 +87,7 @@ def _quantize_kernel(
     BLOCKS: tl.constexpr,
     WRITE_CODES: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
+    BF16_BITS: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = blk < n_blocks
@@ -93,9 +97,9 @@ def _quantize_kernel(
     col = kb[:, None] * 16 + 2 * pair[None, :]
     even = live[:, None] & (col < K)
     odd = live[:, None] & (col + 1 < K)
-    src = x_ptr + row[:, None] * K + col
-    xe = tl.load(src, mask=even, other=0.0).to(tl.float32)
-    xo = tl.load(src + 1, mask=odd, other=0.0).to(tl.float32)
+    src = row[:, None] * K + col
+    xe = load_fp32(x_ptr, src, even, BF16_BITS)
+    xo = load_fp32(x_ptr, src + 1, odd, BF16_BITS)
     s = tl.load(scale_ptr)
     amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
     r = tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), s + tl.zeros_like(amax))
@@ -154,8 +158,10 @@ def quantize_triton(
     out = x.new_empty(x.shape, dtype=torch.float32) if write_values else None
     dummy = x.new_empty(1, dtype=torch.uint8)
     grid = (triton.cdiv(n_blocks, BLOCKS),)
+    bf16 = x.dtype == torch.bfloat16
+    x = x.contiguous()
     _quantize_kernel[grid](
-        x.contiguous(),
+        x.view(torch.int16) if bf16 else x,
         tensor_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         codes if write_codes else dummy,
         scales if write_codes else dummy,
@@ -166,6 +172,7 @@ def quantize_triton(
         BLOCKS=BLOCKS,
         WRITE_CODES=write_codes,
         WRITE_VALUES=write_values,
+        BF16_BITS=bf16,
     )
     return codes, scales, out
 

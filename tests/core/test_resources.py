@@ -430,10 +430,11 @@ def test_the_larger_phase_is_the_one_counted_and_sampling_chunks_are_at_least_64
 
 
 def test_sol_rl_stage_one_and_a_test_split_round_up() -> None:
-    """A rank samples its ceil share of per_iteration x candidates; a test split holds at least one prompt."""
+    """Rank 0 explores ceil(per_iteration / processes) whole prompts; a test split holds at least one prompt."""
     from flowrl.memory_estimate import prompt_counts, stage1_candidates
 
-    assert stage1_candidates(load_config(None, []), 3) == 107  # 20 x 16 / 3 = 106.7
+    assert stage1_candidates(load_config(None, []), 3) == 112  # prompts 0, 3, ..., 18 on rank 0: 7 x 16
+    assert stage1_candidates(load_config(None, []), 4) == 80  # 5 x 16: whole prompts divide evenly
     assert prompt_counts(load_config(None, ["prompts.test_fraction=0.001"])) == (19, 1)
 
 

@@ -233,6 +233,34 @@ def test_kernel_rounds_block_scales_at_e4m3_ties(device):
     assert torch.equal(bits(got.scales).cpu()[1:, 0], bits(targets.to(torch.float8_e4m3fn)))
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+def test_block_scale_divides_rather_than_multiplies_by_a_reciprocal(device):
+    """amax 0.11132812 over 6 is just below an E4M3 midpoint; times fp32(1 / 6) it is the midpoint.
+
+    torch's CUDA kernel divides by a Python number as a multiplication by its reciprocal, so a
+    reference written ``amax / 6`` rounded this block's scale up on CUDA (0x0A) and not on CPU.
+    """
+    x = torch.zeros(2, 16)
+    x[0, 0] = 2688.0  # tensor scale exactly 1
+    x[1, 0] = 0.1113281175494194
+    amax = x[1, 0]
+    by_reciprocal = (amax * torch.tensor(1 / 6, dtype=torch.float32)).to(torch.float8_e4m3fn)
+    assert bits(by_reciprocal).item() == 0x0A  # the input separates the two ways of dividing
+    backends = ["torch", "triton"] if device == "cuda" else ["torch"]
+    for backend in backends:
+        q = nvfp4_quantize(x.to(device), backend=backend)
+        assert bits(q.tensor_scale).item() == bits(torch.tensor(1.0)).item()
+        assert bits(q.scales).cpu()[1, 0].item() == 0x09, backend
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_small_and_zero_blocks(device):
     x = torch.zeros(3, 48)
@@ -243,6 +271,21 @@ def test_kernel_small_and_zero_blocks(device):
     got = nvfp4_quantize(x, backend="triton")
     assert_same(got, nvfp4_quantize(x, backend="torch"))
     assert bits(got.scales).cpu()[1].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "scale"), [(torch.bfloat16, 1e-38), (torch.float16, 5e-6), (torch.float32, 1e-39)], ids=str
+)
+def test_kernel_matches_reference_on_subnormal_inputs(device, dtype, scale):
+    """Inputs in their dtype's subnormal range (bf16 ones made the interpreter's bf16 cast flush to 0)."""
+    x = (torch.linspace(-1, 1, 64).reshape(2, 32) * scale).to(dtype)
+    x[1, 16:] *= 2.0**-5  # deeper subnormals, a smaller block amax
+    assert (x.abs() < torch.finfo(dtype).tiny).all() and x.count_nonzero() > 50
+    x = x.to(device)
+    assert_same(nvfp4_quantize(x, backend="triton"), nvfp4_quantize(x, backend="torch"))
+    fake = nvfp4_fake_quantize(x, backend="triton")
+    assert torch.equal(bits(fake), bits(nvfp4_fake_quantize(x, backend="torch")))
 
 
 @pytest.mark.parametrize("device", DEVICES)

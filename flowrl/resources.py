@@ -136,14 +136,22 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
             )
 
 
-def check_explore_precision(cfg: Config) -> None:
-    """Refuse a ``solrl.precision`` this device or ``model.dtype`` cannot run, before the model loads.
+def check_explore_precision(cfg: Config, processes: int = 1) -> None:
+    """Refuse a Sol-RL setting this machine or launch cannot run, before the model loads.
+
+    A ``solrl.precision`` this device or ``model.dtype`` cannot run, and ``solrl.mode=correct`` on
+    several processes (it runs on one; :class:`flowrl.solrl.pipeline.SolRL` refuses it again).
 
     Raises:
-        ValueError: one line naming ``solrl.precision`` and the fix.
+        ValueError: one line naming ``solrl.precision`` or ``solrl.mode`` and the fix.
     """
     if cfg.solrl.mode == "off":
         return
+    if cfg.solrl.mode == "correct" and processes > 1:
+        raise ValueError(
+            f"solrl.mode=correct runs on one process, not {processes}; launch one process (--processes 1), "
+            "or use solrl.mode=regenerate with a solver objective"
+        )
     import torch
 
     from .policy.precision import check_explore_device
@@ -185,7 +193,7 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
         from .policy.memory import check_trainable_precision
 
         check_trainable_precision(cfg.model.dtype, cfg.memory.autocast)
-        check_explore_precision(cfg)
+        check_explore_precision(cfg, processes)
         check_work(cfg, eval_prompts, processes)
     folder = model_folder(cfg.model.path)
     geometry = read_geometry(folder, cfg.lora.targets) if folder is not None else None

@@ -72,3 +72,18 @@ def test_an_explore_precision_the_device_cannot_run_is_refused_before_the_model_
     assert code != 0 and len(err.splitlines()) == 1 and message in err, err
     with pytest.raises(ValueError, match=r"needs a Blackwell GPU .*; use precision='bf16' on a Hopper"):
         check_machine(load_config(SOLRL, ["solrl.precision=native_nvfp4"]))
+
+
+def test_correct_mode_on_several_processes_is_refused_before_any_process_starts(capsys):
+    """solrl.mode=correct runs on one process: --check and --processes refuse two in one line, before the model
+    loads (SolRL refused it only once each rank had built its trainer); one process passes the check."""
+    grpo = str(ROOT / "configs/grpo/digits.yaml")
+    args = [grpo, "solrl.mode=correct", "--processes", "2"]
+    for argv in (["train", "--check", *args], ["train", *args, "output.dir=/nonexistent/never-written"]):
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and len(err.splitlines()) == 1, err
+        assert "solrl.mode=correct runs on one process, not 2; launch one process (--processes 1)" in err, err
+    assert main(["train", "--check", grpo, "solrl.mode=correct", "--processes", "1"]) == 0
+    with pytest.raises(ValueError, match="solrl.mode=correct runs on one process, not 3"):
+        check_machine(load_config(grpo, ["solrl.mode=correct"]), processes=3)

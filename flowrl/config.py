@@ -281,6 +281,8 @@ class SolRLConfig:
     mode: Literal["off", "regenerate", "correct"] = "off"
     precision: Literal["fp32", "bf16", "nvfp4", "fp8_e4m3", "int8_dynamic", "native_nvfp4"] = "nvfp4"
     activations: bool = False  # nvfp4 / fp8_e4m3: quantise the quantised layers' inputs too (W4A4 / W8A8)
+    fp8_scaling: Literal["tensor", "row"] = "row"  # fp8_e4m3: amax scales per row (H100: 0.91x bf16 vs 0.75x)
+    fp8_fast_accum: bool = False  # fp8_e4m3 on torch._scaled_mm (CUDA): the tensor cores' fast accumulator
     min_features: int = field(default=0, metadata=_rng(0))  # layers with max(in, out) <= this stay full precision
     candidates: int = field(default=16, metadata=_rng(1, 100_000))  # N explored seeds per prompt (Sol-RL: 96)
     explore_steps: int = field(default=6, metadata=_rng(1, MAX_STEPS))  # deterministic explore steps (Sol-RL: 6)
@@ -324,6 +326,10 @@ def validate_solrl(cfg: Config, where: str) -> None:
     if s.activations and s.precision not in ("nvfp4", "fp8_e4m3"):
         raise ConfigError(
             f"{where}: 'solrl.activations' applies to nvfp4 and fp8_e4m3; got solrl.precision={s.precision}"
+        )
+    if s.fp8_fast_accum and s.precision != "fp8_e4m3":
+        raise ConfigError(
+            f"{where}: 'solrl.fp8_fast_accum' applies to fp8_e4m3 on CUDA; got solrl.precision={s.precision}"
         )
     if s.precision == "int8_dynamic" and (cfg.model.device != "cpu" or cfg.model.dtype != "float32"):
         raise ConfigError(

@@ -139,11 +139,12 @@ def check_work(cfg: Config, eval_prompts: int, processes: int = 1) -> None:
 def check_explore_precision(cfg: Config, processes: int = 1) -> None:
     """Refuse a Sol-RL setting this machine or launch cannot run, before the model loads.
 
-    A ``solrl.precision`` this device or ``model.dtype`` cannot run, and ``solrl.mode=correct`` on
-    several processes (it runs on one; :class:`flowrl.solrl.pipeline.SolRL` refuses it again).
+    A ``solrl.precision`` this device or ``model.dtype`` cannot run, ``solrl.fp8_fast_accum`` where FP8
+    is emulated, and ``solrl.mode=correct`` on several processes (it runs on one;
+    :class:`flowrl.solrl.pipeline.SolRL` refuses it again).
 
     Raises:
-        ValueError: one line naming ``solrl.precision`` or ``solrl.mode`` and the fix.
+        ValueError: one line naming the ``solrl`` key and the fix.
     """
     if cfg.solrl.mode == "off":
         return
@@ -158,11 +159,16 @@ def check_explore_precision(cfg: Config, processes: int = 1) -> None:
 
     dtype = getattr(torch, cfg.model.dtype)
     try:
-        check_explore_device(
+        emulate = check_explore_device(
             cfg.solrl.precision, torch.device(cfg.model.device), dtype, activations=cfg.solrl.activations
         )
     except ValueError as err:
         raise ValueError(f"solrl.precision={cfg.solrl.precision}: {err}") from None
+    if cfg.solrl.fp8_fast_accum and emulate:
+        raise ValueError(
+            f"solrl.fp8_fast_accum=true needs fp8_e4m3 on torch._scaled_mm (a CUDA GPU); model.device="
+            f"{cfg.model.device} emulates FP8; set solrl.fp8_fast_accum=false"
+        )
 
 
 def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> Estimate | None:

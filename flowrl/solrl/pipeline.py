@@ -99,6 +99,8 @@ class SolRL:
             adapter=trainer.objective.sampling_adapter,
             rule=QuantRule(min_features=self.cfg.min_features),
             activations=self.cfg.activations,
+            scaling=self.cfg.fp8_scaling,
+            fast_accum=self.cfg.fp8_fast_accum,
         )
         self.explore_sigmas = trainer.policy.sigmas(self.cfg.explore_steps)
         self.seed = trainer.cfg.train.seed if self.cfg.seed is None else self.cfg.seed

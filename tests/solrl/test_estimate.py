@@ -87,3 +87,13 @@ def test_correct_mode_on_several_processes_is_refused_before_any_process_starts(
     assert main(["train", "--check", grpo, "solrl.mode=correct", "--processes", "1"]) == 0
     with pytest.raises(ValueError, match="solrl.mode=correct runs on one process, not 3"):
         check_machine(load_config(grpo, ["solrl.mode=correct"]), processes=3)
+
+
+def test_fp8_fast_accumulation_off_cuda_is_refused_before_the_model_loads(capsys):
+    """solrl.fp8_fast_accum needs torch._scaled_mm: on a CPU (emulated FP8) --check refuses it in one line."""
+    args = ["train", "--check", str(SOLRL), "solrl.precision=fp8_e4m3", "model.dtype=float32"]
+    code = main([*args, "solrl.fp8_fast_accum=true"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1, err
+    assert "solrl.fp8_fast_accum=true needs fp8_e4m3 on torch._scaled_mm" in err and "=false" in err, err
+    assert main(args) == 0

@@ -107,6 +107,23 @@ def test_the_explore_copy_is_refreshed_from_the_trained_weights_every_iteration(
     assert not any(p.requires_grad for p in explore.module.parameters())
 
 
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_the_explore_copy_takes_the_configured_fp8_scaling(scaling):
+    """solrl.fp8_scaling reaches the fp8 copy (it always got per-tensor scales, though the H100 measured per row
+    faster): each quantised weight is the merged weight fake-quantised with that scaling (emulated on the CPU)."""
+    from flowrl.policy.fp8 import fp8_fake_quantize
+
+    trainer = small_trainer(small_config("solrl.precision=fp8_e4m3", f"solrl.fp8_scaling={scaling}"))
+    explore = trainer.solrl.explore
+    assert explore.precision == "fp8_e4m3" and explore.scaling == scaling and explore.emulate
+    reference = build_explore(trainer.policy, "fp32", adapter=trainer.objective.sampling_adapter).module
+    name = explore.quantised[0]
+    weight = reference.get_submodule(name).weight
+    assert torch.equal(explore.module.get_submodule(name).weight, fp8_fake_quantize(weight, scaling))
+    other = "tensor" if scaling == "row" else "row"
+    assert not torch.equal(explore.module.get_submodule(name).weight, fp8_fake_quantize(weight, other))
+
+
 def test_diagnostics_of_one_kept_seed_are_nan_not_an_error():
     """One prompt with one kept seed (advantage.method=per_prompt allows it): no ranking, so NaN agreement."""
     stage1 = pipeline.Stage1(torch.arange(8).reshape(1, 8), torch.rand(1, 8, dtype=torch.float64), 1.0)

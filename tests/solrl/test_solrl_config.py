@@ -26,6 +26,8 @@ def test_off_by_default_and_the_digits_recipe_loads():
         ("configs/solrl/digits.yaml", ["solrl.explore_steps=0"], ["solrl.explore_steps", ">= 1"]),
         ("configs/solrl/digits.yaml", ["solrl.is_clip=0.5"], ["solrl.is_clip", ">= 1"]),
         ("configs/solrl/digits.yaml", ["model.dtype=bfloat16"], ["int8_dynamic", "model.dtype=float32", "bf16"]),
+        ("configs/solrl/digits.yaml", ["solrl.fp8_fast_accum=true"], ["solrl.fp8_fast_accum", "int8_dynamic"]),
+        ("configs/solrl/digits.yaml", ["solrl.fp8_scaling=block"], ["solrl.fp8_scaling", "row"]),
     ],
 )
 def test_bad_combinations_are_one_line_errors(path, overrides, words):

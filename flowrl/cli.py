@@ -87,6 +87,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from .recipe import Run
 
     _check_single_process()
+    if ns.output is not None and not ns.output.strip():
+        raise ValueError("--output must name the run folder; got an empty string; e.g. --output runs/my-run")
     config, overrides = split_config_args(ns.args)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     given = config  # the config files the user named (the run's own config.yaml is not one)
@@ -109,7 +111,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in given or []
     )
-    if ns.output:
+    if ns.output is not None:
         cfg.output.dir = ns.output
     elif run_dir is not None and not dir_given:
         cfg.output.dir = str(run_dir)

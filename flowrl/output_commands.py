@@ -17,12 +17,12 @@ def _check_sample_args(ns: argparse.Namespace) -> None:
     """Refuse ``flowrl sample`` arguments that cannot work, naming the flag and the fix.
 
     Raises:
-        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a name ending other than ``.png``.
+        ValueError: ``--seeds``, ``--steps`` or ``--seed`` out of range
+            (:func:`~flowrl.resources.check_sampling_flags`), or ``--out`` a folder or a name not ending ``.png``.
     """
-    if ns.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1; got {ns.seeds}")
-    if ns.steps is not None and ns.steps < 1:
-        raise ValueError(f"--steps must be >= 1; got {ns.steps}")
+    from .resources import check_sampling_flags
+
+    check_sampling_flags(ns.seeds, ns.steps, ns.seed)
     out = Path(ns.out)
     if out.is_dir():
         raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {out / 'samples.png'}")
@@ -42,7 +42,8 @@ def cmd_sample(ns: argparse.Namespace) -> int:
         The exit code, 0.
 
     Raises:
-        ValueError: ``--seeds`` or ``--steps`` below 1, or ``--out`` a folder or a non-PNG file name.
+        ValueError: ``--seeds``, ``--steps`` or ``--seed`` out of range, more work than
+            :data:`~flowrl.resources.MAX_SAMPLE_STEPS`, or ``--out`` a folder or a non-PNG file name.
     """
     import torch
 
@@ -51,7 +52,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     from .outputs import image_grid, save_png
     from .policy import build_policy
     from .prompts.sets import load_prompts
-    from .resources import check_machine
+    from .resources import check_machine, check_sampling_work
     from .rollouts.chunked import sample_images
     from .runtime import configure_threads
 
@@ -63,12 +64,13 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     check_machine(cfg, training=False)
     configure_threads(cfg.train.threads)
-    policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
+    steps = ns.steps or cfg.train.eval_steps or cfg.sampler.num_steps
+    check_sampling_work(len(texts) * ns.seeds, steps, f"{len(texts)} prompts x --seeds {ns.seeds}")
+    policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
-    # the run's evaluation grid, as its own samples, flowrl eval, gallery and demo use it
-    sigmas = policy.sigmas(ns.steps or cfg.train.eval_steps or cfg.sampler.num_steps)
+    sigmas = policy.sigmas(steps)  # the run's evaluation grid, as its own samples, flowrl eval, gallery and demo use it
     with torch.no_grad():
         images = sample_images(
             policy.model, prompts, seeds, sigmas, resolution=policy.resolution, frames=cfg.model.num_frames
@@ -200,6 +202,12 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from .runtime import configure_threads
 
     check_port(ns.port)
+    if ns.device is not None:  # every model's device: a typo or a missing GPU fails here, not at the first Generate
+        from .config_checks import check_device_string
+        from .resources import check_device
+
+        check_device_string(ns.device, "--device", "flowrl demo")
+        check_device(ns.device, "--device")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # started with `&`, SIGINT comes ignored: Ctrl-C stops
     configure_threads(None)
     registry = RunRegistry(ns.runs)

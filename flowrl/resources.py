@@ -26,6 +26,49 @@ MAX_SAMPLE_STEPS = 10**7
 low enough that an absurd size is refused instead of running for days."""
 
 
+# -- sampling commands (flowrl sample / eval / gallery) ------------------------------------------
+
+
+def check_sampling_flags(seeds: int, steps: int | None, first_seed: int | None = None) -> None:
+    """Refuse ``--seeds``, ``--steps`` or ``--seed`` values a sampling command cannot use, naming the flag.
+
+    ``--steps`` has the config's cap (``sampler.num_steps``, :data:`flowrl.config.MAX_STEPS`); the
+    seeds ``--seed .. --seed + --seeds - 1`` must be valid ``torch.Generator`` seeds, as ``train.seed``.
+
+    Raises:
+        ValueError: one line naming the flag, the allowed range and the value.
+    """
+    from .config import MAX_SEED, MAX_STEPS
+
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1; got {seeds}")
+    if steps is not None and not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"--steps must be in [1, {MAX_STEPS}] (as sampler.num_steps); got {steps}")
+    if first_seed is not None and not 0 <= first_seed <= MAX_SEED - seeds + 1:
+        raise ValueError(
+            f"--seed must be in [0, {MAX_SEED - seeds + 1}] (the seeds run from --seed to --seed + --seeds - 1); "
+            f"got {first_seed}"
+        )
+
+
+def check_sampling_work(samples: int, steps: int, what: str) -> None:
+    """Refuse a sampling command whose samples x steps is above :data:`MAX_SAMPLE_STEPS` (days of work).
+
+    Args:
+        samples: images the command samples in all.
+        steps: denoising steps per image.
+        what: how ``samples`` is made up, e.g. ``"3 prompts x --seeds 8"``.
+
+    Raises:
+        ValueError: one line with the product, the limit and the flags to lower.
+    """
+    if samples * steps > MAX_SAMPLE_STEPS:
+        raise ValueError(
+            f"{what} = {samples:,} samples x {steps} steps = {samples * steps:,} model evaluations is above the "
+            f"limit of {MAX_SAMPLE_STEPS:,}; lower --seeds, --steps or the number of prompts"
+        )
+
+
 # -- devices and threads ----------------------------------------------------------------------
 
 

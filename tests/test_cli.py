@@ -359,3 +359,17 @@ def test_the_grid_samples_each_prompt_on_its_own_fixed_seeds() -> None:
     chosen, seeds = _grid_inputs(prompts, 3)
     assert [p.text for p in chosen] == [f"a {i}" for i in range(GRID_MAX_PROMPTS) for _ in range(3)]
     assert seeds == [GRID_SEED_BASE + j for _ in range(GRID_MAX_PROMPTS) for j in range(3)]
+
+
+def test_an_empty_output_is_refused_not_ignored(tmp_path, capsys, monkeypatch):
+    """``--output ''`` trained into the default runs/digits-bold-thin (``if ns.output:``); now one line."""
+    from flowrl.cli import main
+
+    monkeypatch.chdir(tmp_path)  # had it run, it would have written under tmp_path/runs
+    for empty in ("", "  "):
+        assert main(["train", "train.iterations=1", "--output", empty]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            "flowrl: error: --output must name the run folder; got an empty string; e.g. --output runs/my-run\n"
+        )
+    assert not (tmp_path / "runs").exists()

@@ -222,7 +222,11 @@ def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, 
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out]) == 0
     for bad, fragment in (
         ("--seeds=0", "--seeds must be >= 1; got 0\n"),
-        ("--steps=0", "--steps must be >= 1; got 0\n"),
+        ("--steps=0", "--steps must be in [1, 1000] (as sampler.num_steps); got 0\n"),
+        ("--steps=5000", "--steps must be in [1, 1000] (as sampler.num_steps); got 5000\n"),  # ran until killed
+        ("--seed=-1", "--seed must be in [0, 9223372036854775807] (the seeds run from --seed to"),
+        ("--seed=1180591620717411303424", "got 1180591620717411303424\n"),  # was "Overflow when unpacking long long"
+        ("--seeds=100000000", "1 prompts x --seeds 100000000 = 100,000,000 samples x 10 steps"),  # ran until killed
     ):
         assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out, bad]) == 2
         assert fragment in capsys.readouterr().err
@@ -336,9 +340,9 @@ def test_sample_out_accepts_an_upper_case_png_or_a_name_without_a_suffix() -> No
     from flowrl.output_commands import _check_sample_args
 
     for out in ("grid.PNG", "grid.Png", "grid"):
-        _check_sample_args(argparse.Namespace(seeds=1, steps=None, out=out))  # no error
+        _check_sample_args(argparse.Namespace(seeds=1, seed=0, steps=None, out=out))  # no error
     with pytest.raises(ValueError, match="name a .png file"):
-        _check_sample_args(argparse.Namespace(seeds=1, steps=None, out="grid.jpg"))
+        _check_sample_args(argparse.Namespace(seeds=1, seed=0, steps=None, out="grid.jpg"))
 
 
 def test_export_command_passes_dtype_through(tmp_path: Path) -> None:

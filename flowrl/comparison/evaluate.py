@@ -137,11 +137,17 @@ def evaluate_checkpoints(
 
     Returns:
         One :class:`CheckpointFigures` per checkpoint, in order.
+
+    Raises:
+        ValueError: ``--seeds``, ``--steps`` or ``--seed`` out of range, or more work than
+            :data:`~flowrl.resources.MAX_SAMPLE_STEPS` (one line naming the flags).
     """
-    if settings.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1; got {settings.seeds}")
-    if settings.steps is not None and settings.steps < 1:
-        raise ValueError(f"--steps must be >= 1; got {settings.steps}")
+    from ..resources import check_sampling_flags, check_sampling_work
+
+    check_sampling_flags(settings.seeds, settings.steps, settings.first_seed)
+    most = max((checkpoint_steps(bank, c, settings.steps) for c in checkpoints), default=1)
+    what = f"{len(checkpoints)} checkpoints x {len(prompts)} prompts x --seeds {settings.seeds}"
+    check_sampling_work(len(checkpoints) * len(prompts) * settings.seeds, most, what)
     reward = build_rewards(rewards)
     guard = build_rewards(guards) if guards else None
     rows_prompts = [p for p in prompts for _ in range(settings.seeds)]

@@ -131,9 +131,11 @@ def build_gallery(
         FileNotFoundError: a run folder or benchmark file is missing.
         ValueError: a bad count, or a benchmark file of another format.
     """
-    for flag, count in (("--seeds", seeds), ("--prompts", prompts)):
-        if count < 1:
-            raise ValueError(f"{flag} must be >= 1; got {count}")
+    from ..resources import check_sampling_flags
+
+    check_sampling_flags(seeds, steps)
+    if prompts < 1:
+        raise ValueError(f"--prompts must be >= 1; got {prompts}")
     bank = bank or CheckpointBank()
     written: list[Path] = []
     for run in run_dirs:

@@ -233,6 +233,25 @@ def test_the_demo_command_binds_loopback_unless_asked():
     assert ns.host == "0.0.0.0" and ns.share and ns.port == 7861 and ns.runs == ["runs/a"]
 
 
+@pytest.mark.parametrize(
+    ("device", "line"),
+    [
+        ("gpu", "flowrl demo: '--device' is not a device torch knows: 'gpu'; use cpu, cuda, cuda:N or mps"),
+        ("cuda:3", "--device='cuda:3' but this machine has"),
+    ],
+)
+def test_a_device_the_machine_lacks_is_one_line_at_the_start(runs, capsys, device, line):
+    """``--device cuda:3`` on a CPU machine started the demo; Generate then failed with Gradio's generic error
+    and a traceback in the terminal. Now the command refuses it before any model loads."""
+    if device.startswith("cuda") and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")
+    from flowrl.cli import main
+
+    assert main(["demo", str(runs), "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flowrl: error: {line}"), err
+
+
 def test_a_port_taken_or_out_of_range_is_one_line(runs, capsys):
     import socket
 

@@ -117,14 +117,23 @@ def test_a_reward_that_applies_to_no_prompt_reads_n_a_not_an_error():
     ("command", "line"),
     [
         (["eval", "--prompts", "digits", "--seeds", "0"], "--seeds must be >= 1; got 0"),  # it said "got 0 and None"
-        (["eval", "--prompts", "digits", "--steps", "0"], "--steps must be >= 1; got 0"),
+        (["eval", "--prompts", "digits", "--steps", "0"], "--steps must be in [1, 1000] (as sampler.num_steps); got 0"),
+        (["eval", "--prompts", "digits", "--steps", "1001"], "--steps must be in [1, 1000] (as sampler.num_steps)"),
+        (["eval", "--prompts", "digits", "--seed", "-1"], "--seed must be in [0, 9223372036854775804] (the seeds"),
+        (
+            ["eval", "--prompts", "digits", "--seeds", "1000000"],  # days of sampling: it ran until killed
+            "2 checkpoints x 10 prompts x --seeds 1000000 = 20,000,000 samples x 4 steps = 80,000,000 model "
+            "evaluations is above the limit of 10,000,000; lower --seeds, --steps or the number of prompts",
+        ),
         (["gallery", "--seeds", "0"], "--seeds must be >= 1; got 0"),
+        (["gallery", "--steps", "5000"], "--steps must be in [1, 1000] (as sampler.num_steps); got 5000"),
         (["gallery", "--prompts", "0"], "--prompts must be >= 1; got 0"),
     ],
 )
 def test_a_count_below_one_names_only_its_flag(run, tmp_path, capsys, command, line):
     assert main([command[0], str(run), *command[1:], "--out", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"flowrl: error: {line}\n"
+    err = capsys.readouterr().err
+    assert err.startswith(f"flowrl: error: {line}") and err.count("\n") == 1, err
 
 
 def test_eval_command_passes_first_seed_and_trims_reward_names(run, tmp_path) -> None:

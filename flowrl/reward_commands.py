@@ -67,11 +67,12 @@ def cmd_serve_reward(ns: argparse.Namespace) -> int:
     """
     from .config import parse_overrides
     from .rewards import build_reward
-    from .rewards.server import TOKEN_ENV, RewardServer, check_bind
+    from .rewards.server import TOKEN_ENV, RewardServer, check_bind, check_limits
 
     options = parse_overrides(ns.options)
     token = ns.token or os.environ.get(TOKEN_ENV) or None
     check_bind(ns.host, token)  # before loading a possibly large model
+    check_limits(ns.max_body_mb, ns.idle_exit)
     reward = build_reward(ns.name, **options)
     try:
         server = RewardServer(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import math
 import socket
 import sys
 import threading
@@ -79,11 +80,26 @@ def check_bind(host: str, token: str | None) -> None:
     Raises:
         ValueError: ``host`` is not a loopback address and no token is set.
     """
+    if token and not token.strip():  # "" means no token; "  " would be a guessable one
+        raise ValueError(f"the token (--token or {TOKEN_ENV}) is blank; pass a secret string, or leave it unset")
     if not is_loopback(host) and not token:
         raise ValueError(
             f"binding the reward server to {host} exposes it to the network; pass --token "
             f"(or set {TOKEN_ENV}) so requests without it are rejected, or bind to 127.0.0.1"
         )
+
+
+def check_limits(max_body_mb: float, idle_exit_s: float | None) -> None:
+    """Refuse a body limit or an idle exit that is not a finite number > 0 (``--max-body-mb``, ``--idle-exit``).
+
+    Raises:
+        ValueError: one line naming the flag and the value.
+    """
+    for flag, value in (("--max-body-mb", max_body_mb), ("--idle-exit", idle_exit_s)):
+        if value is None and flag == "--idle-exit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{flag} must be a finite number > 0; got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -146,6 +162,7 @@ class RewardServer:
         idle_exit_s: float | None = None,
     ) -> None:
         check_bind(host, token)
+        check_limits(max_body_mb, idle_exit_s)
         if not callable(reward):
             raise TypeError(f"RewardServer needs a callable reward; got {type(reward).__name__}")
         self.reward, self.name, self.token, self.log = reward, name, token or None, log

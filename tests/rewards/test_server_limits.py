@@ -209,6 +209,26 @@ def test_check_pixels():
         RewardServer(ink("bold"), "ink", port=0, max_image_pixels=0)
 
 
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--idle-exit", "-3"], "--idle-exit must be a finite number > 0; got -3.0"),  # it started, then stopped
+        (["--idle-exit", "nan"], "--idle-exit must be a finite number > 0; got nan"),  # it never stopped
+        (["--max-body-mb", "-5"], "--max-body-mb must be a finite number > 0; got -5.0"),
+        (["--max-body-mb", "nan"], "--max-body-mb must be a finite number > 0; got nan"),  # "cannot convert ... NaN"
+        (["--host", "0.0.0.0", "--token", " "], "the token (--token or FLOWRL_REWARD_TOKEN) is blank"),
+    ],
+)
+def test_serve_reward_refuses_a_limit_or_token_that_cannot_work_in_one_line(capsys, flags, line):
+    from flowrl.cli import main
+
+    assert main(["serve-reward", "jpeg_compressibility", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flowrl: error: {line}"), err
+    with pytest.raises(ValueError, match="--idle-exit must be a finite number > 0; got inf"):
+        RewardServer(ink("bold"), "ink", port=0, idle_exit_s=math.inf)  # the class checks as the command does
+
+
 def test_every_frame_of_a_clip_counts_toward_the_request_limit():
     """A (B, F, 3, H, W) header declares B x F images: 2 clips of 50 frames of 64 x 64 are 100 images of the
     request's pixels, refused from the header alone (TooLarge, not a later parse error)."""

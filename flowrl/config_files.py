@@ -41,6 +41,54 @@ def _check_remote_key(key: str) -> None:
         )
 
 
+MAX_YAML_VALUES = 100_000
+"""Most values a config file or override may hold once its YAML aliases are expanded (real configs hold a few
+hundred); above it is an alias bomb, whose expansion (``json.dumps`` of reward options) would take minutes and GBs."""
+
+
+def _expanded_values(data: Any) -> int:
+    """Values in ``data`` with every shared (aliased) list or mapping counted each time it appears.
+
+    Counted over the object graph with a memo, so an alias bomb is measured without being expanded.
+
+    Raises:
+        ValueError: ``data`` contains itself (a recursive alias).
+    """
+    memo: dict[int, int] = {}
+
+    def count(obj: Any) -> int:
+        if not isinstance(obj, (dict, list)):
+            return 1
+        if memo.get(id(obj)) == -1:
+            raise ValueError("a YAML alias refers to a list or mapping that contains it")
+        if id(obj) not in memo:
+            memo[id(obj)] = -1
+            items = [*obj.keys(), *obj.values()] if isinstance(obj, dict) else obj
+            memo[id(obj)] = 1 + sum(count(x) for x in items)
+        return memo[id(obj)]
+
+    return count(data)
+
+
+def check_yaml_size(data: Any, where: str) -> None:
+    """Refuse YAML whose aliases expand to more than :data:`MAX_YAML_VALUES` values, or refer to themselves.
+
+    Raises:
+        ConfigError: one line naming ``where`` and the fix.
+    """
+    try:
+        n = _expanded_values(data)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}; write the values out") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: lists or mappings nested too deeply; flatten the YAML") from None
+    if n > MAX_YAML_VALUES:
+        raise ConfigError(
+            f"{where}: its YAML aliases expand to {n:,} values, above the limit of {MAX_YAML_VALUES:,} "
+            "(an alias bomb?); write the values out instead of nesting aliases"
+        )
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["sampler.noise_level=0.5", ...]`` -> nested dict (values parsed as YAML scalars)."""
     data: dict[str, Any] = {}
@@ -53,6 +101,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"command line: value of '{key}' is not valid YAML: {raw!r}") from err
+        check_yaml_size(value, f"command line: value of '{key}'")
         _set_dotted(data, key.strip(), value)
     return data
 
@@ -123,6 +172,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model:, sampler:, ...)")
+    check_yaml_size(data, str(path))
     return data
 
 

@@ -34,6 +34,42 @@ def test_duplicated_yaml_key_is_refused_with_its_line(tmp_path):
         load_config(str(path))
 
 
+def _alias_bomb(levels: int) -> str:
+    """YAML of nested aliases under rewards.ink: each level lists the one before 9 times (9^levels values)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]")
+    return "rewards:\n  ink:\n    junk:\n" + "".join(f"      {line}\n" for line in lines)
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    """A 9-level alias bomb in a reward's options took --check past 60 s and 1.9 GB (json.dumps expanded it)."""
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(9))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: its YAML aliases expand to [\d,]+ values, above the limit"):
+        load_config(str(path))
+    assert time.perf_counter() - start < 5
+    with pytest.raises(ConfigError, match=r"value of 'rewards\.ink\.junk': its YAML aliases expand"):
+        load_config(
+            None,
+            [
+                "rewards.ink.junk={a: &a [x, x, x, x, x, x, x, x, x, x], "
+                + ", ".join(
+                    f"b{i}: &b{i} [" + ", ".join([f"*{'a' if i == 0 else f'b{i - 1}'}"] * 10) + "]" for i in range(6)
+                )
+                + "}"
+            ],
+        )
+    path.write_text("rewards:\n  ink: &a\n    x: [*a]\n")
+    with pytest.raises(ConfigError, match="a YAML alias refers to a list or mapping that contains it"):
+        load_config(str(path))
+    path.write_text("optim: &o\n  lr: 0.002\ntrain:\n  seed: 3\n")  # a plain anchor still loads
+    assert load_config(str(path)).optim.lr == 0.002
+
+
 def test_valid_bounds_still_load():
     cfg = load_config(None, ["train.time_budget_s=30", "objective.kl_beta=0", "objective.updates_per_iteration=2"])
     assert cfg.train.time_budget_s == 30 and cfg.objective["kl_beta"] == 0

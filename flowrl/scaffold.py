@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keyword
 import re
+import shutil
 from pathlib import Path
 
 PYPROJECT = """[build-system]
@@ -117,6 +118,7 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
     Raises:
         ValueError: an invalid name, or the name of a built-in reward (which would shadow the plugin).
         FileExistsError: the folder exists already.
+        ValueError: the folder cannot be written (``directory`` missing, read-only or not a folder).
     """
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"reward name {name!r} must be a lowercase identifier like 'my_reward' (letters, digits, _)")
@@ -137,8 +139,15 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
         "tests/test_reward.py": TEST,
         "README.md": README,
     }
-    for rel, template in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(template.format(**values))
+    try:
+        for rel, template in files.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(template.format(**values))
+    except OSError as err:
+        shutil.rmtree(root, ignore_errors=True)  # it did not exist before: leave nothing half-written
+        reason = err.strerror or str(err)
+        raise ValueError(
+            f"cannot write the plugin under {directory} ({reason}); pass --dir a writable folder"
+        ) from None
     return root

@@ -165,10 +165,13 @@ def death_message(returncode: int) -> str:
             f"(a reward plugin or native library ended the process); {_FIX}"
         )
     name = signal_name(-returncode)
-    if name == "SIGKILL":
-        cause = "killed from outside, often by the out-of-memory killer: see `dmesg`"
-    else:
-        cause = "a reward plugin or native library crashed; its Python stack is printed above"
+    if name == "SIGKILL":  # nothing of ours crashed: the fix is to continue the run, not to isolate a reward
+        return (
+            f"flowrl: error: the training process died with signal {name} (killed from outside, often by the "
+            "out-of-memory killer: see `dmesg`); continue from its last checkpoint with "
+            "`flowrl train --resume RUN_DIR` (RUN_DIR: this run's output.dir)"
+        )
+    cause = "a reward plugin or native library crashed; its Python stack is printed above"
     return f"flowrl: error: the training process died with signal {name} ({cause}); {_FIX}"
 
 

@@ -81,6 +81,21 @@ def test_bad_names_and_existing_folder(tmp_path):
         scaffold_reward("ok", tmp_path)
 
 
+def test_a_folder_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    """--dir under a file (or /proc/sys) gave a raw "[Errno 20] Not a directory"; now the flag and the fix."""
+    from flowrl.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["reward", "new", "sharp", "--dir", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"flowrl: error: cannot write the plugin under {blocker / 'sub'} ("
+    ), err
+    assert err.rstrip().endswith("; pass --dir a writable folder") and blocker.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_rewards_list_keeps_its_columns_for_a_plugin_named_after_its_distribution(monkeypatch, capsys):
     import flowrl.rewards
     from flowrl.reward_commands import cmd_rewards_list

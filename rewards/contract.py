@@ -204,6 +204,10 @@ def score_reward(
         raise RewardTimeout(timeout_message(name, float(timeout_s or 0), batch_index)) from None
     except (RewardError, CallCancelled):
         raise
+    except SystemExit as err:  # it would end training as "exited with code N without an error message"
+        raise RewardError(
+            f"{_where(name, batch_index)} called sys.exit({err.code!r}); a reward returns scores or raises an error"
+        ) from None
     except Exception as err:  # noqa: BLE001 - any failure inside a reward is re-raised with its name
         message = str(err).splitlines()[0] if str(err) else ""
         raise RewardError(f"{_where(name, batch_index)} raised {type(err).__name__}: {message}") from err

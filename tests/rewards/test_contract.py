@@ -187,3 +187,16 @@ def test_a_reward_error_raised_inside_a_reward_is_not_rewrapped() -> None:
     with pytest.raises(RewardError) as exc:
         score_reward("remote", remote_like, torch.rand(1, 3, 4, 4), ["a"])
     assert str(exc.value) == "reward 'remote' got HTTP 503 from the server; check it is up"
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_a_reward_that_calls_sys_exit_is_named(timeout_s) -> None:
+    """sys.exit(3) in a plugin ended training as "exited with code 3 without an error message", naming nothing."""
+    import sys
+
+    def quitter(images, prompts, **metadata):
+        sys.exit(3)
+
+    with pytest.raises(RewardError) as exc:
+        score_reward("quitter", quitter, torch.rand(1, 3, 4, 4), ["a"], batch_index=2, timeout_s=timeout_s)
+    assert one_line(exc) == "reward 'quitter' (batch 2) called sys.exit(3); a reward returns scores or raises an error"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from .model import (
     encode_prompts,
     load_digit_images,
 )
+from .pretrain_output import MODEL_COMPONENTS, check_batch_size, check_options, check_out, save_model
 
 VAE_STEPS = 400
 FLOW_STEPS = 1500
@@ -46,17 +46,6 @@ PROMPT_DROPOUT = 0.1
 STYLE_PROB = 0.5
 NUM_INFERENCE_STEPS = 10
 LOG_EVERY = 100
-_COMPONENTS = (
-    "transformer",
-    "vae",
-    "text_encoder",
-    "text_encoder_2",
-    "text_encoder_3",
-    "tokenizer",
-    "tokenizer_2",
-    "tokenizer_3",
-    "scheduler",
-)
 
 
 def _batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[Tensor]:
@@ -236,15 +225,6 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _clear_previous(out_dir: Path) -> None:
-    """Remove what an earlier save left in out_dir (only the pipeline's own entries)."""
-    for name in _COMPONENTS:
-        if (out_dir / name).is_dir():
-            shutil.rmtree(out_dir / name)
-    for name in ("model_index.json", "flowrl.json"):
-        (out_dir / name).unlink(missing_ok=True)
-
-
 def pretrain_digits(
     out_dir: Path,
     *,
@@ -255,15 +235,18 @@ def pretrain_digits(
     threads: int = 1,
     eval_per_class: int = 50,
     logit_normal_mean: float = LOGIT_NORMAL_MEAN,
+    overwrite: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train flowrl-digits from scratch and save it as a diffusers folder.
 
     Deterministic for a given seed, thread count and machine: weights, data order, noise and
-    prompt choices all come from ``seed``.
+    prompt choices all come from ``seed``. Every option and ``out_dir`` are checked before any training;
+    the model is written into a hidden sibling folder and renamed to ``out_dir`` at the end, so an
+    error or a kill leaves an existing ``out_dir`` as it was.
 
     Args:
-        out_dir: destination folder (created; earlier pipeline files in it are replaced).
+        out_dir: destination folder (created; a non-empty one only with ``overwrite``).
         seed: seed for initial weights, data order and noise.
         vae_steps: autoencoder steps.
         flow_steps: flow-matching steps.
@@ -271,19 +254,34 @@ def pretrain_digits(
         threads: torch intra-op threads.
         eval_per_class: samples per digit for the SVC evaluation (0 skips it).
         logit_normal_mean: flow-time sampling bias towards high noise (see :func:`train_flow`).
+        overwrite: replace the model in a non-empty ``out_dir`` (its other files are kept).
         log: progress sink.
 
     Returns:
         Report dict: ``{"vae", "flow", "eval", "params", "size_bytes", "seconds"}``.
+
+    Raises:
+        TypeError: an option of the wrong type.
+        ValueError: an option out of range or not finite, an unusable ``out_dir``, or trained weights
+            that are not finite (nothing is saved then).
+        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is false.
     """
-    if vae_steps < 1 or flow_steps < 1 or batch_size < 1 or threads < 1:
-        raise ValueError("vae_steps, flow_steps, batch_size and threads must all be >= 1")
+    check_options(
+        seed=seed,
+        vae_steps=vae_steps,
+        flow_steps=flow_steps,
+        batch_size=batch_size,
+        threads=threads,
+        eval_per_class=eval_per_class,
+        logit_normal_mean=logit_normal_mean,
+    )
+    out_dir = check_out(out_dir, overwrite=overwrite)
+    images, labels, styles = load_digit_images()
+    check_batch_size(batch_size, len(images))
     start = time.perf_counter()
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    out_dir = Path(out_dir)
     pipe = build_digits_pipeline(seed)
-    images, labels, styles = load_digit_images()
     pixels = images * 2 - 1
     generator = torch.Generator().manual_seed(seed)
 
@@ -320,9 +318,6 @@ def pretrain_digits(
             f"plain {eval_report['ink_plain']:.3f} thin {eval_report['ink_thin']:.3f}"
         )
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out_dir)
-    pipe.save_pretrained(str(out_dir), safe_serialization=True)
     card = {
         "adapter": "sd3",
         "resolution": RESOLUTION,
@@ -336,11 +331,8 @@ def pretrain_digits(
         "logit_normal_mean": logit_normal_mean,
         "eval": eval_report,
     }
-    (out_dir / "flowrl.json").write_text(json.dumps(card, indent=2) + "\n")
-    params = {
-        name: sum(p.numel() for p in getattr(pipe, name).parameters())
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-    }
+    save_model(pipe, card, out_dir, overwrite=overwrite, log=log)
+    params = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in MODEL_COMPONENTS}
     return {
         "vae": vae_report,
         "flow": flow_report,
@@ -351,10 +343,20 @@ def pretrain_digits(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``flowrl pretrain-digits``: train the embedded model and print the report as JSON."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``flowrl pretrain-digits`` (every option but ``--out`` is a keyword of :func:`pretrain_digits`)."""
     parser = argparse.ArgumentParser(prog="flowrl pretrain-digits", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DIGITS_DIR, help="output folder (default: the shipped asset)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DIGITS_DIR,
+        help="output folder (default: the shipped model, which needs --overwrite to be replaced)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model in a non-empty --out (its other files are kept; the swap happens at the end)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     parser.add_argument("--flow-steps", type=int, default=FLOW_STEPS)
@@ -367,7 +369,19 @@ def main(argv: list[str] | None = None) -> int:
         help="bias of the flow-time sampler towards high noise (1.5: 98.0%% vs 97.2%% accuracy)",
     )
     parser.add_argument("--eval-per-class", type=int, default=50, help="SVC eval samples per digit (0: skip)")
-    options = vars(parser.parse_args(argv))  # every option is a keyword of pretrain_digits
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``flowrl pretrain-digits``: train the embedded model and print the report as JSON.
+
+    Args:
+        argv: the arguments after ``pretrain-digits``; None reads ``sys.argv``.
+
+    Returns:
+        The exit code, 0 (a bad option or ``--out`` raises before any training).
+    """
+    options = vars(build_parser().parse_args(argv))  # every option is a keyword of pretrain_digits
     report = pretrain_digits(options.pop("out"), **options)
     print(json.dumps(report, indent=2))
     return 0

@@ -11,7 +11,7 @@ from .hub import KNOWN_REPOS, check_weights, download_fix, resolve_model_path
 from .loading import PIPELINES, load_pipeline_adapter, read_model_index
 
 EMBEDDED = "flowrl-digits"
-REBUILD_EMBEDDED = "rebuild them with `flowrl pretrain-digits` (or reinstall flowrl)"
+REBUILD_EMBEDDED = "rebuild them with `flowrl pretrain-digits --overwrite` (or reinstall flowrl)"
 
 __all__ = ["Cond", "EMBEDDED", "ModelAdapter", "PIPELINES", "load_adapter", "repeat_cond", "select_cond"]
 

@@ -139,7 +139,7 @@ def test_the_embedded_model_s_damaged_or_missing_weights_name_the_rebuild_comman
     assert f"weight file {vae} of model 'flowrl-digits' is damaged" in str(damaged.value)
     assert f"{vae.parent} holds no weight files" in str(missing.value)
     for err in (damaged, missing):
-        assert str(err.value).endswith("rebuild them with `flowrl pretrain-digits` (or reinstall flowrl)")
+        assert str(err.value).endswith("rebuild them with `flowrl pretrain-digits --overwrite` (or reinstall flowrl)")
         assert "hf download" not in str(err.value)
 
 

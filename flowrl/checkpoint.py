@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,11 @@ MANIFEST = "manifest.json"
 FORMAT = "flowrl-checkpoint"
 FORMAT_VERSION = 1
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")  # per-parameter state of torch.optim.AdamW
+CHECKPOINT_NAME = re.compile(r"iter-(\d+)")  # a checkpoint folder's name: the iteration it was saved at
+# AdamW param-group numbers and the range each may take (the bounds of the optim.* config keys)
+GROUP_RANGES = {"lr": (0.0, 1.0, True), "eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False)}
+GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")  # bool
+GROUP_OPTIONS = ("foreach", "fused")  # bool or null
 
 
 class CheckpointError(ValueError):
@@ -257,6 +264,54 @@ def _counter(folder: Path, meta: dict[str, Any], key: str) -> int:
     return value
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's type, for a message."""
+    return type(value).__name__
+
+
+def _iteration(folder: Path, iteration: int) -> None:
+    """Refuse a ``trainer.json`` iteration other than the one the folder's name (``iter-N``) says."""
+    match = CHECKPOINT_NAME.fullmatch(folder.name)
+    if match and int(match.group(1)) != iteration:
+        raise CheckpointError(
+            folder, f"trainer.json 'iteration' is {iteration} but the folder is {folder.name} (edited or moved)"
+        )
+
+
+def _real(value: Any) -> bool:
+    """Whether a JSON value is a finite number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _group_fault(group: Any) -> str | None:
+    """What is wrong with one AdamW param group from ``trainer.json``, or None."""
+    if not isinstance(group, dict):
+        return f"must be a mapping (got {_kind(group)})"
+    params = group.get("params")
+    if not isinstance(params, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in params):
+        return f"'params' must be a list of parameter indices (got {params!r})"
+    for key, (lo, hi, lo_open) in GROUP_RANGES.items():
+        value = group.get(key)
+        if not _real(value) or not (lo < value if lo_open else lo <= value) or value > hi:
+            return f"'{key}' must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}] (got {value!r})"
+    betas = group.get("betas")
+    if not isinstance(betas, list) or len(betas) != 2 or not all(_real(b) and 0 <= b < 1 for b in betas):
+        return f"'betas' must be two numbers in [0, 1) (got {betas!r})"
+    for key in GROUP_FLAGS + GROUP_OPTIONS:
+        value = group.get(key, False)
+        if not isinstance(value, bool) and not (key in GROUP_OPTIONS and value is None):
+            return f"'{key}' must be true or false (got {value!r})"
+    return None
+
+
+def _param_groups(folder: Path, groups: list[Any]) -> None:
+    """Refuse AdamW param groups whose values torch would take and misuse (a negative lr, betas as text)."""
+    for index, group in enumerate(groups):
+        fault = _group_fault(group)
+        if fault:
+            raise CheckpointError(folder, f"trainer.json optimizer param group {index}: {fault}")
+
+
 def _trainer_meta(folder: Path, data: bytes) -> dict[str, Any]:
     try:
         meta = json.loads(data)
@@ -267,7 +322,11 @@ def _trainer_meta(folder: Path, data: bytes) -> dict[str, Any]:
     opt = meta.get("optimizer")
     if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list):
         raise CheckpointError(folder, "trainer.json has no 'optimizer' entry with 'param_groups'")
-    _counter(folder, meta, "iteration")
+    _param_groups(folder, opt["param_groups"])
+    if not isinstance(opt.get("scalars", {}), dict):
+        got = _kind(opt["scalars"])
+        raise CheckpointError(folder, f"trainer.json optimizer 'scalars' must be a mapping (got {got})")
+    _iteration(folder, _counter(folder, meta, "iteration"))
     _counter(folder, meta, "samples_seen")
     if "nfe" in meta:
         _counter(folder, meta, "nfe")
@@ -293,6 +352,11 @@ def _unflatten_optimizer(folder: Path, tensors: dict[str, torch.Tensor], meta: d
         missing = [k for k in ADAMW_KEYS if k not in entry]
         if missing:
             raise CheckpointError(folder, f"optimizer.safetensors has no '{missing[0]}' for parameter {pid} (AdamW)")
+    _check_finite(folder, "optimizer.safetensors", tensors)
+    negative = [k for k, v in sorted(tensors.items()) if k.endswith(".exp_avg_sq") and bool((v < 0).any())]
+    if negative:
+        reason = f"optimizer.safetensors: tensor '{negative[0]}' holds negative values (corrupt or edited)"
+        raise CheckpointError(folder, reason)
     return {"state": state, "param_groups": groups}
 
 
@@ -302,6 +366,30 @@ def _check_lora(folder: Path, name: str, weights: dict[str, torch.Tensor], dtype
             want = str(dtype).removeprefix("torch.") if dtype is not None else "floating point"
             got = str(value.dtype).removeprefix("torch.")
             raise CheckpointError(folder, f"{name} holds {got} tensor '{key}' (training keeps LoRA weights in {want})")
+    _check_finite(folder, name, weights)
+
+
+def _check_finite(folder: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a file whose floating-point tensors hold NaN or inf (a run would sample NaN images from it)."""
+    key = nonfinite_tensor(tensors)
+    if key is not None:
+        raise CheckpointError(folder, f"{name}: tensor '{key}' holds NaN or inf (corrupt or edited)")
+
+
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The key of the first floating-point tensor holding NaN or inf, or None when all are finite.
+
+    Args:
+        tensors: name -> tensor, as a safetensors file holds them.
+
+    Returns:
+        The first offending key in sorted order, or None.
+    """
+    for key in sorted(tensors):
+        value = tensors[key]
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return key
+    return None
 
 
 def _rng(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
@@ -329,8 +417,9 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     """Read a folder written by :func:`save_checkpoint`, verifying it first.
 
     Every file is checked against ``manifest.json`` (:func:`verify_checkpoint`) before it is
-    parsed; after parsing, the optimizer state must hold AdamW's keys per parameter, the LoRA
-    tensors must be float32 and the counters non-negative integers.
+    parsed; after parsing, the optimizer state must hold AdamW's keys per parameter and valid param
+    groups, the LoRA tensors must be float32, no LoRA, adapter or optimizer tensor may hold NaN or inf,
+    and the counters must be non-negative integers, ``iteration`` the one the folder's ``iter-N`` says.
 
     Args:
         directory: a checkpoint folder.

@@ -169,18 +169,53 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_metrics(path: Path) -> list[tuple[int, str]]:
-    """The rows of a ``metrics.jsonl`` as (step, line); lines that do not parse (a row cut by a kill) are dropped."""
+    """The rows of a ``metrics.jsonl`` as (step, line): its lines that are JSON objects with an integer ``step``.
+
+    Raises:
+        ValueError: a line that is not UTF-8, or one before the last that is not JSON (:func:`metrics_lines`).
+    """
+    return [(step, line) for step, line in metrics_lines(path) if step is not None]
+
+
+def metrics_lines(path: Path) -> list[tuple[int | None, str]]:
+    """Every line of a ``metrics.jsonl`` worth keeping, as (step, line); the step is None for one that is no row.
+
+    Only a last line that does not parse (a row cut short by a kill) and blank lines are dropped. A line that
+    parses but is not a row (no integer ``step``) is kept with step None, so a rewrite of the file loses nothing.
+
+    Raises:
+        ValueError: a line that is not UTF-8, or one before the last that is not JSON (one line: the file, the
+            line number and the fix).
+    """
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().splitlines()
+    kept = []
+    for number, raw in enumerate(lines, 1):
+        line = _metrics_text(path, number, raw)
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append((row["step"], line))
-    return rows
+            if number == len(lines):
+                continue  # a row cut short by a kill
+            raise ValueError(
+                f"{path}: line {number} is not valid JSON (corrupt or edited); repair or remove that line"
+            ) from None
+        step = row.get("step") if isinstance(row, dict) else None
+        kept.append((step if isinstance(step, int) and not isinstance(step, bool) else None, line))
+    return kept
+
+
+def _metrics_text(path: Path, number: int, raw: bytes) -> str:
+    """One line of ``metrics.jsonl`` as text; one ValueError line naming the file and line when it is not UTF-8."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: line {number} is not UTF-8 text (byte {raw[err.start]:#04x}); repair or remove that line"
+        ) from None
 
 
 def json_row(row: dict[str, float]) -> dict[str, float | None]:
@@ -259,10 +294,10 @@ class MetricsLogger:
         self.run_dir, self.wandb = run_dir, wandb_run
 
     def _cut(self, step: int) -> list[dict[str, float]]:
-        kept = [line for s, line in read_metrics(self.path) if s <= step]
+        kept = [(s, line) for s, line in metrics_lines(self.path) if s is None or s <= step]  # non-rows stay
         if self.path.exists():
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
-        return [json.loads(line) for line in kept]
+            write_text_atomic(self.path, "".join(line + "\n" for _, line in kept))
+        return [json.loads(line) for s, line in kept if s is not None]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one row (the numeric metrics) to ``metrics.jsonl`` and write the finite ones to TensorBoard.

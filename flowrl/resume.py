@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .checkpoint import MANIFEST, CheckpointError, load_checkpoint
-from .outputs import RUN_MARKERS, read_metrics
-
-CHECKPOINT_NAME = re.compile(r"iter-(\d+)")
+from .checkpoint import CHECKPOINT_NAME, MANIFEST, CheckpointError, load_checkpoint
+from .outputs import RUN_MARKERS, read_metrics, resume_run_dir
 
 # config keys that may differ on resume: they change neither the training trajectory nor what a
 # logged metric means (docs/reliability.md); a key ending in "." covers its whole section, "*" one name
@@ -126,7 +123,8 @@ def find_resume(path: str | Path) -> Resume:
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no checkpoint.
-        ValueError: the checkpoint (or every checkpoint of the run) fails verification.
+        ValueError: the checkpoint (or every checkpoint of the run) fails verification, or the run's
+            ``metrics.jsonl`` holds a line that is not a row (:func:`flowrl.outputs.read_metrics`).
     """
     path = Path(path)
     if not path.exists():
@@ -136,6 +134,9 @@ def find_resume(path: str | Path) -> Resume:
             return latest_good_checkpoint(path)
         if path.name == "checkpoints":
             return latest_good_checkpoint(path.parent)
+    run = resume_run_dir(path)
+    if run is not None:  # the resume rewrites its metrics: a bad row fails now, before the model loads
+        read_metrics(run / "metrics.jsonl")
     return Resume(path, load_checkpoint(path), [])
 
 

@@ -505,16 +505,20 @@ class Trainer:
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Check, without loading, that a checkpoint's LoRA adapters and AdamW moments fit this run (keys and shapes).
 
-        Whole adapters only; sharded ones (FSDP2, ZeRO-3) are checked by :meth:`load_state_dict`.
+        The checkpoint must hold this run's extra adapters (no other) and LoRA weights within
+        ``train.max_lora_weight``. Whole adapters only; sharded ones (FSDP2, ZeRO-3) are checked by
+        :meth:`load_state_dict`.
 
         Raises:
             ValueError: a LoRA that does not fit (one line).
         """
         if self.lockstep is not None or self.zero is not None:
             return
+        self._check_adapter_names(state.get("adapters", {}))
         check_lora_state(self.model.transformer, state["lora"])
         for name, weights in state.get("adapters", {}).items():
             check_lora_state(self.model.transformer, weights, name)
+        self._check_lora_size(state["lora"])
         optimizer = state["optimizer"]
         if len(optimizer["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(
@@ -526,6 +530,32 @@ class Trainer:
             bad = [k for k in ("exp_avg", "exp_avg_sq") if tuple(entry[k].shape) != shape]
             if bad or entry["step"].numel() != 1:
                 raise ValueError(f"the optimizer state of parameter {pid} does not fit this run's LoRA ({shape})")
+
+    def _check_adapter_names(self, adapters: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose extra adapters are not the ones this run's objective keeps (one line)."""
+        have = sorted(n for n in adapter_names(self.model.transformer) if n != "default")
+        extra, missing = sorted(set(adapters) - set(have)), sorted(set(have) - set(adapters))
+        if extra:
+            raise ValueError(
+                f"adapter-{extra[0]}.safetensors is an adapter this run does not have (it has {have or 'none'}); "
+                "resume with the objective that wrote the checkpoint, or from another checkpoint"
+            )
+        if missing:
+            raise ValueError(
+                f"the checkpoint has no adapter-{missing[0]}.safetensors, which this run's objective keeps; "
+                "resume with the objective that wrote the checkpoint, or from another checkpoint"
+            )
+
+    def _check_lora_size(self, weights: dict[str, Tensor]) -> None:
+        """Refuse LoRA weights above ``train.max_lora_weight``: the update guard never lets training save them."""
+        bound = self.cfg.train.max_lora_weight
+        for key, value in sorted(weights.items()):
+            top = float(value.detach().abs().max()) if value.numel() else 0.0
+            if top > bound:
+                raise ValueError(
+                    f"lora.safetensors: tensor '{key}' reaches |w| = {top:.3g} > train.max_lora_weight={bound:g} "
+                    "(corrupt or edited); resume from another checkpoint"
+                )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""

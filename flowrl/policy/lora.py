@@ -60,10 +60,13 @@ def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: nothing LoRA-like at ``source``.
-        ValueError: the file is unreadable, not a LoRA of this model, or loaded no weights (one line).
+        ValueError: the file is unreadable, not a LoRA of this model, holds NaN or inf, or loaded no weights
+            (one line).
     """
     path = find_lora(source)
     fix = "pass a run folder, its lora/ folder or a pytorch_lora_weights.safetensors that flowrl wrote for this model"
+    for file in _lora_files(path):
+        check_finite_lora(file)
     before = {c: set(adapter_names(m)) for c, m in _denoiser_components(model.pipe).items()}
     try:
         with _quiet_failed_load():
@@ -82,6 +85,36 @@ def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
         if len(added) == 1:
             restore_fp32_lora(module, file, added.pop())
     return path
+
+
+def check_finite_lora(file: Path) -> None:
+    """Refuse a LoRA file holding NaN or inf: diffusers loads it as is, and every image it samples is NaN.
+
+    An unreadable file is left to the loader, which names what is wrong with it.
+
+    Raises:
+        ValueError: one line naming the file and the first tensor that is not finite.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(str(file))
+    except (SafetensorError, OSError):
+        return
+    check_finite_state(weights, f"LoRA {file}")
+
+
+def check_finite_state(weights: dict[str, Tensor], source: str) -> None:
+    """Refuse LoRA weights holding NaN or inf (one line: ``source``, the tensor and the fix)."""
+    from ..checkpoint import nonfinite_tensor
+
+    key = nonfinite_tensor(weights)
+    if key is not None:
+        raise ValueError(
+            f"{source}: tensor '{key}' holds NaN or inf; the file is corrupt: pass another LoRA, or train the run "
+            "that wrote it again"
+        )
 
 
 def _denoiser_components(pipe: Any) -> dict[str, nn.Module]:
@@ -231,10 +264,11 @@ def load_lora_state(transformer: nn.Module, state: dict[str, Tensor], adapter: s
     """Load weights produced by :func:`lora_state_dict` into an attached adapter.
 
     Raises:
-        ValueError: when keys are missing or unexpected (a checkpoint from another config).
+        ValueError: when keys are missing or unexpected (a checkpoint from another config), or a weight is NaN or inf.
     """
     from peft.utils import set_peft_model_state_dict
 
+    check_finite_state(state, f"LoRA checkpoint (adapter {adapter!r})")
     try:
         result = set_peft_model_state_dict(transformer, state, adapter_name=adapter)
     except RuntimeError as err:  # torch's size-mismatch report: one line per tensor

@@ -154,12 +154,88 @@ def test_negative_counter_is_named(tmp_path):
             {"adapters": {"ema": {"a.lora_A.weight": torch.zeros(2, 2, dtype=torch.int64)}}},
             "adapter-ema.safetensors holds int64 tensor 'a.lora_A.weight' (training keeps LoRA weights in floating",
         ),
+        (
+            {"lora": {"a.lora_A.weight": torch.zeros(2, 2), "b.lora_B.weight": torch.tensor([0.0, float("nan")])}},
+            "lora.safetensors: tensor 'b.lora_B.weight' holds NaN or inf (corrupt or edited)",
+        ),
+        (
+            {"adapters": {"ema": {"a.lora_A.weight": torch.full((2, 2), float("inf"), dtype=torch.bfloat16)}}},
+            "adapter-ema.safetensors: tensor 'a.lora_A.weight' holds NaN or inf",
+        ),
+        ({"iteration": 9}, "trainer.json 'iteration' is 9 but the folder is iter-000007 (edited or moved)"),
     ],
 )
 def test_a_signed_but_inconsistent_state_is_named(tmp_path, edit, fragment):
     """A checkpoint whose manifest was recomputed after an edit (checksums pass) is still checked after parsing."""
     folder = save_checkpoint({**_state(), **edit}, tmp_path / "iter-000007")
     _one_line_error(folder, fragment)
+
+
+def _set(group: dict, key: str, value) -> None:
+    group[key] = value
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda o: _set(o["param_groups"][0], "lr", -5.0), "param group 0: 'lr' must be a number in (0, 1] (got -5.0)"),
+        (
+            lambda o: _set(o["param_groups"][0], "lr", "abc"),
+            "group 0: 'lr' must be a number in (0, 1] (got 'abc')",
+        ),
+        (lambda o: _set(o["param_groups"][0], "lr", float("nan")), "'lr' must be a number in (0, 1] (got nan)"),
+        (lambda o: _set(o["param_groups"][0], "lr", True), "'lr' must be a number in (0, 1] (got True)"),
+        (lambda o: _set(o["param_groups"][0], "eps", 0.0), "'eps' must be a number in (0, 1] (got 0.0)"),
+        (lambda o: _set(o["param_groups"][0], "weight_decay", -1), "'weight_decay' must be a number in [0, 1]"),
+        (lambda o: _set(o["param_groups"][0], "betas", "ab"), "'betas' must be two numbers in [0, 1) (got 'ab')"),
+        (lambda o: _set(o["param_groups"][0], "betas", 5), "'betas' must be two numbers in [0, 1) (got 5)"),
+        (lambda o: _set(o["param_groups"][0], "betas", (0.9, 1.0)), "'betas' must be two numbers in [0, 1)"),
+        (lambda o: _set(o["param_groups"][0], "amsgrad", "no"), "'amsgrad' must be true or false (got 'no')"),
+        (lambda o: _set(o["param_groups"][0], "params", "0"), "'params' must be a list of parameter indices"),
+        (lambda o: _set(o, "param_groups", [1]), "trainer.json optimizer param group 0: must be a mapping (got int)"),
+    ],
+)
+def test_an_optimizer_param_group_torch_would_misuse_is_named(tmp_path, edit, fragment):
+    """AdamW takes any param group torch is given (a negative lr trains backwards; text lr fails mid-step naming
+    nothing): each value is checked, and the message names trainer.json, the group and the key."""
+    state = _state()
+    edit(state["optimizer"])
+    message = _one_line_error(save_checkpoint(state, tmp_path / "ck"), "trainer.json optimizer ", fragment)
+    assert "optimizer.safetensors" not in message
+
+
+def test_optimizer_scalars_that_are_not_a_mapping_blame_trainer_json(tmp_path):
+    folder = save_checkpoint(_state(), tmp_path / "ck")
+    meta = json.loads((folder / "trainer.json").read_text())
+    meta["optimizer"]["scalars"] = [1, 2]
+    (folder / "trainer.json").write_text(json.dumps(meta))
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"}
+    (folder / "manifest.json").write_bytes(ck._manifest(files))  # signed as save_checkpoint signs
+    _one_line_error(folder, "trainer.json optimizer 'scalars' must be a mapping (got list)")
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        (float("nan"), "'state.0.exp_avg_sq' holds NaN or inf"),
+        (-1.0, "'state.0.exp_avg_sq' holds negative values"),
+    ],
+)
+def test_optimizer_moments_that_adam_cannot_hold_are_named(tmp_path, value, fragment):
+    """A NaN moment or a negative second moment (a square root of it is taken) is refused, naming the tensor."""
+    state = _state()
+    state["optimizer"]["state"][0]["exp_avg_sq"] = torch.full((3, 2), value)
+    _one_line_error(save_checkpoint(state, tmp_path / "ck"), "optimizer.safetensors: tensor " + fragment)
+
+
+def test_resume_from_one_checkpoint_refuses_a_bad_metrics_row_before_loading(tmp_path):
+    """``--resume RUN/checkpoints/iter-N`` rewrites RUN's metrics.jsonl: a bad row in the middle is refused first."""
+    from flowrl.resume import find_resume
+
+    run = _run_with(tmp_path, 2)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "a\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON .*; repair or remove that line"):
+        find_resume(run / "checkpoints" / "iter-000002")
 
 
 def _resign(folder: Path, edit) -> None:
@@ -545,3 +621,47 @@ def test_image_every_logs_samples_only_at_its_own_multiples(tmp_path: Path, caps
     run = tmp_path / "run"
     assert _train(capsys, f"output.dir={run}", "output.image_every=2")[0] == 0  # 3 iterations, eval_every=1
     assert sorted(p.name for p in (run / "samples").iterdir()) == ["iter-000000.png", "iter-000002.png"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A 3-iteration Flow-GRPO run of the embedded model (no extra adapters), checkpointed at every iteration."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", *SMALL, f"output.dir={out}"]) == 0
+    return out
+
+
+def _add_ema_adapter(folder: Path) -> str:
+    (folder / "adapter-ema.safetensors").write_bytes(ck.save({"x": torch.zeros(2)}))
+    return "adapter-ema.safetensors is an adapter this run does not have (it has none); resume with the objective"
+
+
+def _inflate_lora(folder: Path) -> str:
+    lora = ck.load((folder / "lora.safetensors").read_bytes())
+    key = sorted(lora)[0]
+    lora[key] = torch.full_like(lora[key], 1e30)
+    (folder / "lora.safetensors").write_bytes(ck.save(lora))
+    return f"lora.safetensors: tensor '{key}' reaches |w| = 1e+30 > train.max_lora_weight=1000"
+
+
+def _break_metrics_row(folder: Path) -> str:
+    metrics = folder.parent.parent / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:9], *lines[2:]]) + "\n")
+    return f"{metrics}: line 2 is not valid JSON (corrupt or edited); repair or remove that line"
+
+
+@pytest.mark.parametrize("tamper", [_add_ema_adapter, _inflate_lora, _break_metrics_row])
+def test_a_resume_refuses_a_re_signed_tampered_run_in_one_line(finished_run, tmp_path, capsys, tamper):
+    """A checkpoint edited and re-signed (checksums pass), or a metrics row broken in the middle, stops the resume
+    with one line naming the file and what is wrong, before anything in the run folder changes."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    folder = run / "checkpoints" / "iter-000003"
+    fragment = tamper(folder)
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"}
+    (folder / "manifest.json").write_bytes(ck._manifest(files))  # signed as save_checkpoint signs
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "tensorboard" not in p.parts}
+    code, err = _train(capsys, "train.iterations=4", "--resume", str(folder))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("flowrl: error: ") and fragment in err, err
+    assert {p: p.read_bytes() for p in before} == before

@@ -328,3 +328,30 @@ def test_restore_fp32_lora_leaves_an_adapter_whose_file_holds_other_layers_as_lo
     assert {p.dtype for p in after.values()} == {torch.bfloat16}
     assert all(torch.equal(after[n], v) for n, v in before.items())
     assert restore_fp32_lora(plain.transformer, file, adapter)  # the whole file: restored
+
+
+def test_a_saved_lora_holding_nan_or_inf_is_refused_naming_the_file_and_tensor(tiny_sd3, tmp_path: Path) -> None:
+    """diffusers loads a LoRA of NaN bytes as is (every sampled image NaN); flowrl refuses it before loading."""
+    from safetensors.torch import load_file, save_file
+
+    from flowrl.policy.lora import adapter_names, load_saved_lora
+
+    *_, file = _trained_and_saved(tiny_sd3, tmp_path)
+    weights = load_file(str(file))
+    key = sorted(weights)[1]
+    weights[key] = torch.full_like(weights[key], float("nan"))
+    save_file(weights, str(file))
+    fresh = SD3Adapter(tiny_sd3_pipeline(), max_sequence_length=2, resolution=(8, 8))
+    with pytest.raises(ValueError) as info:
+        load_saved_lora(fresh, tmp_path)
+    assert str(info.value).startswith(f"LoRA {file}: tensor '{key}' holds NaN or inf; the file is corrupt: ")
+    assert "\n" not in str(info.value) and not adapter_names(fresh.transformer)
+
+
+def test_load_lora_state_refuses_an_infinite_weight(tiny_sd3) -> None:
+    add_lora(tiny_sd3.transformer, rank=4, alpha=8, targets=tiny_sd3.lora_target_modules)
+    state = lora_state_dict(tiny_sd3.transformer)
+    key = sorted(state)[0]
+    state[key][0] = float("inf")
+    with pytest.raises(ValueError, match=f"LoRA checkpoint \\(adapter 'default'\\): tensor '{key}' holds NaN or inf"):
+        load_lora_state(tiny_sd3.transformer, state)

@@ -23,12 +23,50 @@ from flowrl.outputs import (
 
 
 def test_read_metrics_keeps_rows_with_an_integer_step_only(tmp_path: Path) -> None:
-    """Rows that are not objects or whose step is not an int are dropped, like a row cut by a kill."""
+    """Lines that are not objects or whose step is not an int are no rows; the last row, cut by a kill, is dropped."""
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 0, "a": 1.0}', '{"step": "1", "a": 2.0}', "[2, 3]", '{"a": 4.0}', '{"step": 1.5}', '{"step": 2}']
     path.write_text("\n".join(lines) + '\n{"step": 3, "a"')
     assert read_metrics(path) == [(0, lines[0]), (2, lines[5])]
     assert read_metrics(tmp_path / "absent.jsonl") == []
+
+
+def test_a_row_that_does_not_parse_before_the_last_is_refused_naming_the_file_and_line(tmp_path: Path) -> None:
+    """Only the last row can be cut short by a kill: a broken one in the middle is refused, not dropped, since a
+    resume rewrites the file with the rows it keeps (nothing is rewritten)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n\n{"step": 1, "a"\n{"step": 2}\n')
+    message = r"metrics.jsonl: line 3 is not valid JSON \(corrupt or edited\); repair or remove that line"
+    with pytest.raises(ValueError, match=message) as info:
+        read_metrics(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=message):
+        MetricsLogger(tmp_path, resume_step=1)
+    assert path.read_bytes() == before
+
+
+def test_a_resume_keeps_the_lines_that_are_no_rows(tmp_path: Path) -> None:
+    """Cutting metrics.jsonl back to a checkpoint keeps lines without an integer step (only later rows go)."""
+    path = tmp_path / "metrics.jsonl"
+    lines = ['{"step": 0}', '{"note": "x"}', '{"step": 1}', "[1, 2]", '{"step": 2}']
+    path.write_text("\n".join(lines) + "\n")
+    logger = MetricsLogger(tmp_path, resume_step=1)
+    logger.close()
+    assert [r["step"] for r in logger.rows] == [0, 1]
+    assert path.read_text().splitlines() == lines[:4]
+
+
+def test_a_non_utf8_byte_in_metrics_names_the_file_and_line(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 is refused naming metrics.jsonl, instead of the codec's bare 'can't decode byte'."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 0}\n{"step": 1}\n{"step": 2, "a": \xff}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 3 is not UTF-8 text \(byte 0xff\); repair or remove"):
+        read_metrics(path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="line 3 is not UTF-8"):
+        MetricsLogger(tmp_path, resume_step=1)
+    assert path.read_bytes() == before  # nothing rewritten, nothing lost
 
 
 def test_non_finite_metrics_are_null_in_the_jsonl_and_kept_in_the_rows(tmp_path: Path) -> None:

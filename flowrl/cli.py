@@ -92,8 +92,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     config, overrides = split_config_args(ns.args)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     given = config  # the config files the user named (the run's own config.yaml is not one)
-    if config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
-        config = [str(run_dir / "config.yaml")]  # --resume RUN alone continues with the run's own config
+    if config is None and run_dir is not None:  # --resume RUN alone continues with the run's own config
+        if not (run_dir / "config.yaml").is_file():  # else the defaults would be compared with the checkpoint's
+            raise FileNotFoundError(
+                f"--resume: {run_dir / 'config.yaml'} is missing; restore it, or pass the run's config file(s) "
+                "and overrides after --resume"
+            )
+        config = [str(run_dir / "config.yaml")]
     cfg = load_config(config, overrides)
     processes = None
     if ns.processes is not None:

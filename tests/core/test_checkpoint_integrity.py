@@ -665,3 +665,18 @@ def test_a_resume_refuses_a_re_signed_tampered_run_in_one_line(finished_run, tmp
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("flowrl: error: ") and fragment in err, err
     assert {p: p.read_bytes() for p in before} == before
+
+
+def test_resume_alone_of_a_run_without_its_config_yaml_says_so(finished_run, tmp_path, capsys):
+    """With RUN/config.yaml deleted, --resume RUN compared the default job's config with the checkpoint's and said
+    "prompts.per_iteration changed from 4 to 20"; now it names the missing file and the fix."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    (run / "config.yaml").unlink()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"flowrl: error: --resume: {run / 'config.yaml'} is missing; restore it, or pass the run's config file(s) "
+        "and overrides after --resume\n"
+    )
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

@@ -96,6 +96,7 @@ def test_what_every_rank_would_refuse_is_refused_before_any_process_starts(capsy
     assert "prompts.per_iteration=3 does not split into whole groups over 2 processes" in line
     assert not (tmp_path / "b").exists()
     (tmp_path / "run" / "checkpoints" / "iter-000001").mkdir(parents=True)  # a checkpoint that does not verify
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")  # the run's own config (--resume RUN alone reads it)
     line = one_line_error(capsys, "train", "--processes", "2", "--resume", str(tmp_path / "run"))
     assert "--resume" in line and "iter-000001" in line
     line = one_line_error(capsys, "train", "--check", "--processes", "3")  # --check refuses what the launch would

@@ -64,7 +64,8 @@ step ceilings 30 python3 -m bench.ceilings --json "$OUT/ceilings.json"
 # memory.compile=cudagraphs (new): the default job's rollout equal to eager bit for bit, ratio 1; the step noise's
 # copy without a stream sync (new); FP8 layers sharing one quantised input (new 2026-11-29); bf16 rollouts on the
 # training attention kernels, first-update ratio exactly 1 (new 2026-11-29, session 20); FP8 fast accumulation
-# (new 2026-12-07).
+# (new 2026-12-07); the NVFP4 torch reference and kernel equal on CUDA at a block scale torch's reciprocal
+# division rounded differently, and on subnormal inputs (new 2026-12-07, second session).
 step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_sde.py \
   tests/kernels/test_bench_kernels.py "tests/test_cuda.py::test_the_default_job_under_cudagraphs_replays_the_eager_kernels" \
   "tests/test_cuda.py::test_step_noise_for_a_cuda_latent_is_the_cpu_draw_and_does_not_synchronise" \
@@ -74,6 +75,8 @@ step tests_fixes 75 python3 -m pytest -q -m cuda tests/kernels/test_fused_flow_s
   tests/core/test_precision.py::test_scaled_mm_layers_share_quantised_inputs_with_the_same_output_also_after_a_refresh \
   tests/kernels/test_fp8.py::test_fast_accum_is_passed_to_scaled_mm_and_changes_only_the_accumulation \
   tests/core/test_precision.py::test_fast_accum_reaches_every_fp8_layer_survives_a_refresh_and_stays_close \
+  tests/kernels/test_nvfp4.py::test_block_scale_divides_rather_than_multiplies_by_a_reciprocal \
+  tests/kernels/test_nvfp4.py::test_kernel_matches_reference_on_subnormal_inputs \
   -p no:cacheprovider
 
 # Issue 17: the default job under CUDA graphs of the eager kernels (memory.compile=cudagraphs: seconds of tracing per

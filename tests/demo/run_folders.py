@@ -78,7 +78,7 @@ def make_run(
             for p in adapter_parameters(transformer, "ema").values():
                 p.mul_(0.5)  # the EMA lags the trained weights
         state = {**trainer.state_dict(), "config": data}
-        save_checkpoint(state, folder / "checkpoints" / "iter-000001")
+        save_checkpoint(state, folder / "checkpoints" / f"iter-{state['iteration']:06d}")  # the name training gives it
         trainer.close()
         saved = trainer.objective.eval_adapter
     (folder / "lora").mkdir()

@@ -12,6 +12,7 @@ and ``flowrl demo`` all sample through here.
 from __future__ import annotations
 
 import copy
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from ..models.adapter import ModelAdapter
     from ..policy import Policy
 
+logger = logging.getLogger(__name__)
 Kind = Literal["base", "final", "trained", "ema"]
 RUN_CONFIG = "config.yaml"
 FINAL_LORA = "lora"
@@ -89,12 +91,19 @@ def find_runs(folder: str | Path) -> list[Path]:
 
 
 def _newest_adapters(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest verified checkpoint's folder and state, when it holds extra adapters (EMA); else None."""
+    """The newest verified checkpoint's folder and state, when it holds extra adapters (EMA); else None.
+
+    A run whose checkpoints all fail verification offers only its final LoRA, with a logged warning
+    naming why (a run without checkpoints offers it silently).
+    """
     from ..resume import latest_good_checkpoint
 
     try:
         found = latest_good_checkpoint(run_dir)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return None
+    except ValueError as err:
+        logger.warning("%s: only its final LoRA is offered, no checkpoint adapters: %s", run_dir, err)
         return None
     return (found.path, found.state) if found.state.get("adapters", {}).get("ema") else None
 

@@ -174,6 +174,17 @@ def test_a_run_with_an_ema_checkpoint_offers_trained_and_ema(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_whose_checkpoint_fails_verification_offers_its_final_lora_and_says_why(tmp_path, caplog):
+    run = make_run(tmp_path / "nft", seed=3, config="configs/nft/digits_fast.yaml", ema=True)
+    (checkpoint,) = (run / "checkpoints").iterdir()
+    (checkpoint / "lora.safetensors").write_bytes(b"not a tensor file")
+    with caplog.at_level("WARNING", logger="flowrl.comparison.checkpoints"):
+        assert RunRegistry([run]).labels == ["base", "nft"]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"{run}: only its final LoRA is offered" in message and "lora.safetensors" in message
+
+
+@pytest.mark.slow
 def test_a_bf16_runs_loras_load_in_fp32_with_the_values_it_saved(tmp_path):
     """On a bf16 model the run trained (and evaluated) its LoRA in fp32; its final LoRA, trained and EMA adapters
     load in fp32 with the saved values bit for bit (they were rounded to bf16 before)."""

@@ -106,12 +106,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         processes = resolve_processes(cfg, parse_processes(ns.processes))
     if ns.check:
-        from .local_launch import check_split
+        from .local_launch import check_slots, check_split
         from .resources import check_report
 
         if processes is not None and processes > 1:
             check_split(cfg, processes)  # as the launch checks before it starts anything
-        print(check_report(cfg, processes))
+        report = check_report(cfg, processes)
+        if processes is not None:
+            check_slots(cfg, processes)
+        print(report)
         return 0
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in given or []

@@ -344,6 +344,12 @@ def launch_world_size(environ: dict[str, str] | None = None) -> int:
     return int(env.get("WORLD_SIZE", "1") or 1)
 
 
+def local_world_size(environ: dict[str, str] | None = None) -> int:
+    """Processes of this launch on this machine (``LOCAL_WORLD_SIZE``, 1 when not launched)."""
+    env = os.environ if environ is None else environ
+    return max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def exit_launched_process(code: int) -> NoReturn:
     """End a process of a multi-process launch: exit handlers run, interpreter finalization does not.
 

@@ -115,6 +115,29 @@ def resolve_processes(cfg: Config, requested: int | str) -> int:
     return processes
 
 
+def check_slots(cfg: Config, processes: int) -> None:
+    """Check ``--processes N`` against this machine's GPUs or cores, last before the launch (``--check`` too).
+
+    A CUDA model needs one visible GPU per process (:func:`flowrl.distributed.check_rank_device`).
+    More CPU processes than usable cores run, but share the cores: a warning on stderr says so
+    (after every other check passed, so a refusal stays one line).
+
+    Raises:
+        ValueError: a CUDA launch this machine cannot place, in one line.
+    """
+    import torch
+
+    if processes <= 1:
+        return
+    slots = usable_slots(cfg)
+    check_rank_device(cfg.model.device, processes, slots)
+    if torch.device(cfg.model.device).type != "cuda" and processes > slots:
+        stderr_line(
+            f"flowrl: warning: --processes {processes} on {slots} usable CPU core(s): the processes share them, "
+            f"so an iteration runs no faster than on {slots} (--processes auto picks a count that fits)"
+        )
+
+
 def free_port() -> int:
     """A TCP port that is free on this machine now (the launch's rendezvous, so two runs do not collide)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -239,11 +262,11 @@ def launch_training(cfg: Config, ns: argparse.Namespace, processes: int) -> int:
     check_split(cfg, processes)
     if cfg.model.path == EMBEDDED or not is_hub_id(cfg.model.path):  # a hub id may be fetched: the ranks do that
         pipeline_folder(cfg.model.path)  # missing weights: one line before any process starts
-    check_machine(cfg, processes=processes)
-    check_rank_device(cfg.model.device, processes, usable_slots(cfg))  # one GPU per process, all of them there
+    check_machine(cfg, processes=processes, host_processes=processes)  # all N start on this machine
     check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
     if ns.resume:  # a checkpoint that does not verify or a refused config change: one line, not one per rank
         check_resume_config(find_resume(ns.resume).state.get("config"), to_dict(cfg))
+    check_slots(cfg, processes)  # one GPU per process, all of them there; more CPU processes than cores: warned
     cmd, env = launch_command(cfg, processes, train_argv(ns), free_port())
     where = "CPU processes (gloo)" if env.get("ACCELERATE_USE_CPU") else "processes, one GPU each"
     print(f"flowrl: training on {processes} {where} (accelerate launch --num_processes {processes})", flush=True)

@@ -21,11 +21,13 @@ The memory estimate reads the model's geometry without loading weights
   conditioning, one sampling chunk and one decode of ``prompts.per_iteration`` x
   ``solrl.candidates`` candidates (:func:`_explore`);
 - one evaluation: its trajectory, images and activations (``train.eval_seeds`` x eval prompts);
-- the before/after grids (``output.grid_seeds`` x up to 20 eval prompts).
+- the before/after grids (``output.grid_seeds`` x up to 20 eval prompts);
+- the process itself (host memory): Python with torch, diffusers and transformers imported,
+  :data:`PROCESS_BYTES` (each process of a launch pays it again).
 
+The host pool counts every process a launch starts on this machine (``host_processes``).
 Not counted: attention score matrices (flash / memory-efficient kernels do not store them),
-optimizer temporaries, allocator fragmentation, CUDA's own context and the Python / torch runtime
-itself (about 0.5-1 GB of host memory). When the model folder
+optimizer temporaries, allocator fragmentation and CUDA's own context. When the model folder
 is not available locally, only devices, threads and the work limit are checked, and loading the
 model then fails with its own message.
 """
@@ -49,6 +51,9 @@ INFER_VALUES = 16
 LORA_BYTES = 24  # per LoRA parameter: fp32 weight, gradient, 2 AdamW moments, 2 extra adapter copies
 GRID_MAX_PROMPTS = 20  # as flowrl.recipe: the before/after grid shows at most this many prompts
 EVAL_MIN_CHUNK = 64  # as the trainer: evaluation samples in chunks of max(sampler.chunk_size, 64)
+PROCESS_BYTES = 0.5e9
+"""Host memory of one process before any tensor: Python with torch, diffusers, transformers, peft and
+flowrl's trainer imported (0.52 GB unique set size measured on the CPU test machine, 2026-12-07, torch 2.11)."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _EXPLORE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8_dynamic": 1.0, "native_nvfp4": 0.5 + 1 / 16}  # per parameter
 
@@ -75,18 +80,29 @@ class Estimate(NamedTuple):
     Attributes:
         device: the model's device (``model.device``).
         parts: the terms that are alive together at the peak.
-        need: bytes by pool ("device" for a CUDA model, else everything is "host").
+        need: bytes by pool ("device" for a CUDA model, else everything is "host"); the host pool counts
+            every process on this machine (``host_processes`` x one process's host parts).
         available: bytes available by pool (None where it could not be read).
+        host_processes: processes of the launch on this machine: their host memory adds up (each CUDA
+            process has a GPU of its own, so the device pool is one process's).
     """
 
     device: str
     parts: list[Part]
     need: dict[str, float]
     available: dict[str, float | None]
+    host_processes: int = 1
+
+    def pool_text(self, pool: str) -> str:
+        """``~1.2 GB of host memory``, with ``(4 processes x ~300 MB)`` where several processes share the host."""
+        text = f"~{human_bytes(self.need[pool])} of {pool} memory"
+        if pool == "host" and self.host_processes > 1:
+            text += f" ({self.host_processes} processes x ~{human_bytes(self.need[pool] / self.host_processes)})"
+        return text
 
     def summary(self) -> str:
         """One line: the estimate per pool against what is available."""
-        pools = [f"~{human_bytes(n)} of {k} memory" for k, n in self.need.items()]
+        pools = [self.pool_text(k) for k in self.need]
         free = [f"{human_bytes(a)} {k}" for k, a in self.available.items() if a is not None]
         return f"the run needs {' and '.join(pools)}; available: {', '.join(free) or 'unknown'}"
 
@@ -381,6 +397,7 @@ def estimate_memory(
     train_prompts: int = 1,
     eval_prompts: int = 1,
     processes: int = 1,
+    host_processes: int = 1,
 ) -> Estimate:
     """The memory peak of a run (``training``) or of sampling one chunk, by pool, against what is available.
 
@@ -392,6 +409,8 @@ def estimate_memory(
         eval_prompts: evaluation prompts (training only).
         processes: processes sharing the rollout batch (``accelerate launch --num_processes``); the
             estimate is per process (evaluation as on rank 0).
+        host_processes: processes on this machine (``flowrl train --processes N`` starts all N here):
+            the host pool's need is that many times one process's.
 
     Returns:
         The :class:`Estimate`.
@@ -406,12 +425,16 @@ def estimate_memory(
         parts = _persistent(cfg, g, z, train_prompts, eval_prompts, processes) + explore_copy + phase
     else:
         parts = _weights(cfg, g) + _evaluation(cfg, g, z, EVAL_MIN_CHUNK, cfg.sampler.num_steps, "sampling")
+    parts.append(
+        Part("the process itself (Python, torch, diffusers imported)", PROCESS_BYTES, "launch fewer processes", False)
+    )
     pool = "device" if torch.device(cfg.model.device).type == "cuda" else "host"
     need: dict[str, float] = {}
     for part in parts:
         key = pool if part.on_device else "host"
-        need[key] = need.get(key, 0.0) + part.nbytes
-    return Estimate(cfg.model.device, parts, need, {k: available_memory(k, cfg.model.device) for k in need})
+        need[key] = need.get(key, 0.0) + part.nbytes * (host_processes if key == "host" else 1)
+    available = {k: available_memory(k, cfg.model.device) for k in need}
+    return Estimate(cfg.model.device, parts, need, available, host_processes)
 
 
 def available_memory(pool: str, device: str) -> float | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .distributed import launch_world_size
+from .distributed import launch_world_size, local_world_size
 from .memory_estimate import Estimate, estimate_memory, human_bytes, prompt_counts, sample_sizes, stage1_candidates
 from .models.geometry import Geometry, model_folder, read_geometry
 from .runtime import check_threads
@@ -119,9 +119,12 @@ def check_memory(est: Estimate) -> None:
         parts = [p for p in est.parts if (device_pool if p.on_device else "host") == pool]
         top = max(parts, key=lambda p: p.nbytes)
         where = f"GPU memory on {est.device}" if pool == "device" else "host memory"
+        shared = pool == "host" and est.host_processes > 1
+        each = f"{est.host_processes} processes x ~{human_bytes(need / est.host_processes)}; " if shared else ""
+        fix = f"{top.fix}, or launch fewer processes" if shared else top.fix
         raise ValueError(
-            f"the run needs ~{human_bytes(need)} of {where} (largest part: {top.name}, ~{human_bytes(top.nbytes)}), "
-            f"but this machine has {human_bytes(free)} available; {top.fix}"
+            f"the run needs ~{human_bytes(need)} of {where} ({each}largest part: {top.name}, "
+            f"~{human_bytes(top.nbytes)}), but this machine has {human_bytes(free)} available; {fix}"
         )
 
 
@@ -214,7 +217,9 @@ def check_explore_precision(cfg: Config, processes: int = 1) -> None:
         )
 
 
-def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> Estimate | None:
+def check_machine(
+    cfg: Config, *, training: bool = True, processes: int = 1, host_processes: int = 1
+) -> Estimate | None:
     """Check a validated config against this machine before any model is built.
 
     Devices (``model.device``, ``rewards.<name>.device``), ``train.threads``, the precision (no fp16 training;
@@ -227,6 +232,9 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
             memory of one sampling chunk).
         processes: processes of the launch sharing each iteration's batch (the work and memory
             checked are one process's share).
+        host_processes: those of them on this machine, whose host memory adds up (the launch's check
+            before any rank starts passes all of them; a started rank passes 1, since the others may
+            already hold theirs and this machine's available memory counts it).
 
     Returns:
         The memory :class:`Estimate`, or None when the model folder is not available locally.
@@ -249,8 +257,9 @@ def check_machine(cfg: Config, *, training: bool = True, processes: int = 1) -> 
     if geometry is None:
         return None
     check_resolution(cfg, geometry)
+    counts = {"train_prompts": train_prompts, "eval_prompts": eval_prompts}
     est = estimate_memory(
-        cfg, geometry, training=training, train_prompts=train_prompts, eval_prompts=eval_prompts, processes=processes
+        cfg, geometry, training=training, processes=processes, host_processes=host_processes, **counts
     )
     check_memory(est)
     return est
@@ -261,19 +270,21 @@ def check_report(cfg: Config, processes: int | None = None) -> str:
 
     Args:
         cfg: the run config.
-        processes: estimate one process's share of a launch of this many (``train.sharding`` splits
-            the denoiser too); None = this launch's ``WORLD_SIZE`` (1 outside a launcher).
+        processes: estimate one process's share of a launch of this many on this machine
+            (``train.sharding`` splits the denoiser too; the host memory of all of them adds up);
+            None = this launch's ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (1 outside a launcher).
 
     Raises:
         ValueError: as :func:`check_machine`, or ``processes`` < 1.
     """
+    local = local_world_size() if processes is None else processes
     processes = launch_world_size() if processes is None else processes
     if processes < 1:
         raise ValueError(f"--processes must be >= 1; got {processes}")
     from .rewards import check_reward_options
 
     check_reward_options(cfg.rewards)  # a misspelt option: here, not when the run builds its rewards
-    est = check_machine(cfg, processes=processes)
+    est = check_machine(cfg, processes=processes, host_processes=local)
     if est is None:
         return f"config OK for this machine (model {cfg.model.path!r} is not available locally: memory not estimated)"
     return f"config OK for this machine: {est.summary()}"

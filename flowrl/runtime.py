@@ -12,10 +12,11 @@ def default_threads() -> int:
 
     Under a launch the half is shared by this machine's processes (``LOCAL_WORLD_SIZE``), at least one each.
     """
+    from .distributed import local_world_size
+
     cores = os.cpu_count() or 1
     total = 1 if cores <= 2 else max(1, cores // 2)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, total // max(local, 1))
+    return max(1, total // local_world_size())
 
 
 THREADS_PER_CORE = 4

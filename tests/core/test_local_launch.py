@@ -183,3 +183,43 @@ def test_a_rank_that_exited_with_code_zero_is_an_exit_not_a_signal() -> None:
     assert failure_line(1, -11) == (
         "flowrl: error: rank 1 died with signal SIGSEGV (crashed); rerun with --processes 1 to see it alone"
     )
+
+
+def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+
+
+def test_more_cpu_processes_than_cores_are_checked_with_a_warning_after_the_report(monkeypatch, capsys):
+    """--check --processes 4 on 2 usable cores: the report, and one warning line naming both counts; 2 on 2 and
+    4 on 4 say nothing more."""
+    _cores(monkeypatch, 2)
+    assert main(["train", "--check", "--processes", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("config OK for this machine") and "(4 processes x ~" in out
+    assert err.splitlines() == [
+        "flowrl: warning: --processes 4 on 2 usable CPU core(s): the processes share them, so an iteration runs "
+        "no faster than on 2 (--processes auto picks a count that fits)"
+    ]
+    assert main(["train", "--check", "--processes", "2"]) == 0 and capsys.readouterr().err == ""
+    _cores(monkeypatch, 4)
+    assert main(["train", "--check", "--processes", "4"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_a_refused_launch_on_too_few_cores_is_still_one_line(monkeypatch, capsys):
+    """The warning comes after every check: a batch that does not split over 3 processes stays one error line."""
+    _cores(monkeypatch, 2)
+    line = one_line_error(capsys, "train", "--check", "--processes", "3")
+    assert "does not split into whole groups over 3 processes" in line
+
+
+def test_more_cuda_processes_than_gpus_are_refused(monkeypatch):
+    """check_slots (run by --check and by the launch) on a machine showing one GPU: 2 CUDA processes are refused."""
+    import flowrl.local_launch as local_launch
+
+    monkeypatch.setattr(local_launch, "usable_slots", lambda cfg: 1)
+    cuda = load_config(None, ["model.device=cuda"])
+    local_launch.check_slots(cuda, 1)
+    with pytest.raises(ValueError, match=r"^2 processes of a CUDA model need one GPU each but this machine shows 1; "):
+        local_launch.check_slots(cuda, 2)

@@ -237,10 +237,12 @@ def test_parameter_sharding_estimates_one_ranks_share_of_the_denoiser(sharding):
 def test_check_takes_the_processes_of_the_launch(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     code, launched, err = run_cli(capsys, "train", "--check", "train.sharding=fsdp2")
     assert code == 0, err
     monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert run_cli(capsys, "train", "--check", "train.sharding=fsdp2", "--processes", "2")[1] == launched
     code, alone, _ = run_cli(capsys, "train", "--check", "train.sharding=fsdp2")
     assert code == 0 and alone != launched
@@ -480,3 +482,51 @@ def test_check_report_refuses_fewer_than_one_process() -> None:
 
     with pytest.raises(ValueError, match=r"--processes must be >= 1; got 0"):
         check_report(load_config(None, []), processes=0)
+
+
+# -- the processes of a launch share this machine's host memory ----------------------------------------
+
+
+def _host_need(processes: int | None, monkeypatch, world: str | None = None, local: str | None = None) -> str:
+    from flowrl.resources import check_report
+
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    return check_report(load_config(None, []), processes)
+
+
+def test_the_host_memory_of_every_process_on_this_machine_adds_up(monkeypatch):
+    """--processes 3 starts three processes here: 3 x one process's host need (its share of the batch plus the
+    process itself); a launch over two machines (WORLD_SIZE 4, LOCAL_WORLD_SIZE 2) counts the two here."""
+    from functools import partial
+
+    from flowrl.memory_estimate import PROCESS_BYTES, estimate_memory, human_bytes
+    from flowrl.resources import prompt_counts
+
+    cfg = load_config(None, [])
+    train_prompts, eval_prompts = prompt_counts(cfg)
+    estimate = partial(estimate_memory, cfg, read_geometry(DIGITS_DIR, None), train_prompts=train_prompts)
+    estimate = partial(estimate, eval_prompts=eval_prompts)
+    one = estimate(processes=3).need["host"]
+    assert one > PROCESS_BYTES  # the process itself is counted, once per process
+    assert estimate(processes=3, host_processes=3).need["host"] == pytest.approx(3 * one)
+    assert f"~{human_bytes(3 * one)} of host memory (3 processes x ~{human_bytes(one)})" in _host_need(3, monkeypatch)
+    share = estimate(processes=4).need["host"]
+    line = _host_need(None, monkeypatch, world="4", local="2")
+    assert f"~{human_bytes(2 * share)} of host memory (2 processes x ~{human_bytes(share)})" in line
+    assert "processes x" not in _host_need(None, monkeypatch)  # one process: no product shown
+
+
+def test_a_launch_whose_processes_together_exceed_host_memory_is_refused(monkeypatch):
+    """Each process fits alone, all of them together do not: refused, naming the product and the fix."""
+    import flowrl.memory_estimate as estimate
+
+    cfg = load_config(None, [])
+    one = estimate.estimate_memory(cfg, read_geometry(DIGITS_DIR, None), processes=4).need["host"]
+    monkeypatch.setattr(estimate, "available_memory", lambda pool, device: 2.5 * one)
+    _host_need(2, monkeypatch)  # two processes' share fits
+    with pytest.raises(ValueError, match=r"host memory \(4 processes x ~.*, or launch fewer processes$"):
+        _host_need(4, monkeypatch)

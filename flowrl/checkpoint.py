@@ -19,6 +19,7 @@ finished checkpoint. docs/reliability.md lists what is checked and the messages.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from .config import OptimConfig
 from .outputs import DISK_FULL_ERRNOS, disk_full_error, resume_run_dir
 
 FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json")
@@ -40,8 +42,7 @@ FORMAT = "flowrl-checkpoint"
 FORMAT_VERSION = 1
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")  # per-parameter state of torch.optim.AdamW
 CHECKPOINT_NAME = re.compile(r"iter-(\d+)")  # a checkpoint folder's name: the iteration it was saved at
-# AdamW param-group numbers and the range each may take (the bounds of the optim.* config keys)
-GROUP_RANGES = {"lr": (0.0, 1.0, True), "eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False)}
+GROUP_RANGED = ("lr", "eps", "weight_decay")  # AdamW param-group numbers, bounded as their optim.* config keys
 GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")  # bool
 GROUP_OPTIONS = ("foreach", "fused")  # bool or null
 
@@ -264,11 +265,6 @@ def _counter(folder: Path, meta: dict[str, Any], key: str) -> int:
     return value
 
 
-def _kind(value: Any) -> str:
-    """A JSON value's type, for a message."""
-    return type(value).__name__
-
-
 def _iteration(folder: Path, iteration: int) -> None:
     """Refuse a ``trainer.json`` iteration other than the one the folder's name (``iter-N``) says."""
     match = CHECKPOINT_NAME.fullmatch(folder.name)
@@ -286,11 +282,13 @@ def _real(value: Any) -> bool:
 def _group_fault(group: Any) -> str | None:
     """What is wrong with one AdamW param group from ``trainer.json``, or None."""
     if not isinstance(group, dict):
-        return f"must be a mapping (got {_kind(group)})"
+        return f"must be a mapping (got {type(group).__name__})"
     params = group.get("params")
     if not isinstance(params, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in params):
         return f"'params' must be a list of parameter indices (got {params!r})"
-    for key, (lo, hi, lo_open) in GROUP_RANGES.items():
+    bounds = {f.name: f.metadata for f in dataclasses.fields(OptimConfig)}
+    for key in GROUP_RANGED:
+        lo, hi, lo_open = bounds[key]["lo"], bounds[key]["hi"], bounds[key]["lo_open"]
         value = group.get(key)
         if not _real(value) or not (lo < value if lo_open else lo <= value) or value > hi:
             return f"'{key}' must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}] (got {value!r})"
@@ -324,7 +322,7 @@ def _trainer_meta(folder: Path, data: bytes) -> dict[str, Any]:
         raise CheckpointError(folder, "trainer.json has no 'optimizer' entry with 'param_groups'")
     _param_groups(folder, opt["param_groups"])
     if not isinstance(opt.get("scalars", {}), dict):
-        got = _kind(opt["scalars"])
+        got = type(opt["scalars"]).__name__
         raise CheckpointError(folder, f"trainer.json optimizer 'scalars' must be a mapping (got {got})")
     _iteration(folder, _counter(folder, meta, "iteration"))
     _counter(folder, meta, "samples_seen")

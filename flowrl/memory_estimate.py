@@ -93,16 +93,18 @@ class Estimate(NamedTuple):
     available: dict[str, float | None]
     host_processes: int = 1
 
-    def pool_text(self, pool: str) -> str:
-        """``~1.2 GB of host memory``, with ``(4 processes x ~300 MB)`` where several processes share the host."""
-        text = f"~{human_bytes(self.need[pool])} of {pool} memory"
-        if pool == "host" and self.host_processes > 1:
-            text += f" ({self.host_processes} processes x ~{human_bytes(self.need[pool] / self.host_processes)})"
-        return text
+    def shared(self, pool: str) -> str:
+        """``4 processes x ~300 MB`` where several processes share ``pool`` (the host), else ``""``."""
+        if pool != "host" or self.host_processes <= 1:
+            return ""
+        return f"{self.host_processes} processes x ~{human_bytes(self.need[pool] / self.host_processes)}"
 
     def summary(self) -> str:
         """One line: the estimate per pool against what is available."""
-        pools = [self.pool_text(k) for k in self.need]
+        pools = [
+            f"~{human_bytes(n)} of {k} memory" + (f" ({s})" if (s := self.shared(k)) else "")
+            for k, n in self.need.items()
+        ]
         free = [f"{human_bytes(a)} {k}" for k, a in self.available.items() if a is not None]
         return f"the run needs {' and '.join(pools)}; available: {', '.join(free) or 'unknown'}"
 

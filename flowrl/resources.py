@@ -119,8 +119,8 @@ def check_memory(est: Estimate) -> None:
         parts = [p for p in est.parts if (device_pool if p.on_device else "host") == pool]
         top = max(parts, key=lambda p: p.nbytes)
         where = f"GPU memory on {est.device}" if pool == "device" else "host memory"
-        shared = pool == "host" and est.host_processes > 1
-        each = f"{est.host_processes} processes x ~{human_bytes(need / est.host_processes)}; " if shared else ""
+        shared = est.shared(pool)
+        each = f"{shared}; " if shared else ""
         fix = f"{top.fix}, or launch fewer processes" if shared else top.fix
         raise ValueError(
             f"the run needs ~{human_bytes(need)} of {where} ({each}largest part: {top.name}, "

@@ -19,7 +19,6 @@ finished checkpoint. docs/reliability.md lists what is checked and the messages.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -33,7 +32,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from .config import OptimConfig
 from .outputs import DISK_FULL_ERRNOS, disk_full_error, resume_run_dir
 
 FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json")
@@ -42,7 +40,9 @@ FORMAT = "flowrl-checkpoint"
 FORMAT_VERSION = 1
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")  # per-parameter state of torch.optim.AdamW
 CHECKPOINT_NAME = re.compile(r"iter-(\d+)")  # a checkpoint folder's name: the iteration it was saved at
-GROUP_RANGED = ("lr", "eps", "weight_decay")  # AdamW param-group numbers, bounded as their optim.* config keys
+# AdamW param-group numbers and the range each may take (the bounds of the optim.* config keys; checkpoint.py
+# cannot import flowrl.config: policy -> checkpoint -> config -> objectives -> policy; a test pins them equal)
+GROUP_RANGES = {"lr": (0.0, 1.0, True), "eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False)}
 GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")  # bool
 GROUP_OPTIONS = ("foreach", "fused")  # bool or null
 
@@ -286,9 +286,7 @@ def _group_fault(group: Any) -> str | None:
     params = group.get("params")
     if not isinstance(params, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in params):
         return f"'params' must be a list of parameter indices (got {params!r})"
-    bounds = {f.name: f.metadata for f in dataclasses.fields(OptimConfig)}
-    for key in GROUP_RANGED:
-        lo, hi, lo_open = bounds[key]["lo"], bounds[key]["hi"], bounds[key]["lo_open"]
+    for key, (lo, hi, lo_open) in GROUP_RANGES.items():
         value = group.get(key)
         if not _real(value) or not (lo < value if lo_open else lo <= value) or value > hi:
             return f"'{key}' must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}] (got {value!r})"

@@ -680,3 +680,14 @@ def test_resume_alone_of_a_run_without_its_config_yaml_says_so(finished_run, tmp
         "and overrides after --resume\n"
     )
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_the_param_group_bounds_are_the_optim_config_bounds() -> None:
+    """checkpoint.py keeps its own copy of the optim.* bounds (it cannot import flowrl.config): the two agree."""
+    import dataclasses
+
+    from flowrl.checkpoint import GROUP_RANGES
+    from flowrl.config import OptimConfig
+
+    meta = {f.name: f.metadata for f in dataclasses.fields(OptimConfig)}
+    assert GROUP_RANGES == {k: (meta[k]["lo"], meta[k]["hi"], meta[k]["lo_open"]) for k in GROUP_RANGES}

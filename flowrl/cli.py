@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0, help="first seed")
     sample.add_argument("--steps", type=int, help="ODE steps (default: train.eval_steps, else sampler.num_steps)")
     sample.add_argument("--out", default="samples.png", help="output PNG")
+    sample.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     sample.set_defaults(func=cmd_sample)
 
     rewards = sub.add_parser("rewards", help="reward registry")
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=3_000_000, help="first seed")
     ev.add_argument("--steps", type=int, help="Euler ODE steps (default: each run's evaluation steps)")
     ev.add_argument("--out", default="eval", help="folder for eval.json and eval.md")
+    ev.add_argument("--overwrite", action="store_true", help="replace eval.json and eval.md already in --out")
     ev.set_defaults(func=cmd_eval)
 
     gal = sub.add_parser("gallery", help="regenerate the README images from run folders and benchmark results")

@@ -36,7 +36,8 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     """``flowrl sample``: sample ``ns.seeds`` images per prompt (optionally with a LoRA) and save a PNG grid.
 
     Args:
-        ns: parsed arguments (``args``, ``lora``, ``prompt``, ``seeds``, ``seed``, ``steps``, ``out``).
+        ns: parsed arguments (``args``, ``lora``, ``prompt``, ``seeds``, ``seed``, ``steps``, ``out``,
+            ``overwrite``).
 
     Returns:
         The exit code, 0.
@@ -44,6 +45,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     Raises:
         ValueError: ``--seeds``, ``--steps`` or ``--seed`` out of range, more work than
             :data:`~flowrl.resources.MAX_SAMPLE_STEPS`, or ``--out`` a folder or a non-PNG file name.
+        FileExistsError: ``--out`` exists and ``--overwrite`` was not given.
     """
     import torch
 
@@ -67,6 +69,8 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     texts = ns.prompt or [p.text for p in load_prompts(cfg.prompts.eval, split="test")]
     steps = ns.steps or cfg.train.eval_steps or cfg.sampler.num_steps
     check_sampling_work(len(texts) * ns.seeds, steps, f"{len(texts)} prompts x --seeds {ns.seeds}")
+    if Path(ns.out).exists() and not ns.overwrite:  # last of the checks: a grid is never replaced unasked
+        raise FileExistsError(f"--out {ns.out} already exists; pass --overwrite to replace it, or name another file")
     policy = build_policy(cfg, lora=ns.lora)  # the guidance, memory settings and sigma grid training used
     prompts = [t for t in texts for _ in range(ns.seeds)]
     seeds = [ns.seed + j for _ in texts for j in range(ns.seeds)]
@@ -82,22 +86,31 @@ def cmd_sample(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _out_folder(out: str, example: str) -> Path:
+def _out_folder(out: str, example: str, writes: tuple[str, ...] = (), overwrite: bool = True) -> Path:
     """The ``--out`` folder of a command that writes several files, checked before any work starts.
 
     Args:
         out: the ``--out`` value.
         example: a folder name to suggest instead of a file.
+        writes: the files the command writes into the folder (checked only when ``overwrite`` is false).
+        overwrite: whether the command may replace those files (its ``--overwrite``).
 
     Returns:
         ``out`` as a path.
 
     Raises:
         ValueError: ``out`` is an existing file.
+        FileExistsError: ``out`` already holds one of ``writes`` and ``overwrite`` is false.
     """
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file; name a folder to write into, e.g. --out {path.parent / example}")
+    held = [name for name in writes if (path / name).exists()]
+    if held and not overwrite:
+        raise FileExistsError(
+            f"--out {out} already holds {', '.join(held)} of an earlier run; pass --overwrite to replace "
+            "them, or name another folder"
+        )
     return path
 
 
@@ -155,13 +168,18 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     """``flowrl eval``: score the runs' checkpoints and the base model on a prompt set (fixed seeds, ODE).
 
     Args:
-        ns: parsed arguments (``runs``, ``prompts``, ``rewards``, ``seeds``, ``seed``, ``steps``, ``out``).
+        ns: parsed arguments (``runs``, ``prompts``, ``rewards``, ``seeds``, ``seed``, ``steps``, ``out``,
+            ``overwrite``).
 
     Returns:
         The exit code, 0.
+
+    Raises:
+        FileExistsError: ``--out`` already holds ``eval.json`` or ``eval.md`` and ``--overwrite`` was not given.
     """
     from .comparison.checkpoints import CheckpointBank
     from .comparison.evaluate import (
+        EVAL_FILES,
         EvalSettings,
         checkpoints_of,
         eval_meta,
@@ -173,7 +191,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from .prompts.sets import load_prompts
     from .runtime import configure_threads
 
-    out = _out_folder(ns.out, "eval")
+    out = _out_folder(ns.out, "eval", EVAL_FILES, ns.overwrite)
     configure_threads(None)
     runs = [Path(r) for r in ns.runs]
     prompts = load_prompts(ns.prompts, split="test")

@@ -220,6 +220,15 @@ def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, 
     assert main(["sample", "--lora", str(run), *out]) == 2
     assert str(tmp_path / "gone") in capsys.readouterr().err  # it looked for the run's model, not the embedded one
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out]) == 0
+    grid = (tmp_path / "s.png").read_bytes()
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out, "--seed", "7"]) == 2
+    assert capsys.readouterr().err == (  # it replaced the grid unasked
+        f"flowrl: error: --out {tmp_path / 's.png'} already exists; pass --overwrite to replace it, "
+        "or name another file\n"
+    )
+    assert (tmp_path / "s.png").read_bytes() == grid
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out, "--seed", "7", "--overwrite"]) == 0
+    assert (tmp_path / "s.png").read_bytes() != grid
     for bad, fragment in (
         ("--seeds=0", "--seeds must be >= 1; got 0\n"),
         ("--steps=0", "--steps must be in [1, 1000] (as sampler.num_steps); got 0\n"),
@@ -256,7 +265,7 @@ def test_sample_uses_the_run_s_evaluation_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(chunked, "sample_images", counting)
     out = ["--prompt", "a 3", "--seeds", "1", "--out", str(tmp_path / "s.png")]
     assert main(["sample", "--lora", str(run), *out]) == 0
-    assert main(["sample", "--lora", str(run), *out, "--steps=3"]) == 0
+    assert main(["sample", "--lora", str(run), *out, "--steps=3", "--overwrite"]) == 0
     assert steps == [10, 3]
 
 

@@ -187,14 +187,19 @@ def evaluate_checkpoints(
     return rows
 
 
+EVAL_FILES = ("eval.json", "eval.md")
+"""The files :func:`write_report` writes into its folder (``flowrl eval --out`` refuses to replace them unasked)."""
+
+
 def write_report(rows: Sequence[CheckpointFigures], out: Path, meta: dict[str, Any], level: float = 0.95) -> list[Path]:
     """Write ``out/eval.json`` (figures + settings) and ``out/eval.md`` (the markdown table); returns the paths."""
     from ..outputs import write_json, write_text_atomic
 
+    figures, table = (out / name for name in EVAL_FILES)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "eval.json", {**meta, "checkpoints": figures_json(rows)})
-    write_text_atomic(out / "eval.md", markdown_table(rows, level=level))
-    return [out / "eval.json", out / "eval.md"]
+    write_json(figures, {**meta, "checkpoints": figures_json(rows)})
+    write_text_atomic(table, markdown_table(rows, level=level))
+    return [figures, table]
 
 
 def eval_meta(

@@ -261,7 +261,8 @@ def test_flowrl_sample_applies_the_memory_section(tmp_path, capsys):
         str(out),
     ]
     assert main(args) == 0 and out.is_file()
-    assert main(["sample", "memory.attention_backend=xformers", "--prompt", "a 3", "--out", str(out)]) == 2
+    other = str(tmp_path / "xformers.png")
+    assert main(["sample", "memory.attention_backend=xformers", "--prompt", "a 3", "--out", other]) == 2
     assert "memory.attention_backend=xformers" in capsys.readouterr().err
 
 

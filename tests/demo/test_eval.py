@@ -86,6 +86,15 @@ def test_eval_command_with_chosen_rewards_and_a_bad_run(run, tmp_path, capsys):
     args = ["eval", str(run), "--prompts", str(prompts), "--seeds", "2", "--steps", "2", "--out", str(out)]
     assert main([*args, "--rewards", "jpeg_compressibility"]) == 0
     assert set(json.loads((out / "eval.json").read_text())["checkpoints"][0]["rewards"]) == {"jpeg_compressibility"}
+    earlier = {name: (out / name).read_bytes() for name in ("eval.json", "eval.md")}
+    assert main([*args, "--rewards", "ink"]) == 2  # it replaced the earlier figures unasked, after sampling them all
+    assert capsys.readouterr().err == (
+        f"flowrl: error: --out {out} already holds eval.json, eval.md of an earlier run; pass --overwrite to "
+        "replace them, or name another folder\n"
+    )
+    assert {name: (out / name).read_bytes() for name in earlier} == earlier
+    assert main([*args, "--rewards", "ink", "--overwrite"]) == 0
+    assert set(json.loads((out / "eval.json").read_text())["checkpoints"][0]["rewards"]) == {"ink"}
     assert main(["eval", str(tmp_path), "--prompts", str(prompts)]) == 2
     assert "is not a run folder" in capsys.readouterr().err
 

@@ -18,12 +18,15 @@ def _check_sample_args(ns: argparse.Namespace) -> None:
 
     Raises:
         ValueError: ``--seeds``, ``--steps`` or ``--seed`` out of range
-            (:func:`~flowrl.resources.check_sampling_flags`), or ``--out`` a folder or a name not ending ``.png``.
+            (:func:`~flowrl.resources.check_sampling_flags`), ``--out`` a folder or a name not ending ``.png``,
+            or a place that cannot be written (:func:`~flowrl.outputs.check_writable_place`).
     """
+    from .outputs import check_writable_place
     from .resources import check_sampling_flags
 
     check_sampling_flags(ns.seeds, ns.steps, ns.seed)
     out = Path(ns.out)
+    check_writable_place(out)
     if out.is_dir():
         raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {out / 'samples.png'}")
     if out.suffix and out.suffix.lower() != ".png":
@@ -99,12 +102,16 @@ def _out_folder(out: str, example: str, writes: tuple[str, ...] = (), overwrite:
         ``out`` as a path.
 
     Raises:
-        ValueError: ``out`` is an existing file.
+        ValueError: ``out`` is an existing file, or a place that cannot be written
+            (:func:`~flowrl.outputs.check_writable_place`).
         FileExistsError: ``out`` already holds one of ``writes`` and ``overwrite`` is false.
     """
+    from .outputs import check_writable_place
+
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {out} is a file; name a folder to write into, e.g. --out {path.parent / example}")
+    check_writable_place(path)
     held = [name for name in writes if (path / name).exists()]
     if held and not overwrite:
         raise FileExistsError(

@@ -95,6 +95,27 @@ def resume_run_dir(path: str | Path) -> Path | None:
     return None
 
 
+def check_writable_place(path: Path, flag: str = "--out") -> None:
+    """Refuse an output ``path`` whose nearest existing folder above it is a file or not writable.
+
+    Checked before any work starts, so a command does not sample or train for minutes and then fail to write.
+
+    Args:
+        path: the file or folder to be written (need not exist yet).
+        flag: the option that named it, for the message.
+
+    Raises:
+        ValueError: a file stands where a folder above ``path`` should be, or that folder is not writable.
+    """
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ValueError(f"{flag} {path}: {above} is a file, not a folder; pass a path inside a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {above} is not writable; pass a folder you can write to")
+
+
 def check_overwritable(
     path: Path, markers: tuple[str, ...] = (*RUN_MARKERS, "checkpoints"), kind: str = "run", key: str = "output.dir"
 ) -> None:

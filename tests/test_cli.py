@@ -292,6 +292,29 @@ def test_an_out_folder_that_is_a_file_is_refused_before_any_work(tmp_path, capsy
     assert taken.read_bytes() == b"png"
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sample", "--prompt", "a 3", "--seeds", "1"],
+        ["eval", "runs/a", "--prompts", "digits"],
+        ["gallery", "runs/a"],
+        ["export", "--merge", "runs/a"],
+    ],
+)
+def test_an_out_below_a_file_is_refused_before_any_work(tmp_path, capsys, command):
+    """``--out notes.txt/grid.png``: sample drew every image and then failed with "[Errno 17] File exists"."""
+    from flowrl.cli import main
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    out = taken / "deeper" / ("grid.png" if command[0] == "sample" else "out")
+    assert main([*command, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"flowrl: error: --out {out}: {taken} is a file, not a folder; pass a path inside a folder\n"
+    )
+    assert taken.read_text() == "mine"
+
+
 def test_export_names_the_pipeline_class_to_load_with():
     import flowrl
     from flowrl.output_commands import _pipeline_class

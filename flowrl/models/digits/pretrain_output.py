@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...outputs import check_writable_place
 from .model import DIGITS_DIR
 
 MODEL_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -83,17 +84,6 @@ def _is_default(out_dir: Path) -> bool:
     return out_dir.resolve() == DIGITS_DIR.resolve()
 
 
-def _check_writable_place(out_dir: Path) -> None:
-    """Refuse an ``out_dir`` whose nearest existing folder above it is a file or not writable."""
-    above = out_dir.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise ValueError(f"--out {out_dir}: {above} is a file, not a folder; pass a path inside a folder")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out_dir}: {above} is not writable; pass a folder you can write to")
-
-
 def _refuse_filled(out_dir: Path) -> None:
     """Raise the one-line refusal for a non-empty ``out_dir`` written without ``--overwrite``."""
     if (out_dir / "model_index.json").exists():
@@ -127,7 +117,7 @@ def check_out(out_dir: Path | str, *, overwrite: bool) -> Path:
     cwd = Path.cwd().resolve()
     if out_dir == cwd or out_dir in cwd.parents:
         raise ValueError(f"--out {out_dir} is the current folder or one above it; pass a folder below it")
-    _check_writable_place(out_dir)
+    check_writable_place(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         _refuse_filled(out_dir)
     return out_dir

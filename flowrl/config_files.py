@@ -32,9 +32,10 @@ def _check_remote_key(key: str) -> None:
     """Refuse an override whose key holds a remote reward's URL: its dots would split it into sections.
 
     Raises:
-        ConfigError: ``rewards.remote:http://127.0.0.1:8765.weight``, with the label form to write instead.
+        ConfigError: ``rewards.remote:http://127.0.0.1:8765.weight`` (its URL quoted or not), with the label form
+            to write instead.
     """
-    if key.strip().startswith("rewards.remote:"):
+    if key.strip().replace('"', "").replace("'", "").startswith("rewards.remote:"):  # quoted or not
         raise ConfigError(
             f"command line: override key '{key.strip()}' holds a URL, whose dots split the key; name the reward by a "
             "label instead: rewards.judge.reward=remote rewards.judge.url=http://HOST:PORT rewards.judge.weight=1"

@@ -30,7 +30,7 @@ dependencies = ["torch"]  # add the libraries your scorer needs; flowrl itself i
 packages = ["{package}"]
 """
 
-TEMPLATE_NAMES = ("torch", "annotations", "check_reward")  # module-level names the template files use
+TEMPLATE_NAMES = ("torch", "annotations", "check_reward", "test_conformance")  # module-level names of the templates
 REWARD = '''"""The {name} reward for flowrl.
 
 Contract: ``reward(images (B, 3, H, W) in [0, 1], prompts, **metadata) -> Tensor (B,) float32``.
@@ -120,8 +120,11 @@ def scaffold_reward(name: str, directory: str | Path = ".") -> Path:
         FileExistsError: the folder exists already.
         ValueError: the folder cannot be written (``directory`` missing, read-only or not a folder).
     """
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ValueError(f"reward name {name!r} must be a lowercase identifier like 'my_reward' (letters, digits, _)")
+    if not re.fullmatch(r"[a-z](?:[a-z0-9_]*[a-z0-9])?", name):  # a trailing _ makes a project name pip refuses
+        raise ValueError(
+            f"reward name {name!r} must be a lowercase identifier like 'my_reward' (letters, digits, _; "
+            "not ending in _)"
+        )
     if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in TEMPLATE_NAMES:
         raise ValueError(
             f"reward name {name!r} is a Python keyword or a name the plugin's module uses; choose e.g. '{name}_reward'"

@@ -19,11 +19,15 @@ cache; factories that do neither are listed as not offline.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import io
+import re
+import sys
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, TypeVar
 
 from .combine import MultiReward, check_weight
 from .contract import RewardError, RewardFn
@@ -76,9 +80,41 @@ class RewardInfo(NamedTuple):
     cached: bool = False
 
 
+COMMON_OPTIONS = ("weight", "timeout_s", "video")
+"""Options of a run's ``rewards.<name>`` entry that flowrl applies itself; every other option goes to the factory."""
+
+_T = TypeVar("_T")
+
+
+class PluginExit(Exception):
+    """A reward's module or factory called ``sys.exit`` (argparse parsing flowrl's own command line, say)."""
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _without_exit(call: Callable[[], _T]) -> _T:
+    """Run a plugin's import or factory, turning a ``sys.exit`` in it into :class:`PluginExit`.
+
+    What the plugin writes to stderr is held while it runs: passed on afterwards, except when it exits, when its
+    last line (argparse's ``error: ...``) becomes part of the one-line message instead.
+
+    Raises:
+        PluginExit: the plugin raised ``SystemExit``.
+    """
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            return call()
+    except SystemExit as exc:
+        said = [line.strip() for line in held.getvalue().splitlines() if line.strip()]
+        held = io.StringIO()
+        printed = f" after printing {said[-1]!r}" if said else ""
+        raise PluginExit(f"it called sys.exit({exc.code!r}){printed}") from None
+    finally:
+        sys.stderr.write(held.getvalue())
 
 
 def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFactory], RewardFactory]:
@@ -111,7 +147,7 @@ def _load_path(name: str, path: str) -> RewardFactory:
     if not module_name or not attr:
         raise ValueError(f"reward path {path!r} must look like 'package.module:factory'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _without_exit(lambda: importlib.import_module(module_name))
     except Exception as err:  # noqa: BLE001 - a broken plugin must be reported by name
         raise RewardError(
             f"reward {name!r} failed to import {module_name!r} ({_one_line(err)}); install or fix that module"
@@ -144,7 +180,7 @@ def _entry_point_source(ep: importlib_metadata.EntryPoint) -> str:
 
 def _load_entry_point(ep: importlib_metadata.EntryPoint) -> RewardFactory:
     try:
-        factory = ep.load()
+        factory = _without_exit(ep.load)
     except Exception as err:  # noqa: BLE001 - a broken plugin must be reported by name
         raise RewardError(
             f"reward {ep.name!r} from {_entry_point_source(ep)} failed to load {ep.value!r} ({_one_line(err)}); "
@@ -208,11 +244,56 @@ def _check_options(name: str, factory: RewardFactory, options: Mapping[str, Any]
         return
     allowed = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = sorted(set(options) - set(allowed))
-    if unknown:
+    if not unknown:
+        return
+    if unknown[0] in COMMON_OPTIONS:  # given to build_reward itself (flowrl serve-reward): only a run applies it
         raise RewardError(
-            f"reward {name!r} has no option {unknown[0]!r}; its options: {', '.join(allowed) or 'none'} "
-            "(and for every reward: weight, timeout_s, video)"
+            f"reward {name!r}: {unknown[0]!r} is not an option of the reward itself but of a run's rewards.<name> "
+            f"entry; set it in the run's config; the reward's own options: {', '.join(allowed) or 'none'}"
         )
+    raise RewardError(
+        f"reward {name!r} has no option {unknown[0]!r}; its options: {', '.join(allowed) or 'none'} "
+        f"(and for every reward: {', '.join(COMMON_OPTIONS)})"
+    )
+
+
+SECRET_OPTIONS = ("token",)
+"""Options whose values never appear in a message (a remote reward's bearer token)."""
+
+
+def _shown(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` as a message may show them: secrets and the ``user:password@`` of URLs hidden."""
+    shown = {}
+    for key, value in options.items():
+        if key in SECRET_OPTIONS and value:
+            value = "<hidden>"
+        elif isinstance(value, str) and "://" in value and "@" in value:
+            value = re.sub(r"://[^/]*@", "://<hidden>@", value)
+        shown[key] = value
+    return shown
+
+
+def _is_remote(factory: RewardFactory) -> bool:
+    """Whether ``factory`` is the ``remote`` reward's (bare, or bound to a URL by ``remote:URL``)."""
+    base = factory.func if isinstance(factory, functools.partial) else factory
+    return base is resolve_factory("remote")
+
+
+def _check_common_options(label: str, entry: Mapping[str, Any]) -> None:
+    """Refuse a bad ``weight``, ``timeout_s`` or ``video`` of a run's ``rewards.<label>`` entry.
+
+    Raises:
+        ValueError: a weight that is not a finite number, a timeout that is not a finite number > 0, or a
+            ``video`` reduction other than those of :data:`~flowrl.rewards.video.FRAME_REDUCTIONS`.
+    """
+    from .video import check_reduction
+
+    if "weight" in entry:
+        check_weight(label, entry["weight"])
+    if "timeout_s" in entry:
+        check_timeout(label, entry["timeout_s"])
+    if "video" in entry:
+        check_reduction(entry["video"], f"rewards.{label}.video")
 
 
 def required_options(name: str) -> list[str]:
@@ -236,14 +317,25 @@ def check_reward_options(spec: Mapping[str, Any]) -> None:
         spec: a config's ``rewards`` section (see :func:`build_multi_reward`).
 
     Raises:
-        RewardError: an unknown reward, or an option its factory does not take (one line naming its options).
+        RewardError: an unknown reward, an option its factory does not take (one line naming its options), or an
+            option it cannot be built without (``remote``'s url) left out.
+        ValueError: a bad ``weight``, ``timeout_s`` or ``video`` (:func:`_check_common_options`).
     """
     for label, entry in spec.items():
         options = dict(entry) if isinstance(entry, Mapping) else {}
-        for common in ("weight", "timeout_s", "video"):
+        _check_common_options(str(label), options)
+        for common in COMMON_OPTIONS:
             options.pop(common, None)
-        name = options.pop("reward", label)
-        _check_options(str(name), resolve_factory(str(name)), options)
+        name = str(options.pop("reward", label))
+        factory = resolve_factory(name)
+        _check_options(name, factory, options)
+        missing = [option for option in required_options(name) if option not in options]
+        if missing:
+            raise RewardError(
+                f"reward {name!r} needs option {missing[0]!r}; set rewards.{label}.{missing[0]}=... (docs/rewards.md)"
+            )
+        if _is_remote(factory):  # built here: it loads nothing and contacts no server, and checks url, token, ...
+            build_reward(name, **options)
 
 
 def build_reward(name: str, **options: Any) -> RewardFn:
@@ -267,9 +359,11 @@ def build_reward(name: str, **options: Any) -> RewardFn:
     video = options.pop("video", None)
     _check_options(name, factory, options)
     try:
-        reward = factory(**options)
+        reward = _without_exit(lambda: factory(**options))
     except Exception as err:  # noqa: BLE001 - any factory failure is re-raised with the reward's name
-        raise RewardError(f"reward {name!r} could not be built with options {options!r}: {_one_line(err)}") from err
+        raise RewardError(
+            f"reward {name!r} could not be built with options {_shown(options)!r}: {_one_line(err)}"
+        ) from err
     if not callable(reward):
         raise RewardError(
             f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward; fix the factory"

@@ -15,7 +15,8 @@ fresh deadline of ``timeout_s``, after an exponential backoff ``backoff_s * 2**a
 30 s); a 4xx or a 500 (the reward itself failed: deterministic) is not retried. So one request
 ends within ``(retries + 1) * timeout_s`` plus the backoffs. When the retries are spent the call
 raises :class:`RemoteRewardError` with one line naming the server, the request and the cause; the
-trainer adds the reward name and the batch index.
+trainer adds the reward name and the batch index. The url and the token are checked when the reward
+is built (:func:`check_url`, :func:`check_token`); no message ever shows the token or a password.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import socket
 import threading
 import time
 from typing import Any, Sequence
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import torch
 from torch import Tensor
@@ -50,6 +51,98 @@ class RemoteRewardError(RuntimeError):
 
 class _Fatal(Exception):
     """A failure that retrying cannot fix (4xx, or the reward itself failed)."""
+
+
+def check_token(token: str, where: str) -> None:
+    """Refuse a bearer token that no HTTP client can send, without ever showing it.
+
+    A token must be visible ASCII (``!`` to ``~``): HTTP headers cannot carry other characters, and
+    whitespace or a control character (often a trailing newline read from a file) makes http.client
+    raise an error that quotes the whole header, token included, into the log.
+
+    Args:
+        token: the bearer token ("" means no token and passes).
+        where: where the token came from, for the message, e.g. ``"remote reward option token"``.
+
+    Raises:
+        TypeError: ``token`` is not a string.
+        ValueError: a character that is not visible ASCII (the message gives its position, never the token).
+    """
+    if not isinstance(token, str):
+        raise TypeError(f"{where} must be a string (quote it in YAML); got {type(token).__name__}")
+    for i, char in enumerate(token):
+        if "!" <= char <= "~":
+            continue
+        kind = "a space or control character" if char.isspace() or not char.isprintable() else "a non-ASCII character"
+        raise ValueError(
+            f"{where} has {kind} at position {i + 1}; HTTP headers carry only visible ASCII: "
+            "strip it (e.g. a trailing newline read from a file) or make a new one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+
+
+def _token(token: str | None) -> str | None:
+    """The bearer token: ``token``, else ``$FLOWRL_REWARD_TOKEN``, else None; checked by :func:`check_token`."""
+    if token is None:
+        token, where = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
+    else:
+        where = "remote reward option token"
+    if token is not None:
+        check_token(token, where)
+    return token or None
+
+
+_ENDPOINTS = ("/score", "/health", "/info")
+
+
+def check_url(url: str) -> SplitResult:
+    """Split a remote reward's url, refusing one the client cannot use, in one line that never shows a password.
+
+    Args:
+        url: ``http(s)://host[:port][/prefix]`` of a ``flowrl serve-reward`` server.
+
+    Returns:
+        ``urlsplit(url)``: scheme http or https, a host, a port (if given) in 1..65535, no user or
+        password, no query or fragment, a path of visible ASCII that is not an endpoint.
+
+    Raises:
+        ValueError: any of those does not hold (the message names the option url and the fix).
+    """
+    where = "remote reward option url"
+    try:
+        parts = urlsplit(url)
+    except ValueError as err:  # "http://[::1": an unclosed IPv6 bracket
+        raise ValueError(f"{where} is not a URL ({err}); use e.g. http://127.0.0.1:8765") from None
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"{where} holds a user name or password (user:password@host); drop it and pass the secret as "
+            f"token (or ${TOKEN_ENV}), which the client sends as 'Authorization: Bearer TOKEN'"
+        )
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where} must look like http://127.0.0.1:8765 (http or https, with a host); got {url!r}")
+    _check_port(parts, url, where)
+    if parts.query or parts.fragment:
+        raise ValueError(f"{where} must not have a query or fragment (the client would drop it); got {url!r}")
+    if any(not "!" <= char <= "~" for char in parts.path):
+        raise ValueError(f"{where} path has a space, control or non-ASCII character; percent-encode it; got {url!r}")
+    endpoint = next((e for e in _ENDPOINTS if parts.path.rstrip("/").endswith(e)), None)
+    if endpoint:
+        raise ValueError(f"{where} names the endpoint {endpoint}; give the server's base URL without it; got {url!r}")
+    return parts
+
+
+def _check_port(parts: SplitResult, url: str, where: str) -> None:
+    """Refuse a port that is not a whole number in 1..65535 (``urlsplit``'s own check allows 0 and fails late)."""
+    try:
+        valid = parts.port != 0  # None: no port given (80 or 443)
+    except ValueError:  # not a whole number, or over 65535
+        valid = False
+    if valid:
+        return
+    text = parts.netloc.rpartition("]")[2].rpartition(":")[2]
+    raise ValueError(
+        f"{where} has port {text!r}, not a whole number in 1..65535; got {url!r}; e.g. http://127.0.0.1:8765"
+    )
 
 
 def _positive(name: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:
@@ -88,9 +181,7 @@ class RemoteReward:
         token: str | None = None,
         wire_dtype: str = "float32",
     ) -> None:
-        parts = urlsplit(str(url))
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"remote reward url must look like http://127.0.0.1:8765; got {url!r}")
+        parts = check_url(str(url))
         if format not in FORMATS:
             raise ValueError(f"remote reward option format must be one of {FORMATS}; got {format!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
@@ -102,7 +193,7 @@ class RemoteReward:
         if wire_dtype not in ("float32", "uint8"):
             raise ValueError(f"remote reward option wire_dtype must be 'float32' or 'uint8'; got {wire_dtype!r}")
         self.format, self.wire_dtype = format, wire_dtype
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.token = _token(token)
         self.allows_nan = False  # set from each reply (the server's reward declares it)
 
     # -- transport -------------------------------------------------------------------------------
@@ -232,7 +323,7 @@ def _exchange(
         timer.interval = max(deadline - time.monotonic(), 0.0)
         timer.daemon = True
         timer.start()
-        conn.request(method, path or "/", body=body, headers=headers)
+        _send(conn, method, path or "/", body, headers)
         reply = conn.getresponse()
         data = _read_bounded(reply, fired)
         return reply.status, data, reply.getheader("Content-Type", "")
@@ -243,6 +334,24 @@ def _exchange(
     finally:
         timer.cancel()
         conn.close()
+
+
+def _send(
+    conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, headers: dict[str, str]
+) -> None:
+    """``conn.request``, but a request that cannot be encoded fails without quoting its headers (the token).
+
+    Raises:
+        _Fatal: a header or the path holds a character HTTP cannot carry (http.client's own error would
+            print the header's value, e.g. ``Invalid header value b'Bearer TOKEN'``).
+    """
+    try:
+        conn.request(method, path, body=body, headers=headers)
+    except ValueError:  # UnicodeEncodeError included
+        raise _Fatal(
+            "the request cannot be sent: a header or the url path holds a character HTTP cannot carry; "
+            "check the url and the token (visible ASCII only)"
+        ) from None
 
 
 def _read_bounded(reply: http.client.HTTPResponse, fired: threading.Event) -> bytes:

@@ -26,7 +26,8 @@ from .contract import RewardFn, check_images, reward_allows_nan
 FRAME_REDUCTIONS = ("mean", "min")
 
 
-def _check_reduction(reduce: object, what: str) -> str:
+def check_reduction(reduce: object, what: str) -> str:
+    """``reduce`` if it is one of :data:`FRAME_REDUCTIONS`; ValueError naming ``what`` (the option) otherwise."""
     if reduce not in FRAME_REDUCTIONS:
         raise ValueError(f"{what} must be one of {FRAME_REDUCTIONS}; got {reduce!r}")
     return str(reduce)
@@ -42,7 +43,7 @@ def reduce_frames(scores: Tensor, reduce: str) -> Tensor:
     Returns:
         (B,) in the dtype of ``scores``; NaN where every frame of the clip is NaN.
     """
-    _check_reduction(reduce, "frame reduction")
+    check_reduction(reduce, "frame reduction")
     if reduce == "mean":
         return scores.nanmean(dim=1)
     nan = torch.isnan(scores)
@@ -76,7 +77,7 @@ class FrameReward:
         if not callable(reward):
             raise TypeError(f"FrameReward needs a callable image reward; got {type(reward).__name__}")
         self.reward = reward
-        self.reduce = _check_reduction(reduce, f"reward {name!r}: option video")
+        self.reduce = check_reduction(reduce, f"reward {name!r}: option video")
         self.name = name
 
     @property
@@ -159,7 +160,7 @@ class TemporalConsistency:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"temporal_consistency size must be a positive integer or null; got {size!r}")
         self.size = size
-        self.reduce = _check_reduction(reduce, "temporal_consistency reduce")
+        self.reduce = check_reduction(reduce, "temporal_consistency reduce")
 
     def __call__(self, images: Tensor, prompts: Sequence[str], **metadata: Any) -> Tensor:
         """Scores (B,) float32 for clips (B, F, 3, H, W) in [0, 1] with F >= 2."""

@@ -51,6 +51,7 @@ def test_int_and_exponent_strings_accepted_for_float():
         (["sampler.noise_level=0"], "'sampler.noise_level' is 0: objective.name=flow_grpo trains on stochastic"),
         (["rewards.drift.weight=1"], "'rewards.drift' is named like an evaluation figure (eval/drift)"),
         (["rewards.remote:http://127.0.0.1:8765.weight=1"], "rewards.judge.reward=remote rewards.judge.url=http://"),
+        (['rewards."remote:http://127.0.0.1:8765".weight=1'], "rewards.judge.reward=remote"),  # quoted: "import"
     ],
 )
 def test_bad_values_give_one_line_errors(override, fragment):

@@ -1,10 +1,12 @@
 """A scaffolded plugin installs offline, is listed, passes the kit and trains the embedded model."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import tomllib
 
 from flowrl.scaffold import scaffold_reward
 
@@ -69,7 +71,10 @@ def test_scaffold_install_list_and_train(tmp_path):
 def test_bad_names_and_existing_folder(tmp_path):
     with pytest.raises(ValueError, match="lowercase identifier"):
         scaffold_reward("My-Reward", tmp_path)
-    for name in ("pass", "match", "torch", "check_reward"):  # would write a plugin that does not import
+    with pytest.raises(ValueError, match="not ending in _"):  # wrote name = "flowrl-reward-any-", which pip refuses
+        scaffold_reward("any_", tmp_path)
+    # would write a plugin that does not import (or whose test calls itself: test_conformance)
+    for name in ("pass", "match", "torch", "check_reward", "test_conformance"):
         with pytest.raises(ValueError, match=f"'{name}' is a Python keyword or a name the plugin's module uses"):
             scaffold_reward(name, tmp_path)
     for name in ("ink", "remote", "pickscore"):  # the built-in wins: training with rewards.ink would not use it
@@ -115,6 +120,9 @@ def test_a_name_with_underscores_gets_a_dashed_distribution_and_its_own_entry_po
     assert root == tmp_path / "flowrl-reward-my-reward"
     pyproject = (root / "pyproject.toml").read_text()
     assert 'name = "flowrl-reward-my-reward"' in pyproject
+    for name in ("a", "a2", "a_b_c", "x__y"):  # PEP 508 project names: start and end with a letter or digit
+        project = tomllib.loads((scaffold_reward(name, tmp_path) / "pyproject.toml").read_text())["project"]["name"]
+        assert re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?", project), project
     assert 'my_reward = "flowrl_reward_my_reward.reward:my_reward"' in pyproject
     assert (root / "flowrl_reward_my_reward" / "reward.py").is_file()
     with pytest.raises(ValueError, match="lowercase identifier"):

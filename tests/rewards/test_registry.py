@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -44,6 +45,24 @@ constant.offline = True
 def exploding(**options):
     """Factory that always fails."""
     raise RuntimeError("no model here")
+
+
+def exiting(device: str = "cpu"):
+    """Factory that exits the process instead of raising."""
+    import sys
+
+    sys.exit("no GPU")
+'''
+
+EXITING_AT_IMPORT = '''
+"""A plugin that parses the command line at import (flowrl's own arguments, so argparse exits)."""
+import argparse
+
+argparse.ArgumentParser(prog="flowrl").parse_args()
+
+
+def factory():
+    return lambda images, prompts, **metadata: images.mean((1, 2, 3))
 '''
 
 
@@ -57,6 +76,7 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
 def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A module and an installed-looking distribution exposing flowrl.rewards entry points."""
     (tmp_path / "flowrl_test_plugin_mod.py").write_text(PLUGIN_SOURCE)
+    (tmp_path / "flowrl_test_plugin_exits.py").write_text(EXITING_AT_IMPORT)
     dist = tmp_path / "flowrl_test_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowrl-test-plugin\nVersion: 0.1\n")
@@ -65,6 +85,7 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         [flowrl.rewards]
         plugin_constant = flowrl_test_plugin_mod:constant
         plugin_broken = flowrl_test_plugin_missing_mod:factory
+        plugin_exiting = flowrl_test_plugin_exits:factory
         ink = flowrl_test_plugin_mod:constant
     """)
     )
@@ -391,3 +412,78 @@ def test_a_remote_reward_gets_timeout_s_itself_and_no_outer_deadline() -> None:
     multi = build_multi_reward({"r": {"reward": "remote:http://127.0.0.1:9", "timeout_s": 7}})
     assert multi.timeouts == {"r": None}
     assert multi.rewards["r"][0].timeout_s == 7.0
+
+
+def test_a_plugin_that_calls_sys_exit_is_one_line_naming_it(plugin_dir: Path, monkeypatch, capsys) -> None:
+    """argparse at a plugin's import (or sys.exit in its factory) ended flowrl with the plugin's usage line;
+    `flowrl rewards list` died for every reward because of one plugin."""
+    monkeypatch.setattr(sys, "argv", ["flowrl", "rewards", "list"])
+    by_name = {info.name: info for info in list_rewards() if info.source != "flowrl-test-plugin" or info.name != "ink"}
+    assert by_name["plugin_exiting"].error == (
+        "PluginExit: it called sys.exit(2) after printing 'flowrl: error: unrecognized arguments: rewards list'"
+    )
+    assert by_name["plugin_constant"].error is None and by_name["ink"].error is None  # the others still listed
+    for name in ("plugin_exiting", "flowrl_test_plugin_exits:factory"):
+        with pytest.raises(RewardError, match="PluginExit: it called sys.exit") as exc:
+            build_reward(name)
+        assert name in one_line(exc)
+    with pytest.raises(RewardError) as exc:
+        build_reward("flowrl_test_plugin_mod:exiting", device="cuda")
+    assert one_line(exc).endswith("PluginExit: it called sys.exit('no GPU')")
+    assert "usage" not in capsys.readouterr().err  # what argparse printed is in the one line, not on stderr
+
+
+def test_a_plugin_s_stderr_passes_through_when_it_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    (tmp_path / "flowrl_test_plugin_talks.py").write_text(
+        "import sys\nprint('loading weights', file=sys.stderr)\ndef factory():\n    return lambda i, p, **m: i\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert callable(build_reward("flowrl_test_plugin_talks:factory"))
+    assert capsys.readouterr().err == "loading weights\n"
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        ({"reward": "remote"}, "reward 'remote' needs option 'url'; set rewards.r.url=..."),  # "config OK", then failed
+        ({"reward": "ink", "timeout_s": "abc"}, "rewards.r.timeout_s must be a finite number of seconds > 0"),
+        ({"reward": "ink", "timeout_s": 0}, "rewards.r.timeout_s must be a finite number of seconds > 0; got 0"),
+        ({"reward": "ink", "video": "max"}, "rewards.r.video must be one of ('mean', 'min'); got 'max'"),
+        ({"reward": "ink", "weight": "heavy"}, "weight of reward 'r' must be a finite number; got 'heavy'"),
+    ],
+)
+def test_check_reward_options_checks_what_building_would_refuse(entry, fragment) -> None:
+    with pytest.raises((RewardError, ValueError)) as exc:
+        registry.check_reward_options({"r": entry})
+    assert fragment in one_line(exc)
+    with pytest.raises((RewardError, ValueError)):  # building refuses the same entry
+        build_multi_reward({"r": entry})
+
+
+def test_a_run_option_given_to_a_reward_itself_says_where_it_belongs() -> None:
+    """``flowrl serve-reward ink timeout_s=5`` said "no option 'timeout_s' ... (and for every reward: ... timeout_s"."""
+    with pytest.raises(RewardError) as exc:
+        build_reward("ink", timeout_s=5)
+    assert one_line(exc) == (
+        "reward 'ink': 'timeout_s' is not an option of the reward itself but of a run's rewards.<name> entry; "
+        "set it in the run's config; the reward's own options: target"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"url": "http://127.0.0.1:notaport"}, "has port 'notaport', not a whole number in 1..65535"),
+        ({"url": "http://127.0.0.1:8765", "retrys": 3}, "unexpected keyword argument 'retrys'"),  # **options
+        ({"url": "http://127.0.0.1:8765", "token": "s3cr3t\n"}, "has a space or control character at position 7"),
+        ({"url": "http://user:s3cr3t@127.0.0.1:8765"}, "holds a user name or password"),
+    ],
+)
+def test_check_builds_a_remote_reward_offline_and_never_shows_its_secrets(options, fragment) -> None:
+    """``flowrl train --check`` said "config OK" for all four; the run failed only when it built its rewards (the
+    first two after sampling), and the build error printed the token and the password."""
+    with pytest.raises(RewardError) as exc:
+        registry.check_reward_options({"judge": {"reward": "remote", **options}})
+    message = one_line(exc)
+    assert fragment in message and "s3cr3t" not in message
+    registry.check_reward_options({"judge": {"reward": "remote", "url": "http://127.0.0.1:9", "token": "ok"}})

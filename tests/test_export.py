@@ -2,7 +2,9 @@
 
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import save_file
 
 from flowrl.cli import main
 from flowrl.export import export_merged
@@ -193,6 +195,26 @@ def test_a_lora_file_that_is_not_one_is_one_line_everywhere(tmp_path, capsys):
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"LoRA {folder}: " in err and "pass a run folder" in err, (name, err)
     assert not (tmp_path / "s.png").exists() and not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("dropped", ["lora_A", "lora_B"])
+def test_a_lora_file_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys, dropped):
+    """One tensor deleted from a run's LoRA: diffusers built the layer and left its weight on the meta device or
+    random, so flowrl eval gave other figures on every run (lora_B) or NaN images blamed on the reward (lora_A)."""
+    from safetensors.torch import load_file
+
+    _, lora_dir = _random_lora_run(tmp_path)
+    file = lora_dir / "pytorch_lora_weights.safetensors"
+    weights = load_file(str(file))
+    key = sorted(k for k in weights if dropped in k and ".to_v." in k)[0]
+    del weights[key]
+    save_file(weights, str(file))
+    out = tmp_path / "s.png"
+    assert main(["sample", "--lora", str(lora_dir.parent), "--prompt", "a 3", "--seeds", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"LoRA {file}: 1 of the 62 weights of the adapter it describes are not" in err
+    assert f"(first: {key.removeprefix('transformer.')}); it is incomplete; pass a run folder" in err
+    assert not out.exists()
 
 
 def test_a_lora_of_another_model_with_the_same_layer_names_is_one_line(tmp_path, capfd):

@@ -83,8 +83,43 @@ def load_saved_lora(model: ModelAdapter, source: str | Path) -> Path:
         module = getattr(model.pipe, component, None)
         added = set(adapter_names(module)) - before.get(component, set()) if module is not None else set()
         if len(added) == 1:
-            restore_fp32_lora(module, file, added.pop())
+            adapter = added.pop()
+            check_complete_lora(module, file, adapter, fix)
+            restore_fp32_lora(module, file, adapter)
     return path
+
+
+def check_complete_lora(transformer: nn.Module, file: Path, adapter: str, fix: str) -> None:
+    """Refuse a LoRA file that left some of the adapter diffusers built from it without weights.
+
+    diffusers builds the adapter's layers from the file's keys and then loads what the file holds: a file with
+    one tensor deleted (``to_v.lora_B`` without its weight) leaves that weight on the ``meta`` device or at its
+    random initialisation, and the model samples different images on every load, without a word.
+
+    Args:
+        transformer: the denoiser the LoRA was loaded into.
+        file: the LoRA file.
+        adapter: the adapter the load added.
+        fix: what to pass instead, for the message.
+
+    Raises:
+        ValueError: one line naming the file, how many weights are missing and the first one.
+    """
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    weights = get_peft_model_state_dict(transformer, adapter_name=adapter)
+    with safe_open(str(file), framework="pt") as handle:
+        keys = set(handle.keys())
+    held = keys | {key.split(".", 1)[1] for key in keys if "." in key}  # "transformer." + the peft key
+    missing = [key for key, weight in weights.items() if weight.is_meta]
+    if not missing and any(key in held for key in weights):  # the file is in flowrl's layout: name what it lacks
+        missing = [key for key in weights if key not in held]
+    if missing:
+        raise ValueError(
+            f"LoRA {file}: {len(missing)} of the {len(weights)} weights of the adapter it describes are not in the "
+            f"file (first: {missing[0]}); it is incomplete; {fix}"
+        )
 
 
 def check_finite_lora(file: Path) -> None:

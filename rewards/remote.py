@@ -16,7 +16,7 @@ fresh deadline of ``timeout_s``, after an exponential backoff ``backoff_s * 2**a
 ends within ``(retries + 1) * timeout_s`` plus the backoffs. When the retries are spent the call
 raises :class:`RemoteRewardError` with one line naming the server, the request and the cause; the
 trainer adds the reward name and the batch index. The url and the token are checked when the reward
-is built (:func:`check_url`, :func:`check_token`); no message ever shows the token or a password.
+is built (:func:`check_url`, :func:`~flowrl.rewards.server.check_token`); no message ever shows the token or a password.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .contract import check_images
-from .server import TOKEN_ENV
+from .server import TOKEN_ENV, check_token
 from .wire import JSON, SAFETENSORS, WireError, decode_scores, decode_scores_json, encode_batch, encode_batch_png
 
 MAX_BACKOFF_S = 30.0
@@ -53,36 +53,8 @@ class _Fatal(Exception):
     """A failure that retrying cannot fix (4xx, or the reward itself failed)."""
 
 
-def check_token(token: str, where: str) -> None:
-    """Refuse a bearer token that no HTTP client can send, without ever showing it.
-
-    A token must be visible ASCII (``!`` to ``~``): HTTP headers cannot carry other characters, and
-    whitespace or a control character (often a trailing newline read from a file) makes http.client
-    raise an error that quotes the whole header, token included, into the log.
-
-    Args:
-        token: the bearer token ("" means no token and passes).
-        where: where the token came from, for the message, e.g. ``"remote reward option token"``.
-
-    Raises:
-        TypeError: ``token`` is not a string.
-        ValueError: a character that is not visible ASCII (the message gives its position, never the token).
-    """
-    if not isinstance(token, str):
-        raise TypeError(f"{where} must be a string (quote it in YAML); got {type(token).__name__}")
-    for i, char in enumerate(token):
-        if "!" <= char <= "~":
-            continue
-        kind = "a space or control character" if char.isspace() or not char.isprintable() else "a non-ASCII character"
-        raise ValueError(
-            f"{where} has {kind} at position {i + 1}; HTTP headers carry only visible ASCII: "
-            "strip it (e.g. a trailing newline read from a file) or make a new one with "
-            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
-        )
-
-
 def _token(token: str | None) -> str | None:
-    """The bearer token: ``token``, else ``$FLOWRL_REWARD_TOKEN``, else None; checked by :func:`check_token`."""
+    """The bearer token: ``token``, else ``$FLOWRL_REWARD_TOKEN``, else None; checked by :func:`.server.check_token`."""
     if token is None:
         token, where = os.environ.get(TOKEN_ENV), f"${TOKEN_ENV}"
     else:

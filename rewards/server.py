@@ -4,12 +4,15 @@ Endpoints:
 
 - ``POST /score``: a batch in the :mod:`~flowrl.rewards.wire` format (safetensors, or JSON with
   PNG images); replies with the (B,) float32 scores in the same format. Status 400 for a
-  malformed request (bad JSON, too deeply nested, wrong types or shapes, bad base64), 401 for a
-  missing or wrong token, 411 without a Content-Length, 413 for a body or images over the limits
-  (image sizes are read from the safetensors header or the PNG's IHDR before anything is
-  decoded), 503 while the server shuts down, 500 only when the reward itself raises or breaks
-  the contract (the JSON error names the reward). Every error body is ``{"error": "one line"}``.
-- ``GET /health``: ``{"status": "ok", "reward": NAME}`` (never needs the token).
+  malformed request (bad JSON, too deeply nested, an integer over 4300 digits, wrong types or
+  shapes, bad base64, a Content-Length that is not a number), 401 for a missing or wrong token,
+  411 without a Content-Length, 413 for a body or images over the limits (image sizes are read
+  from the safetensors header or the PNG's IHDR before anything is decoded), 503 while the
+  server shuts down, 500 only when the reward itself raises (even KeyboardInterrupt) or breaks
+  the contract (the JSON error names the reward). Every error body is ``{"error": "one line"}``,
+  also for the faults the stdlib's parser finds (501 unknown method, 400 garbage request line,
+  431 header line over 64 KiB); a HEAD request gets the headers only.
+- ``GET /health``: ``{"status": "ok", "reward": NAME}`` (never needs the token; HEAD too).
 - ``GET /info``: name, ``allows_nan``, wire formats and versions, requests served.
 
 The server binds to 127.0.0.1 unless told otherwise; any non-loopback address needs a token,
@@ -35,7 +38,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .contract import RewardError, RewardFn, check_images, reward_allows_nan, score_reward
 from .wire import (
@@ -51,6 +54,9 @@ from .wire import (
     encode_scores,
     encode_scores_json,
 )
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -74,14 +80,46 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse to expose a reward beyond this machine without a token.
+def check_token(token: str | None, where: str = f"the token (--token or {TOKEN_ENV})") -> None:
+    """Refuse a bearer token that no HTTP client can send, in one line that never shows the token.
+
+    A token must be visible ASCII (``!`` to ``~``): HTTP headers cannot carry other characters (``café``),
+    and whitespace or a control character (often a trailing newline read from a file) is refused or cut on
+    the way, so every request would get 401.
+
+    Args:
+        token: the bearer token; None or "" means no token and passes.
+        where: where the token came from, starting the message.
 
     Raises:
-        ValueError: ``host`` is not a loopback address and no token is set.
+        TypeError: ``token`` is not a string.
+        ValueError: the token is blank, or has a character that is not visible ASCII (the message names its
+            kind and position, never the token).
     """
-    if token and not token.strip():  # "" means no token; "  " would be a guessable one
-        raise ValueError(f"the token (--token or {TOKEN_ENV}) is blank; pass a secret string, or leave it unset")
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise TypeError(f"{where} must be a string (quote it in YAML); got {type(token).__name__}")
+    if token and not token.strip():  # "  " would be a guessable secret
+        raise ValueError(f"{where} is blank; pass a secret string, or leave it unset")
+    for i, char in enumerate(token):
+        if not "!" <= char <= "~":
+            kind = "a space or control character" if char.isascii() else "a non-ASCII character"
+            raise ValueError(
+                f"{where} has {kind} at position {i + 1}; HTTP headers carry only visible ASCII: strip it (e.g. a "
+                "trailing newline read from a file) or make a new one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse a token no client can send, and refuse to expose a reward beyond this machine without a token.
+
+    Raises:
+        ValueError: the token is blank or not printable ASCII without spaces (:func:`check_token`), or
+            ``host`` is not a loopback address and no token is set.
+    """
+    check_token(token)
     if not is_loopback(host) and not token:
         raise ValueError(
             f"binding the reward server to {host} exposes it to the network; pass --token "
@@ -100,6 +138,48 @@ def check_limits(max_body_mb: float, idle_exit_s: float | None) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{flag} must be a finite number > 0; got {value!r}")
+
+
+def body_length(header: str, limit: int) -> int:
+    """The body size a ``Content-Length`` header declares, refused above ``limit`` without converting a huge number.
+
+    Args:
+        header: the header's value.
+        limit: the largest body accepted, in bytes.
+
+    Returns:
+        The declared length, at most ``limit``.
+
+    Raises:
+        WireError: the value is not a whole number of bytes in ASCII digits (``²`` passes ``str.isdigit``).
+        TooLarge: the declared length exceeds ``limit`` (also a number too long for ``int()``).
+    """
+    digits = header.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        shown = digits if len(digits) <= 40 else digits[:40] + "..."
+        raise WireError(f"Content-Length {shown!r} is not a whole number of bytes; send the body's length in digits")
+    significant = digits.lstrip("0") or "0"
+    if len(significant) > len(str(limit)) or int(significant) > limit:
+        shown = significant if len(significant) <= 40 else f"a number of {len(significant)} digits"
+        raise TooLarge(f"body of {shown} bytes exceeds the server's limit of {limit}; split the batch")
+    return int(significant)
+
+
+_STDLIB_HINTS = {
+    400: "send an HTTP/1.1 request such as 'POST /score HTTP/1.1'",
+    414: "the request line is over 64 KiB; send a shorter path",
+    431: "send fewer headers, each line under 64 KiB",
+    501: "use POST /score, GET /health or GET /info",
+    505: "send HTTP/1.1",
+}
+
+
+def stdlib_error_line(code: int, reason: str) -> str:
+    """The one-line error for a fault the stdlib's request parser found: its reason (cut to 200 chars) and a fix."""
+    reason = " ".join(reason.split())
+    if len(reason) > 200:
+        reason = reason[:200] + "..."
+    return f"{reason}; {_STDLIB_HINTS.get(code, 'use POST /score, GET /health or GET /info')}"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -142,8 +222,9 @@ class RewardServer:
         max_body_mb: largest request body accepted.
         max_image_pixels: largest image (or frame) accepted, height x width, checked before decoding.
         max_request_pixels: most pixels of all images of one request, checked before decoding.
-        idle_exit_s: stop serving after this many seconds without a request (None: never);
-            lets a server started by a job or a test end on its own.
+        idle_exit_s: stop serving after this many seconds without a request (None: never); a request
+            counts from its request line to its reply (a slow upload is not idle time). Lets a server
+            started by a job or a test end on its own.
         log: print one line per request to stderr.
     """
 
@@ -179,6 +260,7 @@ class RewardServer:
         self._score_lock = threading.Lock()
         self._state = threading.Condition()  # guards the fields below
         self._draining, self._in_flight = False, 0
+        self._receiving = 0  # requests between their request line and their reply (for idle_exit_s)
         self._connections: dict[Any, threading.Thread] = {}
         self._thread: threading.Thread | None = None
         self._served = threading.Event()  # serve_forever ran (so httpd.shutdown() can't block)
@@ -227,14 +309,30 @@ class RewardServer:
             if self._draining:
                 raise ShuttingDown()
         try:
-            scores = score_reward(self.name, self.reward, images, prompts, metadata, allow_all_nan=True)
-            self.batches += 1
+            scores = self._score_batch(images, prompts, metadata)
         finally:
             self._score_lock.release()
         allows_nan = reward_allows_nan(self.reward)
         if as_json:
             return encode_scores_json(scores, allows_nan), JSON
         return encode_scores(scores, allows_nan), SAFETENSORS
+
+    def _score_batch(self, images: Tensor, prompts: list[str], metadata: dict[str, Any]) -> Tensor:
+        """Score one decoded batch; a KeyboardInterrupt the reward raises on a handler thread is its failure.
+
+        A real Ctrl-C raises KeyboardInterrupt only on the main thread (where the command's signal handler
+        stops the server), never on a handler thread, so there it is the reward's own doing: answered 500.
+        """
+        try:
+            scores = score_reward(self.name, self.reward, images, prompts, metadata, allow_all_nan=True)
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            raise RewardError(
+                f"reward {self.name!r} raised KeyboardInterrupt; a reward returns scores or raises an Exception"
+            ) from None
+        self.batches += 1
+        return scores
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`, Ctrl-C in the caller, or ``idle_exit_s`` without requests."""
@@ -245,12 +343,26 @@ class RewardServer:
 
     def _watch_idle(self) -> None:
         while True:
-            idle = time.monotonic() - self.last_request
-            if idle >= self.idle_exit_s and self._in_flight == 0:
+            with self._state:
+                idle = time.monotonic() - self.last_request
+                busy = self._receiving > 0 or self._in_flight > 0
+            if idle >= self.idle_exit_s and not busy:
                 self.stopped_idle = True
                 self.httpd.shutdown()
                 return
             time.sleep(min(0.2, max(self.idle_exit_s - idle, 0.01)))
+
+    def begin_activity(self) -> None:
+        """A request line arrived: the server is not idle until :meth:`end_activity` (its reply is sent)."""
+        with self._state:
+            self._receiving += 1
+            self.last_request = time.monotonic()
+
+    def end_activity(self) -> None:
+        """The request counted by :meth:`begin_activity` is answered (or its connection failed)."""
+        with self._state:
+            self._receiving -= 1
+            self.last_request = time.monotonic()
 
     def start(self) -> "RewardServer":
         """Serve from a daemon thread; returns self."""
@@ -332,20 +444,47 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             if server.log:
                 sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
-        def _send(self, status: int, body: bytes, content_type: str = JSON) -> None:
+        def handle_one_request(self) -> None:
+            self._active = False
+            try:
+                super().handle_one_request()
+            finally:
+                if self._active:  # the reply is sent (or the connection failed): idle time counts from now
+                    server.end_activity()
+
+        def parse_request(self) -> bool:
+            server.begin_activity()  # the request line arrived: --idle-exit waits until the reply is sent
+            self._active = True
+            return super().parse_request()
+
+        def _send(self, status: int, body: bytes, content_type: str = JSON, *, close: bool = False) -> None:
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
+                if close:
+                    self.send_header("Connection", "close")
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":
+                    self.wfile.write(body)
             except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout): nothing to answer
                 self.close_connection = True
                 self.log_message("client left before the reply (%d)", status)
 
         def _error(self, status: int, message: str) -> None:
             self.close_connection = True
-            self._send(status, json.dumps({"error": message}).encode())
+            self._send(status, json.dumps({"error": message}).encode(), close=True)
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """Errors the stdlib finds (unknown method, bad request line, header line too long) as one JSON line.
+
+            The stdlib's own ``send_error`` answers an HTML page; this keeps its status code.
+            """
+            reason = message or self.responses.get(code, ("error",))[0]
+            self.log_error("code %d, message %s", code, reason)
+            if self.request_version in ("", "HTTP/0.9"):  # garbage, not an HTTP/0.9 request: send a status line
+                self.request_version = "HTTP/1.0"
+            self._error(code, stdlib_error_line(code, reason))
 
         def _authorised(self) -> bool:
             if server.token is None:
@@ -358,7 +497,6 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             server.requests += 1
-            server.last_request = time.monotonic()
             if self.path == "/health":
                 self._send(200, json.dumps({"status": "ok", "reward": server.name}).encode())
             elif self.path == "/info":
@@ -367,9 +505,10 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             else:
                 self._error(404, f"no endpoint {self.path}; use POST /score, GET /health or GET /info")
 
+        do_HEAD = do_GET  # noqa: N815 - stdlib name; the same status and headers, no body (see _send)
+
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
             server.requests += 1
-            server.last_request = time.monotonic()
             if self.path != "/score":
                 self._error(404, f"no endpoint {self.path}; POST batches to /score")
                 return
@@ -378,7 +517,7 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
             body = self._body()
             if body is None:
                 return
-            content_type = self.headers.get("Content-Type", SAFETENSORS).split(";")[0].strip()
+            content_type = self.headers.get("Content-Type", SAFETENSORS).split(";")[0].strip().lower()
             if content_type not in (SAFETENSORS, JSON):
                 self._error(400, f"Content-Type {content_type!r} not supported; send {SAFETENSORS} or {JSON}")
                 return
@@ -411,15 +550,18 @@ def _make_handler(server: RewardServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, reply, reply_type)
 
         def _body(self) -> bytes | None:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            header = self.headers.get("Content-Length")
+            if header is None:
                 self._error(411, "send the request body with a Content-Length header")
                 return None
-            if int(length) > server.max_body:
-                self._error(
-                    413, f"body of {int(length)} bytes exceeds the server's limit of {server.max_body}; split the batch"
-                )
+            try:
+                length = body_length(header, server.max_body)
+            except TooLarge as err:
+                self._error(413, str(err))
                 return None
-            return self.rfile.read(int(length))
+            except WireError as err:
+                self._error(400, f"bad request for reward {server.name!r}: {err}")
+                return None
+            return self.rfile.read(length)
 
     return Handler

@@ -26,6 +26,7 @@ import io
 import json
 import math
 import struct
+import sys
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -92,13 +93,16 @@ def check_pixels(sizes: Sequence[tuple[int, int]], limits: PixelLimits | None, c
 
 
 def _loads(text: bytes | str, what: str) -> Any:
-    """``json.loads`` with every failure (bad UTF-8, bad JSON, nesting too deep) as one WireError."""
+    """``json.loads`` with every failure (bad UTF-8 or JSON, nesting too deep, a too long integer) as one WireError."""
     try:
         return json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise WireError(f"{what} is not JSON ({err})") from None
     except RecursionError:
         raise WireError(f"{what} is JSON nested too deeply; send flat lists and objects") from None
+    except ValueError:  # an integer over sys.get_int_max_str_digits() digits: Python refuses to convert it
+        digits = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise WireError(f"{what} holds an integer of over {digits} digits; send shorter numbers") from None
 
 
 def _json_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +140,9 @@ def _declared_sizes(header: dict[str, Any]) -> tuple[int, tuple[int, int]]:
     shape, dtype = entry.get("shape"), entry.get("dtype")
     if dtype not in ("F32", "U8"):
         raise WireError(f"images must be float32 in [0, 1] or uint8; got safetensors dtype {dtype!r}")
-    ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ok = isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**64 for d in shape
+    )  # safetensors dimensions are u64: a larger one is no shape (and its pixel count would be too long to print)
     if not ok or len(shape) not in (4, 5) or shape[-3] != 3:
         raise WireError(f"images must have shape (B, 3, H, W) or (B, F, 3, H, W); got {shape!r}")
     return math.prod(shape[:-3]), (shape[-2], shape[-1])

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 Kind = Literal["base", "final", "trained", "ema"]
 RUN_CONFIG = "config.yaml"
 FINAL_LORA = "lora"
+EMBEDDED_MODEL = "flowrl-digits"  # its base model is offered as plain "base"
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,13 @@ def run_guards(run_dir: str | Path) -> dict[str, dict[str, Any]]:
 
     Monitors (``diversity``) are left out: no reward scores them, and the table reports diversity anyway.
     """
+    return config_guards(read_run_config(run_dir))
+
+
+def config_guards(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The reward guards of a run config's ``guards:`` section (see :func:`run_guards`)."""
     from ..guard_spec import parse_guards
 
-    cfg = read_run_config(run_dir)
     return {g.name: dict(g.options) for g in parse_guards(cfg.guards, cfg.rewards) if not g.is_monitor}
 
 
@@ -136,10 +142,59 @@ def run_checkpoints(run_dir: str | Path, label: str | None = None) -> list[Check
     return out
 
 
-def base_checkpoint(model_path: str, run_dir: Path | None = None) -> Checkpoint:
-    """The base model of ``model_path`` (sampled with ``run_dir``'s config when given)."""
-    label = "base" if model_path == "flowrl-digits" else f"base ({Path(model_path).name})"
-    return Checkpoint(label, "base", run_dir, model_path)
+def base_checkpoint(model_path: str, run_dir: Path | None = None, taken: Collection[str] = ()) -> Checkpoint:
+    """The base model of ``model_path`` (sampled with ``run_dir``'s config when given).
+
+    Labelled "base" for the embedded model, else ``base (<folder name>)``; a label in ``taken`` (another
+    model's) makes it ``base (<parent>/<folder name>)`` and so on (:func:`distinct_label`).
+    """
+    if model_path == EMBEDDED_MODEL and "base" not in taken:
+        return Checkpoint("base", "base", run_dir, model_path)
+    return Checkpoint(distinct_label(model_path, taken, "base ({})"), "base", run_dir, model_path)
+
+
+def distinct_label(path: str | Path, taken: Collection[str], template: str = "{}") -> str:
+    """The shortest end of ``path`` (its name, then ``parent/name``, ...) whose label no other checkpoint holds.
+
+    Args:
+        path: a run folder or a model path (a local one made absolute: ``a`` beside ``../x/a`` becomes ``x/a``).
+        taken: the labels already given.
+        template: how an end of the path becomes a label, e.g. ``"base ({})"``.
+
+    Returns:
+        ``template`` filled with the shortest end not in ``taken`` (the whole path when every end is taken).
+    """
+    parts = Path(os.path.abspath(path) if Path(path).exists() else path).parts  # a hub id stays as it is
+    ends = [Path(*parts[len(parts) - n :]).as_posix() for n in range(1, len(parts) + 1)] or [str(path)]
+    labels = [template.format(end) for end in ends]
+    return next((label for label in labels if label not in taken), labels[-1])
+
+
+def offer_run(run_dir: Path, offered: Sequence[Checkpoint]) -> list[Checkpoint]:
+    """What a run adds to the checkpoints already offered, every label distinct: its model's base, then its own.
+
+    The base model comes first, and only when no offered base has the run's ``model.path``. A run already
+    offered keeps its label (offering it again re-reads its checkpoints); a new run gets the shortest end of its
+    path that no offered checkpoint holds (:func:`distinct_label`), so ``runs/a`` and ``dup/a`` are ``a`` and
+    ``dup/a``. ``flowrl eval`` and ``flowrl demo`` label through here.
+
+    Args:
+        run_dir: a run folder.
+        offered: the checkpoints offered so far.
+
+    Raises:
+        FileNotFoundError: not a run folder with a final LoRA.
+        ValueError: its ``config.yaml`` does not validate.
+    """
+    taken = {c.label for c in offered}
+    model_path = read_run_config(run_dir).model.path
+    added = []
+    if not any(c.kind == "base" and c.model_path == model_path for c in offered):
+        added.append(base_checkpoint(model_path, run_dir, taken))
+        taken.add(added[0].label)
+    mine = [c.label for c in offered if c.kind == "final" and c.run_dir == run_dir]
+    label = mine[0] if mine else distinct_label(run_dir, taken)
+    return [*added, *run_checkpoints(run_dir, label)]
 
 
 class CheckpointBank:
@@ -168,10 +223,20 @@ class CheckpointBank:
             cfg = (
                 read_run_config(key) if key is not None else load_config(None, [f"model.path={checkpoint.model_path}"])
             )
+            self.use_config(key, cfg)
+        return self._configs[key]
+
+    def use_config(self, run_dir: Path | None, cfg: Config) -> None:
+        """Sample ``run_dir``'s checkpoints with ``cfg`` (a config read earlier), unless the bank holds one already.
+
+        The demo hands over the configs it read at start, so a base model still samples after the run whose
+        config it borrows is deleted.
+        """
+        if run_dir not in self._configs:
+            cfg = copy.deepcopy(cfg)
             if self.device is not None:
                 cfg.model.device = self.device
-            self._configs[key] = cfg
-        return self._configs[key]
+            self._configs[run_dir] = cfg
 
     def model(self, checkpoint: Checkpoint) -> ModelAdapter:
         """The bare adapter of the checkpoint's base model (loaded on first use)."""

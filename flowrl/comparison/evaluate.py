@@ -9,6 +9,7 @@ runs' ``guards:``, and becomes one row of :mod:`flowrl.evaluation.table`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -17,9 +18,10 @@ import torch
 from torch import Tensor
 
 from ..evaluation.table import CheckpointFigures, checkpoint_figures, figures_json, markdown_table
-from .checkpoints import Checkpoint, CheckpointBank, base_checkpoint, generate, read_run_config, run_guards
+from .checkpoints import Checkpoint, CheckpointBank, config_guards, generate, offer_run, read_run_config
 
 if TYPE_CHECKING:
+    from ..config import Config
     from ..prompts.files import Prompt
 
 EVAL_SEED_BASE = 3_000_000  # away from training's rollout seeds and the run's own eval/grid seeds
@@ -53,9 +55,18 @@ def reward_spec(run_dirs: Sequence[Path], names: Sequence[str] | None = None) ->
     Raises:
         ValueError: no run and no names.
     """
+    return reward_union([read_run_config(run) for run in run_dirs], names)
+
+
+def reward_union(configs: Sequence[Config], names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`reward_spec` of run configs already read (the demo reads each run's once, when it is offered).
+
+    Raises:
+        ValueError: no config and no names.
+    """
     union: dict[str, dict[str, Any]] = {}
-    for run in run_dirs:
-        for name, spec in read_run_config(run).rewards.items():
+    for cfg in configs:
+        for name, spec in cfg.rewards.items():
             union.setdefault(name, dict(spec))
     if names:
         return {n: union.get(n, {"weight": 1.0}) for n in names}
@@ -66,9 +77,14 @@ def reward_spec(run_dirs: Sequence[Path], names: Sequence[str] | None = None) ->
 
 def guard_spec(run_dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
     """The union of the runs' reward guards (``guards:`` entries as reward options; first run wins a name)."""
+    return guard_union([read_run_config(run) for run in run_dirs])
+
+
+def guard_union(configs: Sequence[Config]) -> dict[str, dict[str, Any]]:
+    """:func:`guard_spec` of run configs already read."""
     union: dict[str, dict[str, Any]] = {}
-    for run in run_dirs:
-        for name, options in run_guards(run).items():
+    for cfg in configs:
+        for name, options in config_guards(cfg).items():
             union.setdefault(name, options)
     return union
 
@@ -91,14 +107,19 @@ def score(reward: Any, images: Tensor, prompts: Sequence[Prompt]) -> tuple[Tenso
 
 
 def checkpoints_of(run_dirs: Sequence[Path]) -> list[Checkpoint]:
-    """The base model of each model the runs use (first), then every run's checkpoints."""
-    from .checkpoints import run_checkpoints
+    """The base model of each model the runs use (first), then every run's checkpoints, every label distinct.
 
-    runs = [c for run in run_dirs for c in run_checkpoints(run)]
-    bases: dict[str, Checkpoint] = {}
-    for c in runs:
-        bases.setdefault(c.model_path, base_checkpoint(c.model_path, c.run_dir))
-    return [*bases.values(), *runs]
+    Labels come from :func:`~flowrl.comparison.checkpoints.offer_run`, as in the demo: ``runs/a dup/a`` gives
+    ``a`` and ``dup/a``; two models in folders named ``model`` give ``base (model)`` and ``base (m2/model)``. A run
+    folder named twice (or through a symlink) is evaluated once.
+    """
+    offered: list[Checkpoint] = []
+    seen: set[str] = set()
+    for run in run_dirs:
+        if os.path.realpath(run) not in seen:
+            seen.add(os.path.realpath(run))
+            offered += offer_run(Path(run), offered)
+    return [c for c in offered if c.kind == "base"] + [c for c in offered if c.kind != "base"]
 
 
 def checkpoint_steps(bank: CheckpointBank, checkpoint: Checkpoint, steps: int | None) -> int:

@@ -19,15 +19,7 @@ from typing import Any
 
 from ..comparison.checkpoints import CheckpointBank
 from ..evaluation.table import table_cells
-from .generation import (
-    Comparison,
-    caption,
-    guards_of,
-    reward_names,
-    run_comparison,
-    scoring_choices,
-    scoring_spec,
-)
+from .generation import Comparison, caption, reward_names, run_comparison, scoring_choices
 from .plots import REWARD_KEYS, curves_figure, frame_strip, metric_keys, read_rows, save_gif, to_pil, upscale
 from .registry import RunRegistry
 from .validation import MAX_PROMPT_CHARS, MAX_SEEDS, MAX_STEPS, samplers, validate_request
@@ -55,16 +47,32 @@ class DemoState:
         return {labels[run]: read_rows(run) for run in self.registry.run_dirs if run in labels}
 
     def compare(self, *inputs: Any, progress: Any = None) -> Comparison:
-        """Validate the form and run one comparison (``ValueError``: one line for the page)."""
+        """Validate the form and run one comparison (``ValueError``: one line for the page).
+
+        Only the chosen checkpoints' run folders are read again: a run deleted or broken since the demo started
+        fails the requests that choose its checkpoints, naming it; the others (the base models included) sample
+        with the configs, rewards and guards read when the runs were offered.
+        """
         *form, rewards = inputs
         request = validate_request(*form, known=self.registry.labels)
         chosen = [self.registry.checkpoints[label] for label in request.checkpoints]
-        spec = scoring_spec(list(self.registry.checkpoints.values()), rewards or None)
+        for checkpoint in chosen:
+            self.registry.check_run(checkpoint)
+            if checkpoint.run_dir in self.registry.configs:
+                self.bank.use_config(checkpoint.run_dir, self.registry.configs[checkpoint.run_dir])
+        spec = self.registry.scoring_spec(rewards or None)
         report = None
         if progress is not None:
             report = lambda i, n, what: progress((i, n), desc=f"sampling {what}" if i < n else what)  # noqa: E731
-        guards = guards_of(list(self.registry.checkpoints.values()))
-        return run_comparison(self.bank, chosen, request, spec, progress=report, guards=guards)
+        return run_comparison(self.bank, chosen, request, spec, progress=report, guards=self.registry.guard_spec())
+
+    def curves(self, keys: list[str] | None, default: list[str]) -> Any:
+        """The Training-curves figure of ``keys`` (none chosen: ``default``) from the runs' ``metrics.jsonl`` now.
+
+        Raises:
+            ValueError: a ``metrics.jsonl`` that no longer reads (one line naming the file and the fix).
+        """
+        return curves_figure(self.run_rows(), keys or default)
 
     def gallery_items(self, comparison: Comparison) -> list[tuple[Any, str]]:
         """(image or GIF path, caption) per checkpoint and seed, checkpoints in rows."""
@@ -156,7 +164,14 @@ def build_app(registry: RunRegistry, bank: CheckpointBank | None = None) -> Any:
             chosen_keys = [k for k in REWARD_KEYS if k in keys] or keys[:2]
             metrics = gr.Dropdown(keys, value=chosen_keys, multiselect=True, label="metrics", elem_id="metrics")
             plot = gr.Plot(curves_figure(rows, chosen_keys) if rows else None, label="runs", elem_id="curves")
-            metrics.change(lambda k: curves_figure(state.run_rows(), k or chosen_keys), metrics, plot)
+
+            def on_metrics(keys: list[str] | None) -> Any:
+                try:
+                    return state.curves(keys, chosen_keys)
+                except (ValueError, OSError) as err:  # a metrics.jsonl broken since the start
+                    raise gr.Error(str(err).splitlines()[0]) from None
+
+            metrics.change(on_metrics, metrics, plot)
 
         def on_generate(*inputs: Any, progress: gr.Progress = gr.Progress()) -> tuple[Any, ...]:
             t0 = time.perf_counter()

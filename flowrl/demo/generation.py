@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..comparison.checkpoints import Checkpoint, CheckpointBank, generate
-from ..comparison.evaluate import build_rewards, guard_spec, reward_spec
+from ..comparison.evaluate import build_rewards, reward_spec
 from ..config import Config
 from ..evaluation.table import CheckpointFigures, checkpoint_figures
 from ..prompts.files import Prompt
@@ -67,19 +67,6 @@ def scoring_choices(checkpoints: Sequence[Checkpoint]) -> list[str]:
 
     alone = [r.name for r in list_rewards() if not r.error and not required_options(r.name)]
     return list(dict.fromkeys([*reward_names(checkpoints), *alone]))
-
-
-def guards_of(checkpoints: Sequence[Checkpoint]) -> dict[str, dict[str, Any]]:
-    """The guard rewards of the runs the checkpoints belong to (their ``guards:`` sections)."""
-    return guard_spec(list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None)))
-
-
-def scoring_spec(checkpoints: Sequence[Checkpoint], names: Sequence[str] | None) -> dict[str, dict[str, Any]]:
-    """Reward specs for ``names`` (the runs' options where a run configures the name; registry defaults otherwise)."""
-    runs = list(dict.fromkeys(c.run_dir for c in checkpoints if c.run_dir is not None))
-    if not names:
-        return reward_spec(runs) if runs else Config().rewards
-    return reward_spec(runs, names)
 
 
 def _score(spec: dict[str, dict[str, Any]], images: Tensor, prompt: str, errors: list[str]) -> dict[str, Tensor]:

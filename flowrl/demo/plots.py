@@ -18,16 +18,32 @@ PNG_METADATA = {"Software": None}  # no library version in the file: identical b
 
 
 def read_rows(run_dir: str | Path) -> list[dict[str, float]]:
-    """The rows of a run's ``metrics.jsonl`` (null -> NaN; rows a kill cut short are skipped)."""
+    """The rows of a run's ``metrics.jsonl`` (null -> NaN; rows a kill cut short are skipped).
+
+    Values that are no number (text, lists, objects) are left out, and so is an integer too large for a float
+    (``1`` and 400 zeros); a row whose ``step`` is such an integer is skipped (it has no place on the x axis).
+    """
     from ..outputs import read_metrics
 
     rows = []
     for _, line in read_metrics(Path(run_dir) / "metrics.jsonl"):
-        row = json.loads(line)
-        rows.append(
-            {k: math.nan if v is None else v for k, v in row.items() if isinstance(v, (int, float, type(None)))}
-        )
+        row = {k: math.nan if v is None else v for k, v in json.loads(line).items() if _plottable(v)}
+        if "step" in row:
+            rows.append(row)
     return rows
+
+
+def _plottable(value: Any) -> bool:
+    """Whether a logged value can be drawn: null, a float, or an integer a float can hold."""
+    if value is None or isinstance(value, float):
+        return True
+    if not isinstance(value, int):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def metric_keys(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> list[str]:

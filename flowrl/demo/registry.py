@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ..comparison.checkpoints import Checkpoint, base_checkpoint, find_runs, run_checkpoints
+from ..comparison.checkpoints import Checkpoint, base_checkpoint, find_runs, offer_run, read_run_config
+from ..comparison.evaluate import guard_union, reward_union
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 DEFAULT_RUNS = Path("runs")  # the parent of the default output.dir (runs/digits-bold-thin)
 
 
 class RunRegistry:
     """The checkpoints the demo offers, and the folders it may read.
+
+    Every label is distinct (:func:`~flowrl.comparison.checkpoints.offer_run`, as ``flowrl eval`` labels):
+    a second run named ``run-a`` is ``other/run-a``, a second model in a folder named ``model`` is
+    ``base (m2/model)``. Each run's ``config.yaml`` is read when the run is offered (again when it is added
+    again): the rewards and guards every comparison scores with come from those reads, so a run deleted or
+    broken later fails only the requests that choose it (:meth:`check_run`).
 
     Args:
         roots: run folders or folders of runs; none = :data:`DEFAULT_RUNS` (which may not exist yet).
@@ -31,36 +41,57 @@ class RunRegistry:
                 raise FileNotFoundError(f"{root} is not a folder; pass run folders (or folders of runs) to flowrl demo")
         self.roots = [Path(os.path.realpath(r)) for r in given]
         self.checkpoints: dict[str, Checkpoint] = {}
+        self.configs: dict[Path, Config] = {}
         for root in self.roots:
             for run in find_runs(root):
                 self._add_run(run)
         if not any(c.kind == "base" for c in self.checkpoints.values()):
-            self._add(base_checkpoint(base_model))
-
-    def _add(self, checkpoint: Checkpoint) -> None:
-        self.checkpoints.setdefault(checkpoint.label, checkpoint)
+            base = base_checkpoint(base_model)
+            self.checkpoints = {base.label: base}
 
     def _add_run(self, run: Path) -> list[str]:
-        found = run_checkpoints(run, label=self._label(run))
-        for c in found:
-            self._add(base_checkpoint(c.model_path, c.run_dir))
-        bases = [c for c in self.checkpoints.values() if c.kind == "base"]
-        rest = [c for c in self.checkpoints.values() if c.kind != "base"] + [c for c in found]
+        added = offer_run(run, list(self.checkpoints.values()))
+        self.configs[run] = read_run_config(run)
+        found = [c for c in added if c.kind != "base"]
+        bases = [c for c in [*self.checkpoints.values(), *added] if c.kind == "base"]
+        rest = [c for c in self.checkpoints.values() if c.kind != "base"] + found
         self.checkpoints = {c.label: c for c in [*bases, *rest]}
         return [c.label for c in found]
 
-    def _label(self, run: Path) -> str:
-        """The run's label: its folder name, unique among the offered runs.
+    def scoring_spec(self, names: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+        """Reward specs for ``names``: the offered runs' options where a run configures the name, else defaults.
 
-        When another run holds the name: its start folder's name and its path under it (``b/run-a``; two
-        start folders may each hold a ``run-a``), else its full path.
+        No names: every reward the runs configure (no run: the default job's rewards). The runs' configs are the
+        ones read when they were offered, so a run broken since does not change (or fail) anyone's scores.
         """
-        taken = {c.label for c in self.checkpoints.values() if c.run_dir is not None and c.run_dir != run}
-        under = [str(Path(root.name) / run.relative_to(root)) for root in self.roots if run.is_relative_to(root)]
-        for label in [run.name, *under]:
-            if label not in taken:
-                return label
-        return str(run)
+        from ..config import Config
+
+        if not names and not self.configs:
+            return Config().rewards
+        return reward_union(list(self.configs.values()), names or None)
+
+    def guard_spec(self) -> dict[str, dict[str, Any]]:
+        """The offered runs' guard rewards (``guards:`` entries as reward options; first run wins a name)."""
+        return guard_union(list(self.configs.values()))
+
+    def check_run(self, checkpoint: Checkpoint) -> None:
+        """Refuse a run's checkpoint whose folder no longer holds a valid ``config.yaml`` (deleted, or broken).
+
+        Raises:
+            ValueError: one line naming the checkpoint, its run folder and what to do.
+        """
+        if checkpoint.kind == "base" or checkpoint.run_dir is None:
+            return
+        run = checkpoint.run_dir
+        try:
+            read_run_config(run)
+        except FileNotFoundError:
+            reason = f"{run} holds no config.yaml any more"
+        except (OSError, ValueError) as err:
+            reason = (str(err) or type(err).__name__).splitlines()[0]
+        else:
+            return
+        raise ValueError(f"{checkpoint.label}: {reason}; untick its checkpoints, or restore the run folder")
 
     @property
     def labels(self) -> list[str]:

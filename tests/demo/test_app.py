@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,8 +73,64 @@ def test_two_start_folders_with_a_run_of_the_same_name_offer_both(runs, tmp_path
     assert registry.labels == ["base", "run-a", "run-b", "other/run-a"]
     assert registry.checkpoints["run-a"].run_dir == (runs / "run-a").resolve()
     assert registry.checkpoints["other/run-a"].run_dir == (other / "run-a").resolve()
-    both_runs = RunRegistry([runs / "run-a", other / "run-a"])  # start folders that are the runs: the full path
-    assert both_runs.labels == ["base", "run-a", str((other / "run-a").resolve())]
+    both_runs = RunRegistry([runs / "run-a", other / "run-a"])  # start folders that are the runs: their parents
+    assert both_runs.labels == ["base", "run-a", "other/run-a"]
+
+
+def on_model(run: Path, model_path: Path) -> Path:
+    """``run`` with its config's ``model.path`` set to ``model_path`` (for labels only: no model is loaded)."""
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    data["model"]["path"] = str(model_path)
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return run
+
+
+def test_two_models_in_folders_of_the_same_name_are_both_offered(runs, tmp_path):
+    """Runs on m1/model and m2/model offer two base models, base (model) and base (m2/model); the second was dropped
+    (one label, kept by setdefault), so r2's own base model could not be chosen."""
+    for name, model in (("r1", "m1"), ("r2", "m2")):
+        on_model(shutil.copytree(runs / "run-a", tmp_path / "mm" / name), tmp_path / model / "model")
+    registry = RunRegistry([tmp_path / "mm"])
+    assert registry.labels == ["base (model)", "base (m2/model)", "r1", "r2"]
+    bases = [registry.checkpoints[label] for label in registry.labels[:2]]
+    assert [c.model_path for c in bases] == [str(tmp_path / "m1" / "model"), str(tmp_path / "m2" / "model")]
+    assert [c.run_dir for c in bases] == [registry.checkpoints["r1"].run_dir, registry.checkpoints["r2"].run_dir]
+
+
+def test_a_run_deleted_or_broken_after_the_start_fails_only_the_requests_that_choose_it(tmp_path):
+    """Every Generate re-read every run's config.yaml, so one run deleted (or its config broken) while the demo runs
+    failed all of them, `base` alone included, until a restart. Now a request that chooses the run fails with one
+    line naming it; the others still sample, the base model of the deleted run included."""
+    import gradio as gr
+
+    for seed, name in enumerate(["a", "b", "c"]):
+        make_run(tmp_path / name, seed=seed, guards={"jpeg_incompressibility": {}} if name == "a" else None)
+    registry = RunRegistry([tmp_path])
+    assert registry.checkpoints["base"].run_dir == (tmp_path / "a").resolve()  # the base samples with a's config
+    on_generate = handler(build_app(registry, CheckpointBank()), "on_generate")
+    shutil.rmtree(tmp_path / "a")
+    (tmp_path / "c" / "config.yaml").write_text("model: {path: 5\n")
+    _, table, status, _ = on_generate("a bold handwritten 3", "0, 1", "ode", 2, 1.0, 0.7, ["base", "b"], None)
+    assert list(table.iloc[:, 0]) == ["base", "b"] and status.startswith("**2 checkpoints × 2 seeds**")
+    assert "guard: jpeg_incompressibility" in table.columns  # a's guard, read at the start, still scores
+    with pytest.raises(gr.Error, match=re.escape(f"a: {tmp_path / 'a'} holds no config.yaml any more; untick its")):
+        on_generate("a bold handwritten 3", "0", "ode", 2, 1.0, 0.7, ["base", "a"], None)
+    with pytest.raises(gr.Error, match=r"c: .*/c/config.yaml line 2: invalid YAML .*; untick its checkpoints"):
+        on_generate("a bold handwritten 3", "0", "ode", 2, 1.0, 0.7, ["c"], None)
+
+
+def test_a_metrics_file_broken_after_the_start_is_a_page_error(tmp_path):
+    """The Training-curves metric picker shows a metrics.jsonl broken since the start as its one-line page error (it
+    raised a plain ValueError, which the page shows as a generic error)."""
+    import gradio as gr
+
+    run = make_run(tmp_path / "run", seed=1)
+    on_metrics = handler(build_app(RunRegistry([run])), "on_metrics")
+    assert on_metrics(["loss"]) is not None
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('garbage\n{"step": 9}\n')
+    with pytest.raises(gr.Error, match=r"metrics.jsonl: line 5 is not valid JSON .*; repair or remove that line"):
+        on_metrics(["reward_mean"])
 
 
 @pytest.mark.parametrize("path", ["..", "../..", "/etc", "run-a/../../..", "/tmp", "\x00"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+import yaml
 from run_folders import make_run
 
 from flowrl.cli import main
@@ -155,3 +157,28 @@ def test_eval_command_passes_first_seed_and_trims_reward_names(run, tmp_path) ->
     report = json.loads((out / "eval.json").read_text())
     assert report["first_seed"] == 7
     assert set(report["checkpoints"][0]["rewards"]) == {"jpeg_compressibility"}
+
+
+def test_runs_and_models_of_the_same_folder_name_get_distinct_labels(run, tmp_path, capsys) -> None:
+    """eval labels as the demo does (offer_run): runs/a and dup/a are 'a' and 'dup/a' (both were 'a', and so were
+    their rows), models m1/model and m2/model 'base (model)' and 'base (m2/model)'; a run named twice counts once."""
+    first, second = (shutil.copytree(run, tmp_path / folder / "a") for folder in ("runs", "dup"))
+    assert [c.label for c in checkpoints_of([first, second, tmp_path / "dup" / ".." / "runs" / "a"])] == [
+        "base",
+        "a",
+        "dup/a",
+    ]
+    for name, model in (("r1", "m1"), ("r2", "m2")):
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg["model"]["path"] = str(tmp_path / model / "model")
+        (shutil.copytree(run, tmp_path / "mm" / name) / "config.yaml").write_text(yaml.safe_dump(cfg))
+    found = checkpoints_of([tmp_path / "mm" / "r1", tmp_path / "mm" / "r2"])
+    assert [c.label for c in found] == ["base (model)", "base (m2/model)", "r1", "r2"]
+    assert [c.model_path for c in found[:2]] == [str(tmp_path / "m1" / "model"), str(tmp_path / "m2" / "model")]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a bold handwritten 1\n")
+    out = tmp_path / "e"
+    args = ["eval", str(first), str(second), "--prompts", str(prompts), "--seeds", "2", "--steps", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert [c["label"] for c in json.loads((out / "eval.json").read_text())["checkpoints"]] == ["base", "a", "dup/a"]
+    assert "| a |" in capsys.readouterr().out and "| dup/a |" in (out / "eval.md").read_text()

@@ -145,3 +145,105 @@ def test_a_count_below_one_is_refused(tmp_path, option: str, flag: str) -> None:
     """build_gallery refuses --seeds 0 and --prompts 0 with the flag's name, before loading anything."""
     with pytest.raises(ValueError, match=f"{flag} must be >= 1; got 0"):
         build_gallery([tmp_path / "no-run"], tmp_path / "g", **{option: 0})
+
+
+def test_a_huge_integer_in_metrics_is_left_out_of_the_reward_curve(tmp_path) -> None:
+    """reward_curve: a reward of 1 and 400 zeros in metrics.jsonl is skipped (no OverflowError), the rest drawn."""
+    from flowrl.demo.gallery import reward_curve
+
+    run = tmp_path / "runx"
+    write_metrics(run, [0.5, 0.6])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "reward_mean": 1' + "0" * 400 + "}\n")
+    path = reward_curve(run, tmp_path / "out")
+    clean = tmp_path / "clean"
+    write_metrics(clean, [0.5, 0.6])
+    (clean / "metrics.jsonl").write_text((clean / "metrics.jsonl").read_text() + '{"step": 5}\n')
+    assert path.read_bytes() == reward_curve(clean, tmp_path / "o2", name="runx").read_bytes()
+
+
+def test_runs_of_the_same_name_get_distinct_images_and_a_run_given_twice_is_drawn_once(tmp_path, capsys) -> None:
+    """runs/a and dup/a: runs-a-* and dup-a-* (no image overwritten); a run of a unique name keeps its name."""
+    first = make_run(tmp_path / "runs" / "a", seed=0)
+    second = make_run(tmp_path / "dup" / "a", seed=1)
+    other = make_run(tmp_path / "runs" / "b", seed=2)
+    again = tmp_path / "runs" / "b" / ".." / "a"  # the first run again, spelt otherwise
+    args = ["--benchmarks", "--seeds", "1", "--prompts", "1", "--steps", "2", "--out", str(tmp_path / "g")]
+    assert main(["gallery", str(first), str(second), str(other), str(again), *args]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[1] for line in out.splitlines()]
+    assert [Path(n).name for n in names] == [
+        "runs-a-before-after.png",
+        "runs-a-reward-curve.png",
+        "dup-a-before-after.png",
+        "dup-a-reward-curve.png",
+        "b-before-after.png",
+        "b-reward-curve.png",
+    ]
+    grids = [Path(n).read_bytes() for n in names if n.endswith("-before-after.png")]
+    assert grids[0] != grids[1]  # different LoRA weights: the second run did not overwrite the first
+
+
+def test_unique_stems_lengthen_only_clashing_names_and_refuse_paths_no_suffix_tells_apart(tmp_path) -> None:
+    """unique_stems: the fewest parent folders that make each stem distinct; t/a-b/c vs t/a/b-c (both a-b-c at
+    every length once c clashes) refused in one line naming both."""
+    from flowrl.demo.gallery import unique_stems
+
+    paths = [tmp_path / "p" / "q" / "a", tmp_path / "r" / "q" / "a", tmp_path / "a", tmp_path / "c"]
+    stems = unique_stems(paths, "run folders", lambda p: p.name)
+    assert stems == {paths[0]: "p-q-a", paths[1]: "r-q-a", paths[2]: f"{tmp_path.name}-a", paths[3]: "c"}
+    one, two = tmp_path / "a-b" / "c", tmp_path / "a" / "b-c"
+    assert unique_stems([one, two], "run folders", lambda p: p.name) == {one: "c", two: "b-c"}
+    clashing = [one, two, tmp_path / "w" / "b-c", tmp_path / "e" / "c"]
+    with pytest.raises(ValueError, match=f"run folders {one} and {two} would get the same image names"):
+        unique_stems(clashing, "run folders", lambda p: p.name)
+
+
+def test_benchmark_files_no_file_name_tells_apart_are_refused_before_sampling(tmp_path, capsys) -> None:
+    """benchmarks-x.json and x.json in one folder would both write algorithms-x.png: one line naming both, exit 2,
+    refused before the run is sampled."""
+    one, two = tmp_path / "benchmarks-x.json", tmp_path / "x.json"
+    for path in (one, two):
+        path.write_bytes(BENCH.read_bytes())
+    args = ["--benchmarks", str(one), str(two), "--out", str(tmp_path / "g")]
+    assert main(["gallery", str(tmp_path / "not-sampled"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"benchmark files {one} and {two} would get the same image names (x)" in err
+    assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
+
+
+def test_benchmark_files_of_the_same_name_get_distinct_images(tmp_path) -> None:
+    """docs/benchmarks-convergence.json and old/benchmarks-convergence.json: algorithms-docs-convergence.png and
+    algorithms-old-convergence.png."""
+    copy = tmp_path / "old" / "benchmarks-convergence.json"
+    copy.parent.mkdir()
+    copy.write_bytes(BENCH.read_bytes())
+    written = build_gallery([], tmp_path / "g", benchmarks=[BENCH, copy])
+    assert [p.name for p in written] == ["algorithms-docs-convergence.png", "algorithms-old-convergence.png"]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"x":[{"eval/reward_mean":{"a":1},"compute":1,"wall_s":1}]}', 'eval/reward_mean is {"a": 1}'),
+        ('{"x":[{"eval/reward_mean":"abc","compute":1,"wall_s":1}]}', 'eval/reward_mean is "abc"'),
+        ('{"x":[{"eval/reward_mean":0.5,"compute":"zz","wall_s":1}]}', 'compute is "zz"'),
+        ('{"x":[{"eval/reward_mean":null,"compute":1,"wall_s":1}]}', "eval/reward_mean is null"),
+        ('{"x":[{"eval/reward_mean":NaN,"compute":1,"wall_s":1}]}', "eval/reward_mean is NaN"),
+        ('{"x":[{"eval/reward_mean":0.5,"compute":true,"wall_s":1}]}', "compute is true"),
+        ('{"x":[{"eval/reward_mean":0.5,"compute":1,"wall_s":1' + "0" * 400 + "}]}", "wall_s is 1000"),
+        ('{"x":[{"eval/reward_mean":0.5,"compute":1,"reader":"high"}]}', 'reader is "high"'),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_a_benchmark_file_with_values_that_are_no_finite_numbers_is_refused_in_one_line(
+    tmp_path, capsys, text: str, why: str
+) -> None:
+    """--benchmarks FILE: a dict, text, null, NaN, bool or huge integer where a number is plotted, or JSON nested too
+    deeply to read: one 'is not a bench.convergence result' line naming the file and the value, exit 2."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert main(["gallery", "--out", str(tmp_path / "g"), "--benchmarks", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad} is not a bench.convergence result" in err and why in err, err
+    assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())

@@ -133,3 +133,21 @@ def test_curves_mark_points_only_on_short_runs(n_points: int) -> None:
     rows = [{"step": i, "reward_mean": 0.1 * i} for i in range(n_points)]
     (line,) = curves_figure({"a": rows}, ["reward_mean"]).axes[0].lines
     assert line.get_marker() == ("o" if n_points < 12 else "None")
+
+
+def test_read_rows_leaves_out_an_integer_too_large_for_a_float_and_curves_still_draw(tmp_path: Path) -> None:
+    """read_rows: a reward of 1 and 400 zeros is dropped like text (no OverflowError in curves_figure); a row whose
+    step is such an integer is skipped."""
+    huge = "1" + "0" * 400
+    lines = [
+        json.dumps({"step": 0, "reward_mean": 0.5}),
+        f'{{"step": 5, "reward_mean": {huge}, "loss": 0.25}}',
+        f'{{"step": {huge}, "reward_mean": 0.75}}',
+        json.dumps({"step": 6, "reward_mean": 0.625}),
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    rows = read_rows(tmp_path)
+    assert rows == [{"step": 0, "reward_mean": 0.5}, {"step": 5, "loss": 0.25}, {"step": 6, "reward_mean": 0.625}]
+    reward, loss = curves_figure({"a": rows}, ["reward_mean", "loss"]).axes
+    assert [list(line.get_xdata()) for line in reward.lines] == [[0, 6]]
+    assert [list(line.get_ydata()) for line in loss.lines] == [[0.25]]

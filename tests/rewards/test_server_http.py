@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import struct
@@ -11,6 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import save
+from test_server_limits import post  # POST /score: (status, the one-line error)
 
 from flowrl.rewards import ink
 from flowrl.rewards.remote import RemoteReward
@@ -46,19 +46,6 @@ def json_error(headers: dict[str, str], body: bytes) -> str:
     error = json.loads(body)["error"]
     assert isinstance(error, str) and "\n" not in error and body.count(b"\n") == 0
     return error
-
-
-def post(server: RewardServer, body: bytes, content_type: str) -> tuple[int, str]:
-    """POST /score; (status, the one-line error, or "" on 200)."""
-    host, port = server.httpd.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    try:
-        conn.request("POST", "/score", body=body, headers={"Content-Type": content_type})
-        reply = conn.getresponse()
-        data = reply.read()
-    finally:
-        conn.close()
-    return reply.status, "" if reply.status == 200 else json.loads(data)["error"]
 
 
 def _healthy(server: RewardServer) -> bool:

@@ -418,6 +418,7 @@ def test_a_plugin_that_calls_sys_exit_is_one_line_naming_it(plugin_dir: Path, mo
     """argparse at a plugin's import (or sys.exit in its factory) ended flowrl with the plugin's usage line;
     `flowrl rewards list` died for every reward because of one plugin."""
     monkeypatch.setattr(sys, "argv", ["flowrl", "rewards", "list"])
+    monkeypatch.delitem(sys.modules, "flowrl_test_plugin_exits", raising=False)  # imported by an earlier listing
     by_name = {info.name: info for info in list_rewards() if info.source != "flowrl-test-plugin" or info.name != "ink"}
     assert by_name["plugin_exiting"].error == (
         "PluginExit: it called sys.exit(2) after printing 'flowrl: error: unrecognized arguments: rewards list'"

@@ -98,7 +98,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
                 f"--resume: {run_dir / 'config.yaml'} is missing; restore it, or pass the run's config file(s) "
                 "and overrides after --resume"
             )
-        config = [str(run_dir / "config.yaml")]
+        from .outputs import check_run_config
+
+        config = [str(check_run_config(run_dir / "config.yaml", "restore it, or pass the run's config file(s)"))]
     cfg = load_config(config, overrides)
     processes = None
     if ns.processes is not None:

@@ -22,7 +22,7 @@ import yaml
 from .models import EMBEDDED, load_adapter
 from .models.hub import SET_MODEL_PATH
 from .models.sd3 import MODEL_CARD, read_model_card
-from .outputs import check_overwritable
+from .outputs import check_overwritable, check_run_config
 from .policy.lora import adapted_denoisers, find_lora, load_saved_lora
 
 
@@ -31,6 +31,9 @@ def run_config_file(source: str | Path) -> Path | None:
 
     ``source``: a run folder, its ``lora/``, a LoRA folder under its ``checkpoints/`` (``best-guard``), or a
     LoRA file in one of those folders.
+
+    Raises:
+        ValueError: that ``config.yaml`` is empty (:func:`~flowrl.outputs.check_run_config`).
     """
     path = Path(source)
     if path.is_file():
@@ -38,7 +41,7 @@ def run_config_file(source: str | Path) -> Path | None:
     run = path.parent if path.name == "lora" else path.parent.parent if path.parent.name == "checkpoints" else path
     for folder in dict.fromkeys((path, run)):
         if (folder / "config.yaml").is_file():
-            return folder / "config.yaml"
+            return check_run_config(folder / "config.yaml", "restore it, or pass the run's config file(s)")
     return None
 
 

@@ -95,6 +95,29 @@ def resume_run_dir(path: str | Path) -> Path | None:
     return None
 
 
+def check_run_config(path: Path, fix: str = "restore it, or pass the run's config file(s)") -> Path:
+    """Refuse a run's ``config.yaml`` that holds nothing (empty, blank or only comments).
+
+    ``flowrl train`` writes the whole resolved config into it, so an empty one was cut short or blanked; read as
+    a config it would be the defaults, and the run's LoRA would be sampled, scored and resumed with another model,
+    other rewards and no guards, without a word.
+
+    Args:
+        path: the run's ``config.yaml``.
+        fix: what to do instead, for the message.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: one line naming the file and ``fix``.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not any(line.strip() and not line.lstrip().startswith("#") for line in lines):
+        raise ValueError(f"{path} is empty, but a run's config.yaml holds its whole resolved config; {fix}")
+    return path
+
+
 def check_writable_place(path: Path, flag: str = "--out") -> None:
     """Refuse an output ``path`` whose nearest existing folder above it is a file or not writable.
 

@@ -396,3 +396,24 @@ def test_an_empty_output_is_refused_not_ignored(tmp_path, capsys, monkeypatch):
             "flowrl: error: --output must name the run folder; got an empty string; e.g. --output runs/my-run\n"
         )
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n", "# flowrl run config\n"])
+def test_a_run_whose_config_yaml_is_empty_is_refused_not_read_as_the_defaults(tmp_path, capsys, content):
+    """An empty run config.yaml was read as the default config: another model, other rewards, no guards."""
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"unread")
+    (run / "checkpoints" / "iter-000001").mkdir(parents=True)
+    (run / "config.yaml").write_text(content)
+    empty = f"{run / 'config.yaml'} is empty, but a run's config.yaml holds its whole resolved config; "
+    for argv in (
+        ["sample", "--lora", str(run), "--prompt", "a 3", "--out", str(tmp_path / "s.png")],
+        ["eval", str(run), "--prompts", "digits", "--out", str(tmp_path / "eval")],
+        ["train", "--resume", str(run)],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and empty in err, (argv, err)

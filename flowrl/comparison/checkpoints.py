@@ -56,14 +56,15 @@ def read_run_config(run_dir: str | Path) -> Config:
 
     Raises:
         FileNotFoundError: the folder holds no ``config.yaml`` (not a run folder).
-        ValueError: the config does not validate (one line naming the file).
+        ValueError: the config is empty or does not validate (one line naming the file).
     """
     from ..config import load_config
+    from ..outputs import check_run_config
 
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no {RUN_CONFIG}); pass a folder `flowrl train` wrote")
-    return load_config(path)
+    return load_config(check_run_config(path, "restore it from the run's backup, or leave the run out"))
 
 
 def run_guards(run_dir: str | Path) -> dict[str, dict[str, Any]]:

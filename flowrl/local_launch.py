@@ -25,7 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from .console import stderr_line
 from .distributed import check_rank_device, check_rollout_split, derive_geometry, launch_world_size
@@ -184,6 +184,32 @@ def failure_line(rank: int, exitcode: int) -> str:
     return f"flowrl: error: rank {rank} died with signal {name} ({why}); rerun with --processes 1 to see it alone"
 
 
+def failure_lines(exitcodes: Mapping[int, int]) -> list[str]:
+    """One line per failed rank (:func:`failure_line`), saying which ranks the launcher itself stopped.
+
+    When a rank fails, torch elastic stops the others with SIGTERM, and they are reported as failed too: a rank
+    that ended by SIGTERM while another rank failed some other way is named as stopped after that rank, not as
+    crashed (which of two ranks that fail alike gets there first is a race).
+
+    Args:
+        exitcodes: rank -> exit code (negative: the signal that ended it), of the ranks torch elastic reports.
+
+    Returns:
+        The lines, by rank.
+    """
+    sigterm = -int(signal.SIGTERM)
+    causes = [rank for rank, code in sorted(exitcodes.items()) if code != sigterm]
+    lines = []
+    for rank, code in sorted(exitcodes.items()):
+        if code == sigterm and causes:
+            lines.append(
+                f"flowrl: error: rank {rank} was stopped by the launcher (SIGTERM) after rank {causes[0]} failed"
+            )
+        else:
+            lines.append(failure_line(rank, code))
+    return lines
+
+
 def run_launcher(argv: list[str]) -> int:
     """Run ``accelerate launch ARGV``, ending in one line per failed rank instead of torchrun's traceback.
 
@@ -209,8 +235,8 @@ def run_launcher(argv: list[str]) -> int:
     except SignalException as err:
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        for rank, failure in sorted(err.failures.items()):
-            stderr_line(failure_line(rank, failure.exitcode))
+        for line in failure_lines({rank: failure.exitcode for rank, failure in err.failures.items()}):
+            stderr_line(line)
         return 1
     return 0
 
@@ -220,7 +246,7 @@ def quiet_elastic_warnings() -> None:
 
     On a Ctrl-C or SIGTERM it warns "Sending process N closing signal SIGINT" once per rank and that it
     received a death signal, before flowrl's one line says the same; a failed rank gets flowrl's own line
-    (:func:`failure_line`).
+    (:func:`failure_lines`).
     """
     import torch.distributed.run  # noqa: F401  (creates the launcher's loggers: accelerate imports it on launch)
 

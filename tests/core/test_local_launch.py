@@ -185,6 +185,19 @@ def test_a_rank_that_exited_with_code_zero_is_an_exit_not_a_signal() -> None:
     )
 
 
+def test_a_rank_the_launcher_stopped_after_another_failed_is_named_so() -> None:
+    """Rank 1 exits with code 2 and torch elastic SIGTERMs rank 0: rank 0 did not crash (a race on a busy host
+    turned CI red when rank 1 got there first)."""
+    from flowrl.local_launch import failure_lines
+
+    exited = "flowrl: error: rank {} exited with code 2; its own error line is above"
+    stopped = "flowrl: error: rank 0 was stopped by the launcher (SIGTERM) after rank 1 failed"
+    assert failure_lines({0: -15, 1: 2}) == [stopped, exited.format(1)]
+    assert failure_lines({0: 2, 1: 2}) == [exited.format(0), exited.format(1)]
+    alone = "flowrl: error: rank 1 died with signal SIGTERM (crashed); rerun with --processes 1 to see it alone"
+    assert failure_lines({1: -15}) == [alone]  # no other failure: not the launcher's doing
+
+
 def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     import os
 

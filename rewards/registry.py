@@ -302,8 +302,13 @@ def required_options(name: str) -> list[str]:
     Raises:
         RewardError: ``name`` is not a known reward.
     """
+    return _required(resolve_factory(name))
+
+
+def _required(factory: RewardFactory) -> list[str]:
+    """The parameters of ``factory`` without a default (see :func:`required_options`)."""
     try:
-        params = inspect.signature(resolve_factory(name)).parameters.values()
+        params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature: nothing known to be required
         return []
     required = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -329,7 +334,7 @@ def check_reward_options(spec: Mapping[str, Any]) -> None:
         name = str(options.pop("reward", label))
         factory = resolve_factory(name)
         _check_options(name, factory, options)
-        missing = [option for option in required_options(name) if option not in options]
+        missing = [option for option in _required(factory) if option not in options]  # the factory resolved once
         if missing:
             raise RewardError(
                 f"reward {name!r} needs option {missing[0]!r}; set rewards.{label}.{missing[0]}=... (docs/rewards.md)"

@@ -8,6 +8,7 @@ and ``e_txt = normalize(text_projection(text_model(ids).pooler_output))`` (Radfo
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Sequence
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .image_preprocess import clip_pixels
-from .weights import WeightSource, resolve_model_folder, torch_dtype
+from .weights import WeightSource, pickle_refusal, resolve_model_folder, torch_dtype
 
 
 class ClipEmbedder:
@@ -124,7 +125,10 @@ def load_clip_model(spec: str, source: WeightSource, device: torch.device, dtype
     from transformers import CLIPModel
 
     quiet_transformers()
-    model = CLIPModel.from_pretrained(str(folder), dtype=dtype)
+    try:
+        model = CLIPModel.from_pretrained(str(folder), dtype=dtype)
+    except pickle.UnpicklingError as err:  # a pytorch_model.bin torch's weights_only loader refuses
+        raise ValueError(pickle_refusal(source.model, folder, err)) from None
     return model.to(device).eval().requires_grad_(False)
 
 

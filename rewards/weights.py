@@ -15,6 +15,7 @@ for the published ``.pt``/``.pth``/``.bin`` files; nothing is ever unpickled wit
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CONFIG_FILES = ("*.json", "*.txt", "*.model")
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "model-*.safetensors")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @dataclass(frozen=True)
@@ -258,10 +260,9 @@ def load_checkpoint(path: Path, *, nested_key: str | None = None) -> dict[str, T
         try:
             state = torch.load(str(path), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - name the file and the safe-loading rule
-            first = (str(err).strip().splitlines() or [""])[0]
             raise ValueError(
-                f"{path} could not be read with torch.load(weights_only=True) ({type(err).__name__}: {first}); "
-                "flowrl reads only tensor checkpoints: convert it to safetensors"
+                f"{path} could not be read with torch.load(weights_only=True) ({type(err).__name__}: "
+                f"{unpickler_reason(err)}); flowrl reads only tensor checkpoints: convert it to safetensors"
             ) from None
     if nested_key is not None and isinstance(state, dict) and isinstance(state.get(nested_key), dict):
         state = state[nested_key]
@@ -272,3 +273,40 @@ def load_checkpoint(path: Path, *, nested_key: str | None = None) -> dict[str, T
     if state and all(k.startswith("module.") for k in state):
         state = {k[len("module.") :]: v for k, v in state.items()}
     return state
+
+
+def refused_pickle(err: BaseException) -> pickle.UnpicklingError | None:
+    """The ``UnpicklingError`` of torch's ``weights_only`` loader behind ``err`` (diffusers wraps it in an OSError)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, pickle.UnpicklingError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def unpickler_reason(err: BaseException) -> str:
+    """What torch's ``weights_only`` loader refused (``Unsupported global: ...``), not its paragraph of advice."""
+    text = str(err)
+    _, marker, after = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
+    return lines[0].split(" Please use ")[0][:160] if lines else type(err).__name__  # drop "add_safe_globals" advice
+
+
+def pickle_refusal(what: str, folder: Path, err: pickle.UnpicklingError) -> str:
+    """One line for pickled weights in ``folder`` that torch's ``weights_only`` loader refused, naming the files.
+
+    Args:
+        what: whose weights, e.g. ``model 'sd3'`` or ``PickScore_v1``.
+        folder: the folder the loader read.
+        err: the loader's error (see :func:`refused_pickle`).
+    """
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.name.endswith(PICKLE_SUFFIXES))
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") or "a pickled file"
+    return (
+        f"{what}: torch's safe loader (weights_only) refused the pickled weights in {folder} ({named}: "
+        f"{unpickler_reason(err)}); flowrl never unpickles with arbitrary code, so the file may be tampered with: "
+        "replace it with .safetensors weights"
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..rewards.weights import pickle_refusal, refused_pickle
 from .adapter import Cond, ModelAdapter, repeat_cond, select_cond
 from .hub import KNOWN_REPOS, check_weights, download_fix, resolve_model_path
 from .loading import PIPELINES, load_pipeline_adapter, read_model_index
@@ -19,7 +22,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _quiet_hub_libraries() -> None:
-    """Hide per-shard loading bars and info logs; warnings and errors still show."""
+    """Hide per-shard loading bars and info logs; warnings and errors still show.
+
+    torch's note on a pickle protocol its safe loader does not expect is hidden too: a ``.bin`` it then refuses
+    is one line (:func:`~flowrl.rewards.weights.pickle_refusal`), and one it loads needs no note.
+    """
+    warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
     import diffusers
     import transformers
 
@@ -88,9 +96,11 @@ def load_adapter(
             model_id=model_id,
             distilled_guidance=distilled_guidance,
         )
-    except OSError as err:
-        if err.errno is not None:  # the filesystem's own error (permissions, disk): the CLI names the path
+    except (OSError, pickle.UnpicklingError) as err:
+        if isinstance(err, OSError) and err.errno is not None:  # the filesystem's own error: the CLI names the path
             raise
+        if (refused := refused_pickle(err)) is not None:
+            raise ValueError(pickle_refusal(f"model {model_id!r}", folder, refused)) from None
         # diffusers / transformers raise errno-less OSErrors for a component's unreadable or missing config
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))

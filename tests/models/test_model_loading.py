@@ -1,6 +1,7 @@
 """Loading FLUX / Qwen-Image folders through load_adapter: dispatch, hub ids, missing weights without waits."""
 
 import json
+import pickle
 import shutil
 import time
 
@@ -98,6 +99,49 @@ def test_a_damaged_weight_file_is_named_in_one_line_before_loading(flux_folder, 
     msg = str(err.value)
     assert "\n" not in msg and f"weight file {weights} of model {str(broken)!r} is damaged" in msg
     assert "hf download black-forest-labs/FLUX.1-dev" in msg and "model.path=" in msg
+
+
+class _Planted:
+    """A pickle that would create ``path`` when unpickled without restriction."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize(
+    "component, name", [("transformer", "diffusion_pytorch_model.bin"), ("text_encoder_2", "pytorch_model.bin")]
+)
+def test_a_pickle_the_safe_loader_refuses_is_one_line_naming_the_file_and_never_runs(
+    flux_folder, tmp_path, component, name
+):
+    """diffusers wraps torch's UnpicklingError in an OSError, transformers lets it through (a traceback before)."""
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    for f in (broken / component).glob("*.safetensors"):
+        f.unlink()
+    marker = tmp_path / "PLANTED"
+    (broken / component / name).write_bytes(pickle.dumps(_Planted(marker), protocol=2))
+    with pytest.raises(ValueError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and f"refused the pickled weights in {broken} ({component}/{name}: " in msg
+    assert "Unsupported global" in msg and ".safetensors weights" in msg
+    assert not marker.exists()
+
+
+def test_pickled_weights_the_safe_loader_accepts_still_load(flux_folder, tmp_path) -> None:
+    """A plain state dict in ``.bin`` files (older hub repos) loads as before: only a refused pickle is an error."""
+    pickled = tmp_path / "flux"
+    shutil.copytree(flux_folder, pickled)
+    reference = load_adapter(str(flux_folder))
+    for component, name in (("transformer", "diffusion_pytorch_model.bin"), ("text_encoder_2", "pytorch_model.bin")):
+        for f in (pickled / component).glob("*.safetensors"):
+            f.unlink()
+        torch.save(getattr(reference.pipe, component).state_dict(), pickled / component / name)
+    _check_velocity(load_adapter(str(pickled)), reference)
 
 
 def test_a_sharded_component_loads_and_a_missing_shard_or_a_bad_index_is_named(flux_folder, tmp_path) -> None:

@@ -20,7 +20,12 @@ def default_threads() -> int:
 
 
 THREADS_PER_CORE = 4
-"""``train.threads`` may oversubscribe the cores at most this many times over."""
+"""``train.threads`` (and ``pretrain-digits --threads``) may oversubscribe the cores at most this many times over."""
+
+
+def max_threads() -> int:
+    """The most torch threads a flowrl process may ask for on this machine: :data:`THREADS_PER_CORE` x the cores."""
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
 
 
 def check_threads(threads: int | None) -> int:
@@ -33,11 +38,10 @@ def check_threads(threads: int | None) -> int:
     n = default_threads() if threads is None else threads
     if n < 1:
         raise ValueError(f"train.threads must be >= 1 (or null for the default); got {threads}")
-    cores = os.cpu_count() or 1
-    if n > THREADS_PER_CORE * cores:
+    if n > max_threads():
         raise ValueError(
-            f"train.threads={threads} but this machine has {cores} CPU cores; "
-            f"use at most {THREADS_PER_CORE * cores}, or train.threads=null for the default ({default_threads()})"
+            f"train.threads={threads} but this machine has {os.cpu_count() or 1} CPU cores; "
+            f"use at most {max_threads()}, or train.threads=null for the default ({default_threads()})"
         )
     return n
 

@@ -20,6 +20,7 @@ from flowrl.cli import main as flowrl_main
 from flowrl.models.digits.model import DIGITS_DIR, build_digits_pipeline
 from flowrl.models.digits.pretrain import build_parser, pretrain_digits
 from flowrl.models.digits.pretrain_output import check_out, save_model
+from flowrl.runtime import max_threads
 
 TINY = ["--vae-steps", "1", "--flow-steps", "1", "--eval-per-class", "0", "--batch-size", "2"]
 
@@ -67,6 +68,7 @@ def _old_model(folder: Path) -> Path:
         (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
         (["--batch-size", "1798"], "--batch-size must be <= 1797"),
         (["--threads", "0"], "--threads must be >= 1; got 0"),
+        (["--threads", str(max_threads() + 1)], f"CPU cores; use at most {max_threads()} (default 1)"),
     ],
 )
 def test_a_bad_option_is_refused_by_name_before_training(args, fragment, tmp_path, capsys):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ...outputs import check_writable_place
+from ...runtime import max_threads
 from .model import DIGITS_DIR
 
 MODEL_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -25,13 +26,12 @@ PIPELINE_ENTRIES = frozenset(
     {*MODEL_COMPONENTS, "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler", "model_index.json", "flowrl.json"}
 )
 MAX_SEED = 2**64 - 1  # torch.manual_seed's range
-MAX_THREADS = 1024
 _INT_RANGES: dict[str, tuple[int, int | None]] = {
     "seed": (0, MAX_SEED),
     "vae_steps": (1, None),
     "flow_steps": (1, None),
     "batch_size": (1, None),
-    "threads": (1, MAX_THREADS),
+    "threads": (1, None),  # at most runtime.max_threads() of this machine (checked in check_options)
     "eval_per_class": (0, None),
 }
 
@@ -59,10 +59,16 @@ def check_options(**values: Any) -> None:
 
     Raises:
         TypeError: an option of the wrong type.
-        ValueError: an option out of range, or a ``logit_normal_mean`` that is not finite.
+        ValueError: an option out of range (``threads`` above :func:`~flowrl.runtime.max_threads`), or a
+            ``logit_normal_mean`` that is not finite.
     """
     for name, (low, high) in _INT_RANGES.items():
         _check_int(name, values[name], low, high)
+    if values["threads"] > max_threads():  # torch would start that many threads per operation: a near hang
+        raise ValueError(
+            f"--threads={values['threads']} but this machine has {os.cpu_count() or 1} CPU cores; "
+            f"use at most {max_threads()} (default 1)"
+        )
     mean = values["logit_normal_mean"]
     if isinstance(mean, bool) or not isinstance(mean, (int, float)):
         raise TypeError(f"--logit-normal-mean must be a number; got {mean!r}")

@@ -82,7 +82,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     Returns:
         The exit code: 0, or a launch's.
     """
-    from .config import load_config, read_yaml
+    from .config import load_config, read_yaml, unused_solrl_line
     from .outputs import resume_run_dir
     from .recipe import Run
 
@@ -116,6 +116,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         report = check_report(cfg, processes)
         if processes is not None:
             check_slots(cfg, processes)
+        if (unused := unused_solrl_line(cfg.solrl)) is not None:
+            stderr_line(f"flowrl: warning: {unused}")
         print(report)
         return 0
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(

@@ -292,6 +292,35 @@ class SolRLConfig:
     is_clip: float = field(default=2.0, metadata=_rng(1))  # correct: truncation C of min(p_full / p_explore, C)
 
 
+_SOLRL_MODE_KEYS = {
+    "regenerate": ("candidates", "explore_steps", "explore_solver", "selection", "seed"),
+    "correct": ("is_clip",),
+}
+"""The ``solrl`` keys only one mode reads (the others, precision and its options, serve both)."""
+
+
+def unused_solrl_line(s: SolRLConfig) -> str | None:
+    """The warning for ``solrl`` keys set away from their defaults that the chosen mode never reads, or None.
+
+    With ``solrl.mode: off`` every other key is unused (a file that forgot the mode trains plain single
+    stage), ``correct`` reads no candidate pool and ``regenerate`` no importance-weight clip. A warning,
+    not an error: switching a Sol-RL file off (``solrl.mode=off``) is how its single-stage baseline runs.
+    """
+    defaults = SolRLConfig()
+    unused = [f.name for f in dataclasses.fields(s) if f.name != "mode"]
+    if s.mode != "off":
+        unused = [k for mode, keys in _SOLRL_MODE_KEYS.items() if mode != s.mode for k in keys]
+    changed = [f"solrl.{k}={getattr(s, k)}" for k in unused if getattr(s, k) != getattr(defaults, k)]
+    if not changed:
+        return None
+    if s.mode == "off":
+        return (
+            f"solrl.mode=off, so {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not read and this run "
+            "trains single-stage; set solrl.mode=regenerate (solver objectives) or correct (SDE objectives) to use them"
+        )
+    return f"solrl.mode={s.mode} does not read {', '.join(changed)} (docs/solrl.md)"
+
+
 def validate_solrl(cfg: Config, where: str) -> None:
     """Cross-key checks of the ``solrl`` section against the objective, the sampler and the batch.
 
@@ -327,6 +356,8 @@ def validate_solrl(cfg: Config, where: str) -> None:
         raise ConfigError(
             f"{where}: 'solrl.activations' applies to nvfp4 and fp8_e4m3; got solrl.precision={s.precision}"
         )
+    if s.fp8_scaling != SolRLConfig.fp8_scaling and s.precision != "fp8_e4m3":
+        raise ConfigError(f"{where}: 'solrl.fp8_scaling' applies to fp8_e4m3; got solrl.precision={s.precision}")
     if s.fp8_fast_accum and s.precision != "fp8_e4m3":
         raise ConfigError(
             f"{where}: 'solrl.fp8_fast_accum' applies to fp8_e4m3 on CUDA; got solrl.precision={s.precision}"

@@ -51,3 +51,11 @@ def test_resume_mid_run_continues_exactly(tmp_path):
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name
     keys = [k for k in _rows(straight)[-1] if k.startswith(("solrl/kendall", "solrl/explore_reward", "reward_mean"))]
     assert keys and all(_rows(straight)[-1][k] == _rows(part)[-1][k] for k in keys)
+
+
+def test_a_run_names_the_solrl_keys_its_mode_does_not_read(tmp_path, capsys):
+    """The single-stage baseline of a Sol-RL file trains (solrl.mode=off) and says which keys it leaves unread."""
+    Run(small_config(*RUN, "solrl.mode=off", f"output.dir={tmp_path / 'run'}"))
+    err = capsys.readouterr().err
+    assert "flowrl: warning: solrl.mode=off, so solrl.precision=int8_dynamic, solrl.candidates=6" in err
+    assert not (tmp_path / "run").exists()

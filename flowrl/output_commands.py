@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def _check_sample_args(ns: argparse.Namespace) -> None:
     check_sampling_flags(ns.seeds, ns.steps, ns.seed)
     out = Path(ns.out)
     check_writable_place(out)
-    if out.is_dir():
+    if out.is_dir() or str(ns.out).endswith(("/", os.sep)):  # Path() drops the slash of a folder not made yet
         raise ValueError(f"--out {ns.out} is a folder; name a PNG file, e.g. --out {out / 'samples.png'}")
     if out.suffix and out.suffix.lower() != ".png":
         raise ValueError(

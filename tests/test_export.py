@@ -263,6 +263,9 @@ def test_sample_starts_from_the_run_s_config_and_checks_its_arguments(tmp_path, 
         assert fragment in capsys.readouterr().err
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], str(tmp_path)]) == 2
     assert "is a folder; name a PNG file" in capsys.readouterr().err
+    new_folder = f"{tmp_path / 'new'}/"  # it wrote a PNG file named "new"
+    assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], new_folder]) == 2
+    assert f"--out {new_folder} is a folder" in capsys.readouterr().err and not (tmp_path / "new").exists()
     jpg = tmp_path / "s.jpg"  # it wrote PNG bytes under a .jpg name
     assert main(["sample", "--lora", str(run), "model.path=flowrl-digits", *out[:-1], str(jpg)]) == 2
     assert f"name a .png file, e.g. --out {tmp_path / 's.png'}" in capsys.readouterr().err and not jpg.exists()

@@ -122,9 +122,19 @@ def hand_over(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
     return True  # not reached
 
 
+LAUNCHER_STOPPED = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})
+"""The launcher's own exit codes for a SIGINT or SIGTERM it received (``local_launch.run_launcher``); a failed
+rank is 1. A job scheduler that signals the launcher alone gets these without the supervisor seeing a signal."""
+
+
 def launch_message(returncode: int, stopped: bool) -> str | None:
-    """The line after a launch of several processes ended: stopped by a signal, failed, or None when it succeeded."""
-    if stopped:
+    """The line after a launch of several processes ended: stopped by a signal, failed, or None when it succeeded.
+
+    Args:
+        returncode: the launcher's exit code (negative: killed by that signal).
+        stopped: whether this process forwarded a signal to the launcher or saw the terminal's Ctrl-C.
+    """
+    if stopped or returncode in LAUNCHER_STOPPED:
         return "flowrl: the launch was stopped by a signal"
     if returncode:
         return (

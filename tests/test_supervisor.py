@@ -118,6 +118,8 @@ def test_a_launch_ends_with_one_line_only_when_it_did_not_succeed():
     assert launch_message(0, stopped=False) is None
     assert launch_message(1, stopped=False).startswith("flowrl: error: the launch ended with code 1; the failing")
     assert launch_message(-15, stopped=True) == "flowrl: the launch was stopped by a signal"
+    # a SIGINT / SIGTERM sent to the launcher alone (a job scheduler): it leaves with 128 + N, nothing failed
+    assert launch_message(130, stopped=False) == launch_message(143, stopped=False) == launch_message(-15, True)
 
 
 def test_only_the_train_command_is_supervised_and_only_one_opts_out() -> None:

@@ -47,7 +47,7 @@ def parse_processes(value: str) -> int | str:
     """
     if value == "auto":
         return value
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:  # "²" and "٣" pass isdigit alone
         raise ValueError(f"--processes must be a count >= 1 or auto; got {value!r}")
     return int(value)
 

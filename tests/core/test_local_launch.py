@@ -25,7 +25,7 @@ def test_processes_is_a_count_or_auto(value, parsed):
     assert parse_processes(value) == parsed
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "", "\u00b2", "\u0663"])  # ² crashed int(), ٣ ran 3
 def test_a_bad_process_count_is_one_line(capsys, value):
     assert f"--processes must be a count >= 1 or auto; got {value!r}" in one_line_error(
         capsys, "train", "--processes", value

@@ -215,7 +215,7 @@ def silent_single_process(environ: dict[str, str] | None = None, parent_cmdline:
         if name not in ("--num_processes", "--num-processes"):
             continue
         value = value or (argv[i + 1] if i + 1 < len(argv) else "")
-        if value.isdigit() and int(value) > 1:
+        if value.isascii() and value.isdigit() and int(value) > 1:
             return int(value)
     return 0
 

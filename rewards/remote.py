@@ -337,7 +337,7 @@ def _read_bounded(reply: http.client.HTTPResponse, fired: threading.Event) -> by
         _Deadline: the deadline passed while reading.
     """
     declared = reply.getheader("Content-Length", "")
-    if declared.strip().isdigit() and int(declared) > MAX_REPLY_BYTES:
+    if declared.strip().isascii() and declared.strip().isdigit() and int(declared) > MAX_REPLY_BYTES:
         raise WireError(f"reply declares {int(declared)} bytes, over the {MAX_REPLY_BYTES} a reply of scores can need")
     chunks, total = [], 0
     while chunk := reply.read(65536):

@@ -340,6 +340,8 @@ def _raw_server(head: bytes, body_chunk: bytes, attempts: int) -> tuple[str, thr
     [
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"\0" * 2**20, "reply longer than 16777216 bytes"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 100000000000\r\n\r\n", b"", "reply declares 100000000000 bytes"),
+        # "²" passes str.isdigit but not int(): the header is ignored and the body judged (it was a ValueError)
+        ("HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\nConnection: close\r\n\r\n".encode(), b"", "body of 0 bytes"),
     ],
 )
 def test_a_flooding_server_is_refused_before_it_fills_the_trainer_s_memory(head, chunk, fragment):

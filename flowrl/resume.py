@@ -185,6 +185,31 @@ def _key_defaults() -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if not k.startswith(("rewards.", "objective.")) and k != "guards"}
 
 
+_ENTRY_SECTIONS = {"rewards": "reward", "guards": "guard"}
+"""Sections whose entries are named by the user: an entry added or removed is refused whole, even when every
+key it holds is resumable (``rewards.*.timeout_s`` alone made a new trained reward of weight 1)."""
+
+
+def _check_same_entries(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a resume that adds or removes a reward or a guard (a section the checkpoint lacks is not compared).
+
+    Raises:
+        ValueError: one line naming the entry, whether it was added or removed, and the fix.
+    """
+    for section, what in _ENTRY_SECTIONS.items():
+        if not isinstance(saved.get(section), dict) or not isinstance(current.get(section), dict):
+            continue
+        was, now = list(saved[section]), list(current[section])
+        added, removed = [k for k in now if k not in was], [k for k in was if k not in now]
+        for names, how in ((added, "added"), (removed, "removed")):
+            if names:
+                raise ValueError(
+                    f"--resume: {what} {names[0]!r} ({section}.{names[0]}) was {how} since the checkpoint was "
+                    f"written; it changes what the run trains or logs: resume with the checkpoint's {section} "
+                    "or start a new run"
+                )
+
+
 def check_resume_config(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
     """Refuse a resume whose config differs from the checkpoint's in a key outside :data:`RESUMABLE_KEYS`.
 
@@ -196,10 +221,12 @@ def check_resume_config(saved: dict[str, Any] | None, current: dict[str, Any]) -
         current: the new run's config, as :func:`flowrl.config.to_dict` gives it.
 
     Raises:
-        ValueError: one line naming the first changed key with its old and new value.
+        ValueError: one line naming a reward or guard added or removed (:func:`_check_same_entries`), or
+            the first changed key with its old and new value.
     """
     if saved is None:
         return
+    _check_same_entries(saved, current)
     old, new = _key_defaults(), _flatten(json.loads(json.dumps(current)))
     old.update(_flatten(saved))
     absent = object()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -419,12 +420,30 @@ def test_config_fingerprint():
     with pytest.raises(ValueError, match=r"^--resume: optim.lr changed from 0.003 to 0.01 since the checkpoint"):
         check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.01"])))
     added = to_dict(load_config(None, ["optim.lr=0.003", "rewards.jpeg_compressibility.weight=1.0"]))
-    with pytest.raises(ValueError, match=r"rewards.jpeg_compressibility.weight changed from \(absent\) to 1.0"):
+    with pytest.raises(ValueError, match=r"reward 'jpeg_compressibility' \(rewards.jpeg_compressibility\) was added"):
         check_resume_config(saved, added)
     # the reward-deadline error says "raise rewards.<name>.timeout_s": a resume may do that
     check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "rewards.ink_band.timeout_s=1200"])))
     with pytest.raises(ValueError, match=r"rewards.ink_band.weight changed from 1.0 to 2.0"):
         check_resume_config(saved, to_dict(load_config(None, ["optim.lr=0.003", "rewards.ink_band.weight=2.0"])))
+
+
+def test_a_reward_or_guard_added_or_removed_on_resume_is_refused_even_with_resumable_keys_only():
+    """rewards.ink.timeout_s alone made ink a third trained reward of weight 1 (eval reward 1.12 -> 1.65 mid-run)."""
+    guard = ["guards.diversity.tolerance=0.9", "guards.diversity.relative=true"]
+    saved = to_dict(load_config(None, guard))
+    for overrides, fragment in (
+        ([*guard, "rewards.ink.timeout_s=30"], "reward 'ink' (rewards.ink) was added"),
+        ([*guard, "guards.ink.tolerance=0.5"], "guard 'ink' (guards.ink) was added"),
+        ([], "guard 'diversity' (guards.diversity) was removed"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"--resume: {fragment} since the checkpoint was written")):
+            check_resume_config(saved, to_dict(load_config(None, overrides)))
+    removed = json.loads(json.dumps(saved))
+    removed["rewards"]["ink"] = {"weight": 1.0}
+    with pytest.raises(ValueError, match=re.escape("reward 'ink' (rewards.ink) was removed")):
+        check_resume_config(removed, saved)
+    check_resume_config(saved, to_dict(load_config(None, [*guard, "guards.diversity.tolerance=0.8"])))  # a verdict
 
 
 def test_keep_checkpoints_is_validated():

@@ -14,12 +14,15 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config_files import split_config_args
 from .console import stderr_line
 from .output_commands import cmd_demo, cmd_eval, cmd_export, cmd_gallery, cmd_pretrain_digits, cmd_sample
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
+
+if TYPE_CHECKING:
+    from .config import Config
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError)
 STACK_HELP = "[CONFIG.yaml ...] [key=value ...]: config files merge left to right (recipe, then preset), then overrides"
@@ -67,6 +70,21 @@ def _interrupted_line(run_dir: Path, save_every: int) -> str:
     )
 
 
+def _check_resume(path: str, cfg: Config) -> None:
+    """``--check --resume PATH``: the checkpoint the resume would take verifies and its config allows ``cfg``.
+
+    Raises:
+        ValueError: no checkpoint verifies, or a key changed that a resume refuses (one line).
+    """
+    from .config import to_dict
+    from .resume import check_resume_config, find_resume
+
+    found = find_resume(path)
+    for warning in found.warnings:
+        stderr_line(f"flowrl: warning: {warning}")
+    check_resume_config(found.state.get("config"), to_dict(cfg))
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
@@ -85,10 +103,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from .config import load_config, read_yaml, unused_solrl_line
     from .outputs import resume_run_dir
     from .recipe import Run
+    from .resume import check_resume_path
 
     _check_single_process()
     if ns.output is not None and not ns.output.strip():
         raise ValueError("--output must name the run folder; got an empty string; e.g. --output runs/my-run")
+    if ns.resume is not None:
+        check_resume_path(ns.resume)  # "" or a typo: named now, not as a fresh run or a busy output folder
     config, overrides = split_config_args(ns.args)
     run_dir = resume_run_dir(ns.resume) if ns.resume else None
     given = config  # the config files the user named (the run's own config.yaml is not one)
@@ -118,6 +139,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             check_slots(cfg, processes)
         if (unused := unused_solrl_line(cfg.solrl)) is not None:
             stderr_line(f"flowrl: warning: {unused}")
+        if ns.resume:  # the checkpoint verifies and its config allows this one, as the resume will check
+            _check_resume(ns.resume, cfg)
         print(report)
         return 0
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(

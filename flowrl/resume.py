@@ -111,6 +111,20 @@ def latest_good_checkpoint(run_dir: str | Path) -> Resume:
     )
 
 
+def check_resume_path(path: str | Path) -> Path:
+    """``--resume PATH`` as a path that exists (checked before anything else: a typo is named as one).
+
+    Raises:
+        ValueError: an empty path (an unset shell variable would start a fresh run).
+        FileNotFoundError: no such file or folder.
+    """
+    if not str(path).strip():
+        raise ValueError("--resume must name a run folder or one of its checkpoints/iter-N; got an empty string")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--resume {path}: no such folder; pass a run folder or one of its checkpoints/iter-N")
+    return Path(path)
+
+
 def find_resume(path: str | Path) -> Resume:
     """The checkpoint ``flowrl train --resume PATH`` continues from.
 
@@ -126,9 +140,7 @@ def find_resume(path: str | Path) -> Resume:
         ValueError: the checkpoint (or every checkpoint of the run) fails verification, or the run's
             ``metrics.jsonl`` holds a line that is not a row (:func:`flowrl.outputs.read_metrics`).
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"--resume {path}: no such folder; pass a run folder or one of its checkpoints/iter-N")
+    path = check_resume_path(path)
     if not (path / MANIFEST).exists():
         if (path / "checkpoints").is_dir() or any((path / name).exists() for name in RUN_MARKERS):
             return latest_good_checkpoint(path)

@@ -710,3 +710,31 @@ def test_the_param_group_bounds_are_the_optim_config_bounds() -> None:
 
     meta = {f.name: f.metadata for f in dataclasses.fields(OptimConfig)}
     assert GROUP_RANGES == {k: (meta[k]["lo"], meta[k]["hi"], meta[k]["lo_open"]) for k in GROUP_RANGES}
+
+
+def test_an_empty_or_mistyped_resume_path_is_named_before_anything_else(tmp_path, capsys, monkeypatch):
+    """--resume "" (an unset shell variable) trained a fresh run; a typo was blamed on the busy output folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "digits-bold-thin").mkdir(parents=True)
+    (tmp_path / "runs" / "digits-bold-thin" / "metrics.jsonl").write_text("")
+    assert main(["train", *SMALL, "--resume", "", "--output", str(tmp_path / "fresh")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "flowrl: error: --resume must name a run folder or one of its checkpoints/iter-N; got an empty string\n"
+    )
+    assert not (tmp_path / "fresh").exists()
+    assert main(["train", "--resume", "runs/typo"]) == 2
+    assert capsys.readouterr().err.startswith("flowrl: error: --resume runs/typo: no such folder; pass a run folder")
+
+
+def test_check_with_resume_runs_the_resume_s_checks(finished_run, tmp_path, capsys):
+    """--check said "config OK" for a resume the run itself then refused (a changed key, no checkpoint verifying)."""
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    assert main(["train", "--resume", str(run), "--check"]) == 0
+    assert "config OK" in capsys.readouterr().out
+    assert main(["train", "--resume", str(run), "optim.lr=0.01", "--check"]) == 2
+    assert "--resume: optim.lr changed from 0.001 to 0.01 since the checkpoint" in capsys.readouterr().err
+    for folder in (run / "checkpoints").iterdir():
+        (folder / "manifest.json").unlink()
+    assert main(["train", "--resume", str(run), "--check"]) == 2
+    assert "none of its 3 checkpoints verifies" in capsys.readouterr().err

@@ -85,6 +85,34 @@ def _check_resume(path: str, cfg: Config) -> None:
     check_resume_config(found.state.get("config"), to_dict(cfg))
 
 
+def _check_only(cfg: Config, ns: argparse.Namespace, processes: int | None) -> int:
+    """``flowrl train --check``: every check the command would make before it builds anything, then the report.
+
+    The launch's split and slots (``--processes``), the machine (devices, threads, work, memory), the output
+    folder, the resume's checkpoint and config change; keys the Sol-RL mode does not read are warned of.
+
+    Returns:
+        0 (a failed check raises its one-line error).
+    """
+    from .config import unused_solrl_line
+    from .local_launch import check_slots, check_split
+    from .outputs import check_run_dir_free
+    from .resources import check_report
+
+    if processes is not None and processes > 1:
+        check_split(cfg, processes)  # as the launch checks before it starts anything
+    report = check_report(cfg, processes)
+    if processes is not None:
+        check_slots(cfg, processes)
+    check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
+    if (unused := unused_solrl_line(cfg.solrl)) is not None:
+        stderr_line(f"flowrl: warning: {unused}")
+    if ns.resume:  # the checkpoint verifies and its config allows this one, as the resume will check
+        _check_resume(ns.resume, cfg)
+    print(report)
+    return 0
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     """``flowrl train``: load the config (files + overrides), run training and print a summary.
 
@@ -100,7 +128,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     Returns:
         The exit code: 0, or a launch's.
     """
-    from .config import load_config, read_yaml, unused_solrl_line
+    from .config import load_config, read_yaml
     from .outputs import resume_run_dir
     from .recipe import Run
     from .resume import check_resume_path
@@ -128,21 +156,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
         from .local_launch import parse_processes, resolve_processes
 
         processes = resolve_processes(cfg, parse_processes(ns.processes))
-    if ns.check:
-        from .local_launch import check_slots, check_split
-        from .resources import check_report
-
-        if processes is not None and processes > 1:
-            check_split(cfg, processes)  # as the launch checks before it starts anything
-        report = check_report(cfg, processes)
-        if processes is not None:
-            check_slots(cfg, processes)
-        if (unused := unused_solrl_line(cfg.solrl)) is not None:
-            stderr_line(f"flowrl: warning: {unused}")
-        if ns.resume:  # the checkpoint verifies and its config allows this one, as the resume will check
-            _check_resume(ns.resume, cfg)
-        print(report)
-        return 0
     dir_given = any(o.split("=", 1)[0].strip() == "output.dir" for o in overrides) or any(
         "dir" in (read_yaml(path).get("output") or {}) for path in given or []
     )
@@ -150,6 +163,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.output.dir = ns.output
     elif run_dir is not None and not dir_given:
         cfg.output.dir = str(run_dir)
+    if ns.check:
+        return _check_only(cfg, ns, processes)
     if processes is not None and processes > 1:  # every rank runs this command again without --processes
         from .local_launch import launch_training
 

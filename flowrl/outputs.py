@@ -61,10 +61,19 @@ def check_run_dir_free(path: str | Path, overwrite: bool, resume: str | None = N
     """Refuse a run folder that already holds files, before anything is built or launched.
 
     Raises:
-        FileExistsError: the folder holds files and ``overwrite`` is not given, or it is not a run
-            (:func:`check_overwritable`); with ``resume``, it holds files and is not the resumed run's folder.
+        FileExistsError: a file stands at ``path``; the folder holds files and ``overwrite`` is not given, or it
+            is not a run (:func:`check_overwritable`); with ``resume``, it holds files and is not the resumed
+            run's folder.
+        ValueError: the folder, or the nearest one above it, is not writable or is a file
+            (:func:`check_writable_place`).
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"output folder {path} is a file; set output.dir=<new folder>")
+    if not path.is_dir():
+        check_writable_place(path, "output.dir")  # the nearest folder above it
+    elif not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"output.dir {path} is not writable; pass a folder you can write to")
     if not (path.is_dir() and any(path.iterdir())):
         return
     if resume is not None:  # a resume continues in its own run folder; any other folder's files are another run's

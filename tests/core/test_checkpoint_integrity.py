@@ -593,7 +593,7 @@ def test_an_empty_section_gained_on_resume_is_a_change():
     saved["guards"] = {}
     current = json.loads(json.dumps(saved))
     current["guards"] = {"ink": {}}
-    with pytest.raises(ValueError, match=r"^--resume: guards"):
+    with pytest.raises(ValueError, match=r"^--resume: guard .ink. \(guards.ink\) was added"):
         check_resume_config(saved, current)
 
 
@@ -738,3 +738,20 @@ def test_check_with_resume_runs_the_resume_s_checks(finished_run, tmp_path, caps
         (folder / "manifest.json").unlink()
     assert main(["train", "--resume", str(run), "--check"]) == 2
     assert "none of its 3 checkpoints verifies" in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_a_file_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """It failed after the model load, the base grid and the start evaluation; --check said config OK."""
+    import flowrl.recipe
+
+    monkeypatch.setattr(flowrl.recipe, "build_policy", lambda *a, **k: pytest.fail("the model was built"))
+    afile = tmp_path / "afile"
+    afile.write_text("keep\n")
+    for out, line in (
+        (afile, f"output folder {afile} is a file; set output.dir=<new folder>"),
+        (afile / "sub", f"output.dir {afile / 'sub'}: {afile} is a file, not a folder"),
+    ):
+        for check in ([], ["--check"]):
+            assert main(["train", *SMALL, "--output", str(out), *check]) == 2
+            assert capsys.readouterr().err.startswith(f"flowrl: error: {line}")
+    assert afile.read_text() == "keep\n"

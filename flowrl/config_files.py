@@ -124,7 +124,10 @@ def merge_layers(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the last silently).
+
+    Merge keys (``<<: *anchor``) work as in ``yaml.safe_load``: a key written beside them overrides the merged one.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         """Build a mapping, raising on a duplicated key.
@@ -134,6 +137,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         """
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": merged (and overridable) by super()
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

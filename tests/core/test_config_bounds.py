@@ -34,6 +34,20 @@ def test_duplicated_yaml_key_is_refused_with_its_line(tmp_path):
         load_config(str(path))
 
 
+def test_yaml_merge_keys_load_as_safe_load_reads_them(tmp_path):
+    """``<<: *anchor`` was "invalid YAML (could not determine a constructor for the tag ...merge)"."""
+    path = tmp_path / "run.yaml"
+    path.write_text("base: &short {iterations: 3, eval_every: 3}\ntrain:\n  <<: *short\n  eval_every: 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'base'"):
+        load_config(str(path))  # the anchor's own key is still a key of the file
+    path.write_text("train:\n  <<: &short {iterations: 3, eval_every: 3}\n  eval_every: 1\n")
+    cfg = load_config(str(path))
+    assert (cfg.train.iterations, cfg.train.eval_every) == (3, 1)  # the key beside the merge overrides it
+    path.write_text("train:\n  <<: {iterations: 3}\n  eval_every: 1\n  eval_every: 2\n")
+    with pytest.raises(ConfigError, match=r"line 4: invalid YAML \(duplicated key 'eval_every'; keep one\)"):
+        load_config(str(path))
+
+
 def _alias_bomb(levels: int) -> str:
     """YAML of nested aliases under rewards.ink: each level lists the one before 9 times (9^levels values)."""
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]

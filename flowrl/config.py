@@ -22,12 +22,14 @@ from .config_files import ConfigError, UniqueKeyLoader, merge_layers, parse_over
 __all__ = ["ConfigError", "Config", "UniqueKeyLoader", "load_config", "parse_overrides", "read_yaml", "to_dict"]
 
 
-def _rng(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, note: str = "") -> dict[str, Any]:
-    """Field metadata: the allowed range ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), applied to each item of a list.
+def _rng(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False, note: str = ""
+) -> dict[str, Any]:
+    """Field metadata: the allowed range ``[lo, hi]`` (open ends with ``lo_open`` / ``hi_open``), for each list item.
 
     ``note`` is appended to the error message (why the bound exists, what is typical).
     """
-    return {"lo": lo, "hi": hi, "lo_open": lo_open, "note": note}
+    return {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "note": note}
 
 
 MAX_SIDE = 16384  # pixels per side of model.resolution; no supported model goes near it
@@ -62,7 +64,7 @@ class PromptConfig:
     per_iteration: int = field(default=20, metadata=_rng(1, 100_000))  # distinct prompts per iteration
     group_size: int = field(default=8, metadata=_rng(1, 10_000))  # samples per prompt (GRPO group K; 1 with per_prompt)
     test_fraction: float | None = field(
-        default=None, metadata=_rng(0, 1, lo_open=True)
+        default=None, metadata=_rng(0, 1, lo_open=True, hi_open=True)
     )  # hold out this share of prompts.train (by prompt hash) as the eval set
     cache_dir: str | None = None  # persistent prompt-embedding cache (<dir>/<model fingerprint>/<sha256>.safetensors)
     negative: str = ""  # negative prompt of true CFG (used when sampler.guidance_scale != 1)

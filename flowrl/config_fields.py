@@ -87,7 +87,8 @@ def _num(x: float) -> str:
 def _in_range(value: Any, meta: dict[str, Any]) -> bool:
     lo, hi = meta["lo"], meta["hi"]
     bad_lo = lo is not None and (value <= lo if meta["lo_open"] else value < lo)
-    return not (bad_lo or (hi is not None and value > hi))
+    bad_hi = hi is not None and (value >= hi if meta["hi_open"] else value > hi)
+    return not (bad_lo or bad_hi)
 
 
 def _check_range(value: Any, meta: dict[str, Any], key: str, where: str) -> None:
@@ -99,7 +100,7 @@ def _check_range(value: Any, meta: dict[str, Any], key: str, where: str) -> None
         return
     lo, hi = meta["lo"], meta["hi"]
     low = "" if lo is None else (f"> {_num(lo)}" if meta["lo_open"] else f">= {_num(lo)}")
-    high = "" if hi is None else f"<= {_num(hi)}"
+    high = "" if hi is None else (f"< {_num(hi)}" if meta["hi_open"] else f"<= {_num(hi)}")
     what = "items must be" if isinstance(value, list) else "must be"
     note = f" ({meta['note']})" if meta.get("note") else ""
     raise ConfigError(f"{where}: '{key}' {what} {' and '.join(p for p in (low, high) if p)}{note}; got {value!r}")

@@ -13,6 +13,7 @@ from flowrl.config import ConfigError, load_config
         ("objective.updates_per_iteration=0", "objective.updates_per_iteration"),
         ("objective.updates_per_iteration=-2", "objective.updates_per_iteration"),
         ("train.time_budget_s=-5", "train.time_budget_s"),
+        ("prompts.test_fraction=1", "'prompts.test_fraction' must be > 0 and < 1; got 1.0"),  # passed --check
     ],
 )
 def test_out_of_range_values_are_named(override, culprit):

@@ -20,6 +20,7 @@ from .config_files import split_config_args
 from .console import stderr_line
 from .output_commands import cmd_demo, cmd_eval, cmd_export, cmd_gallery, cmd_pretrain_digits, cmd_sample
 from .reward_commands import cmd_reward_new, cmd_rewards_list, cmd_serve_reward
+from .supervisor import Terminated, ignore_stop_signals, stop_code
 
 if TYPE_CHECKING:
     from .config import Config
@@ -48,24 +49,31 @@ def _check_single_process() -> None:
         )
 
 
-def _interrupted_line(run_dir: Path, save_every: int) -> str:
+def _stopped_by(err: KeyboardInterrupt) -> str:
+    """``interrupted`` for a Ctrl-C, ``stopped by SIGTERM`` for a :class:`~flowrl.supervisor.Terminated`."""
+    return "stopped by SIGTERM" if isinstance(err, Terminated) else "interrupted"
+
+
+def _interrupted_line(run_dir: Path, save_every: int, err: KeyboardInterrupt) -> str:
     """What an interrupted ``flowrl train`` leaves: the command that resumes it, or that nothing can.
 
     Args:
         run_dir: the run folder.
         save_every: ``train.save_every``, named when no checkpoint was written yet.
+        err: the stop (a Ctrl-C, or a SIGTERM: :class:`~flowrl.supervisor.Terminated`).
 
     Returns:
-        One ``flowrl: interrupted; ...`` line.
+        One ``flowrl: interrupted; ...`` (or ``flowrl: stopped by SIGTERM; ...``) line.
     """
     from .resume import checkpoint_folders
 
     finished = [folder for folder in checkpoint_folders(run_dir) if (folder / "manifest.json").is_file()]
+    how = _stopped_by(err)
     if finished:
         iteration = int(finished[0].name.removeprefix("iter-"))
-        return f"flowrl: interrupted; continue from iteration {iteration} with: flowrl train --resume {run_dir}"
+        return f"flowrl: {how}; continue from iteration {iteration} with: flowrl train --resume {run_dir}"
     return (
-        f"flowrl: interrupted before the run's first checkpoint (train.save_every={save_every}), so it cannot be "
+        f"flowrl: {how} before the run's first checkpoint (train.save_every={save_every}), so it cannot be "
         "resumed; rerun it with --overwrite, and set a smaller train.save_every to checkpoint sooner"
     )
 
@@ -172,10 +180,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     run = Run(cfg, overwrite=ns.overwrite, resume=ns.resume)
     try:
         summary = run.execute()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        ignore_stop_signals()  # the run has closed; a second Ctrl-C must not cut the line below into a traceback
         if run.is_main:  # rank 0 speaks for a launch; the others stop quietly
-            stderr_line(_interrupted_line(Path(cfg.output.dir), cfg.train.save_every))
-        return 130
+            stderr_line(_interrupted_line(Path(cfg.output.dir), cfg.train.save_every, err))
+        return stop_code(err)
     if not run.is_main:  # rank 0 reports for the whole launch
         return 0
     start, end = summary["start"], summary["end"]
@@ -454,9 +463,10 @@ def _run(argv: list[str]) -> int:
         where = f" ({str(err.filename)[:120]})" if err.filename else ""
         stderr_line(f"flowrl: error: {err.strerror or err}{where}; check the path, or set FLOWRL_DEBUG=1 for a trace")
         return 2
-    except KeyboardInterrupt:
-        stderr_line("flowrl: interrupted; checkpoints written so far are kept")
-        return 130
+    except KeyboardInterrupt as err:
+        ignore_stop_signals()
+        stderr_line(f"flowrl: {_stopped_by(err)}; checkpoints written so far are kept")
+        return stop_code(err)
 
 
 if __name__ == "__main__":

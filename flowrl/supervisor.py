@@ -69,18 +69,41 @@ def setup_child() -> None:
 
     The report pipe is kept from grandchildren. A background launch (``nohup ... &``) starts with SIGINT
     ignored, which Python keeps; the supervisor forwards SIGINT as a stop request, so it is re-armed here.
+    A SIGTERM (a job scheduler, ``kill``) stops the run as a Ctrl-C does (:class:`Terminated`): the run
+    ends cleanly and says how to resume, instead of dying without a word.
     """
     import faulthandler
     import signal
 
     faulthandler.enable()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "WORLD_SIZE" not in os.environ:  # a rank of a launch is stopped by its launcher, which names how
+        signal.signal(signal.SIGTERM, _terminate)
     fd = _report_fd()
     if fd is not None:
         try:
             os.set_inheritable(fd, False)
         except OSError:
             pass
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM asking a supervised ``flowrl train`` to stop: handled as a Ctrl-C, the exit code 143 (128 + 15)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def stop_code(err: KeyboardInterrupt) -> int:
+    """The exit code of a run stopped by ``err``: 143 for a SIGTERM (:class:`Terminated`), 130 for a Ctrl-C."""
+    return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore further SIGINT / SIGTERM while a stopped run prints its last line (a second one made a traceback)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 REPORTED, LAUNCHED = b"1", b"L"

@@ -351,6 +351,7 @@ def test_check_refuses_a_misspelt_reward_option_without_building_the_run(capsys)
 def test_an_interrupted_run_names_its_newest_finished_checkpoint(tmp_path: Path) -> None:
     """With several finished checkpoints the interrupted line resumes from the newest one, not the oldest."""
     from flowrl.cli import _interrupted_line
+    from flowrl.supervisor import Terminated, stop_code
 
     for iteration in (2, 4, 6):
         folder = tmp_path / "checkpoints" / f"iter-{iteration:06d}"
@@ -358,9 +359,11 @@ def test_an_interrupted_run_names_its_newest_finished_checkpoint(tmp_path: Path)
         if iteration != 6:  # iter-6 lost its manifest: not finished
             (folder / "manifest.json").write_text("{}")
     assert (
-        _interrupted_line(tmp_path, 2)
+        _interrupted_line(tmp_path, 2, KeyboardInterrupt())
         == f"flowrl: interrupted; continue from iteration 4 with: flowrl train --resume {tmp_path}"
     )
+    assert _interrupted_line(tmp_path, 2, Terminated()).startswith("flowrl: stopped by SIGTERM; continue from iter")
+    assert (stop_code(KeyboardInterrupt()), stop_code(Terminated())) == (130, 143)
 
 
 def test_a_leftover_argument_of_a_command_without_overrides_is_a_usage_error() -> None:

@@ -108,8 +108,8 @@ def test_signals_to_the_supervisor_reach_the_training_process(tmp_path, tiny_mod
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr[-3000:]
     assert not error_lines(stderr) and "Traceback" not in stderr  # an asked-for stop is no crash
-    if sig == signal.SIGINT:
-        assert "flowrl: interrupted before the run's first checkpoint" in stderr  # and so it says it cannot resume
+    how = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"  # SIGTERM ended it without a word
+    assert f"flowrl: {how} before the run's first checkpoint" in stderr  # and so it says it cannot resume
 
 
 def test_a_launch_ends_with_one_line_only_when_it_did_not_succeed():

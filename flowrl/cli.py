@@ -102,7 +102,7 @@ def _check_only(cfg: Config, ns: argparse.Namespace, processes: int | None) -> i
     Returns:
         0 (a failed check raises its one-line error).
     """
-    from .config import unused_solrl_line
+    from .config import unread_key_lines
     from .local_launch import check_slots, check_split
     from .outputs import check_run_dir_free
     from .resources import check_report
@@ -113,8 +113,8 @@ def _check_only(cfg: Config, ns: argparse.Namespace, processes: int | None) -> i
     if processes is not None:
         check_slots(cfg, processes)
     check_run_dir_free(cfg.output.dir, ns.overwrite, ns.resume)
-    if (unused := unused_solrl_line(cfg.solrl)) is not None:
-        stderr_line(f"flowrl: warning: {unused}")
+    for line in unread_key_lines(cfg):
+        stderr_line(f"flowrl: warning: {line}")
     if ns.resume:  # the checkpoint verifies and its config allows this one, as the resume will check
         _check_resume(ns.resume, cfg)
     print(report)

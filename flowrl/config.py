@@ -323,6 +323,41 @@ def unused_solrl_line(s: SolRLConfig) -> str | None:
     return f"solrl.mode={s.mode} does not read {', '.join(changed)} (docs/solrl.md)"
 
 
+def unread_key_lines(cfg: Config) -> list[str]:
+    """Warnings for keys set away from their defaults that this run never reads (a feature left off).
+
+    Refused combinations fail when the config loads (:func:`validate_rollout_options`, :func:`validate_solrl`);
+    these are legal but inert: ``solrl`` keys the mode does not read (:func:`unused_solrl_line`),
+    ``sampler.solver`` with Flow-SDE or tree rollouts, ``sampler.tree`` without trees, and
+    ``prompts.negative`` without true CFG (``sampler.guidance_scale: 1``).
+
+    Returns:
+        One line per inert key group, for ``flowrl: warning:`` (``flowrl train`` and ``--check``).
+    """
+    from .objectives import OBJECTIVES
+
+    s, name = cfg.sampler, cfg.objective["name"]
+    rollout = OBJECTIVES[name](**cfg.objective).rollout
+    lines = [line] if (line := unused_solrl_line(cfg.solrl)) is not None else []
+    if rollout != "solver" and s.solver != SamplerConfig.solver:
+        lines.append(
+            f"sampler.solver={s.solver} is not read: objective.name={name} samples its rollouts on the Flow-SDE "
+            "(sampler.sde); drop it"
+        )
+    grows_trees = rollout == "tree" or s.solver == "tree"
+    tree = [f.name for f in dataclasses.fields(s.tree) if getattr(s.tree, f.name) != getattr(TreeConfig(), f.name)]
+    if tree and not grows_trees:
+        lines.append(
+            f"sampler.tree.{tree[0]} is not read: only tree rollouts grow trees (objective.name=branch_grpo, "
+            "sage_grpo with objective.tree=true, or sampler.solver=tree for diffusion_nft / awm); drop it"
+        )
+    if cfg.prompts.negative and s.guidance_scale == 1:
+        lines.append(
+            "prompts.negative is not read: the negative prompt is true CFG's, used when sampler.guidance_scale != 1"
+        )
+    return lines
+
+
 def validate_solrl(cfg: Config, where: str) -> None:
     """Cross-key checks of the ``solrl`` section against the objective, the sampler and the batch.
 

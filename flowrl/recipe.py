@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from .checkpoint import save_checkpoint
-from .config import Config, to_dict, unused_solrl_line
+from .config import Config, to_dict, unread_key_lines
 from .console import stderr_line
 from .distributed import Collective, batch_geometry, check_rank_device, join_launch
 from .evaluation.heldout import HeldOutResult
@@ -124,8 +124,8 @@ class Run:
         check_machine(cfg, processes=self.collective.world_size)  # devices, threads, work, memory: before any build
         if cfg.output.wandb and self.is_main:
             require_wandb()  # enabled but not installed: one line, before the model loads
-        if self.is_main and (unused := unused_solrl_line(cfg.solrl)) is not None:
-            stderr_line(f"flowrl: warning: {unused}")
+        for line in unread_key_lines(cfg) if self.is_main else []:  # a feature left off: its keys are inert
+            stderr_line(f"flowrl: warning: {line}")
         self.out = Path(cfg.output.dir)
         check_run_dir_free(self.out, overwrite, resume)
         self.overwrite = overwrite

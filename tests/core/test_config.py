@@ -163,3 +163,38 @@ def test_cross_key_checks_refuse_in_one_line(override: list[str], fragment: str)
     with pytest.raises(ConfigError) as err:
         load_config(None, override)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "path, overrides, fragment",
+    [
+        (
+            "configs/grpo/digits.yaml",
+            ["sampler.solver=heun"],
+            "sampler.solver=heun is not read: objective.name=flow_gr",
+        ),
+        ("configs/branch/digits.yaml", ["sampler.solver=euler"], "sampler.solver=euler is not read"),
+        ("configs/grpo/digits.yaml", ["sampler.tree.width_keep=0.5"], "sampler.tree.width_keep is not read: only tree"),
+        ("configs/nft/digits.yaml", ["prompts.negative=blurry"], "prompts.negative is not read: the negative prompt"),
+        ("configs/nft/digits.yaml", ["solrl.candidates=64"], "solrl.mode=off, so solrl.candidates=64 is not read"),
+    ],
+)
+def test_keys_of_a_feature_left_off_are_named_in_one_warning_each(path, overrides, fragment):
+    """Each was accepted and ignored (a Flow-GRPO run with sampler.solver=heun logged the default run's figures)."""
+    from flowrl.config import unread_key_lines
+
+    assert unread_key_lines(load_config(path)) == []
+    (line,) = unread_key_lines(load_config(path, overrides))
+    assert fragment in line and "\n" not in line
+
+
+def test_keys_a_run_reads_raise_no_warning():
+    from flowrl.config import unread_key_lines
+
+    for path, overrides in (
+        ("configs/nft/digits.yaml", ["sampler.solver=heun"]),
+        ("configs/nft/digits.yaml", ["sampler.solver=tree", "sampler.tree.width_keep=0.5"]),
+        ("configs/branch/digits.yaml", ["sampler.tree.width_keep=0.5"]),
+        ("configs/grpo/digits.yaml", ["prompts.negative=blurry", "sampler.guidance_scale=3"]),
+    ):
+        assert unread_key_lines(load_config(path, overrides)) == [], overrides

@@ -105,6 +105,12 @@ def latest_good_checkpoint(run_dir: str | Path) -> Resume:
             return Resume(folder, load_checkpoint(folder), warnings)
         except CheckpointError as err:
             warnings.append(f"checkpoint {folder}: {err.reason}; trying the previous one")
+    if last is not None and all(int(f.name.removeprefix("iter-")) > last for f in folders):
+        raise ValueError(
+            f"--resume {run_dir}: its metrics.jsonl ends at step {last}, before every checkpoint (newest "
+            f"{folders[0].name}): rows were lost (truncated or edited); restore metrics.jsonl, or resume from one "
+            f"checkpoint folder ({folders[0]}), leaving the missing rows missing"
+        )
     first = warnings[0].removesuffix("; trying the previous one")
     raise ValueError(
         f"--resume {run_dir}: none of its {len(folders)} checkpoints verifies (newest: {first}); start a new run"
@@ -147,9 +153,16 @@ def find_resume(path: str | Path) -> Resume:
         if path.name == "checkpoints":
             return latest_good_checkpoint(path.parent)
     run = resume_run_dir(path)
+    warnings = []
     if run is not None:  # the resume rewrites its metrics: a bad row fails now, before the model loads
-        read_metrics(run / "metrics.jsonl")
-    return Resume(path, load_checkpoint(path), [])
+        logged = [step for step, _ in read_metrics(run / "metrics.jsonl")]
+        step = int(path.name.removeprefix("iter-")) if path.name.removeprefix("iter-").isdecimal() else None
+        if logged and step is not None and max(logged) < step:
+            warnings.append(
+                f"{run / 'metrics.jsonl'} ends at step {max(logged)}, before this checkpoint's {step}: the run's "
+                f"metrics will have no rows from {max(logged) + 1} to {step}"
+            )
+    return Resume(path, load_checkpoint(path), warnings)
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int, upto: int) -> list[Path]:

@@ -390,6 +390,27 @@ def test_a_checkpoint_past_the_last_logged_step_is_skipped(tmp_path):
     assert latest_good_checkpoint(run).path.name == "iter-000004"  # a run that got there: its newest
 
 
+def test_metrics_that_lost_rows_are_named_not_blamed_on_the_checkpoints(tmp_path):
+    """Every checkpoint past a truncated metrics.jsonl: it said "none of its 2 checkpoints verifies; start a new
+    run" though both verify; one checkpoint folder resumed with a silent gap in the metrics."""
+    from flowrl.resume import find_resume
+
+    run = _run_with(tmp_path, 2)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ValueError) as err:
+        latest_good_checkpoint(run)
+    assert str(err.value) == (
+        f"--resume {run}: its metrics.jsonl ends at step 0, before every checkpoint (newest iter-000002): rows were "
+        f"lost (truncated or edited); restore metrics.jsonl, or resume from one checkpoint folder "
+        f"({run / 'checkpoints' / 'iter-000002'}), leaving the missing rows missing"
+    )
+    found = find_resume(run / "checkpoints" / "iter-000002")
+    assert found.warnings == [
+        f"{run / 'metrics.jsonl'} ends at step 0, before this checkpoint's 2: the run's "
+        "metrics will have no rows from 1 to 2"
+    ]
+
+
 def test_no_checkpoint_verifies(tmp_path):
     run = _run_with(tmp_path, 2)
     for folder in (run / "checkpoints").iterdir():

@@ -105,3 +105,13 @@ def load_adapter(
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
         raise ValueError(f"model {model_id!r} could not be loaded from {folder} ({reason}); {fix}") from None
+    except ValueError as err:
+        if "expected shape" not in str(err):
+            raise
+        # diffusers' size check: a component's config.json no longer describes its weights (edited or swapped)
+        shape = str(err).split(" because ", 1)[-1].split(". ", 1)[0]
+        fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
+        raise ValueError(
+            f"model {model_id!r} could not be loaded from {folder}: a component's config.json does not describe its "
+            f"weights ({shape}); restore that config.json, or {fix}"
+        ) from None

@@ -101,6 +101,20 @@ def test_a_damaged_weight_file_is_named_in_one_line_before_loading(flux_folder, 
     assert "hf download black-forest-labs/FLUX.1-dev" in msg and "model.path=" in msg
 
 
+def test_a_config_json_that_no_longer_describes_its_weights_is_one_line_naming_the_fix(flux_folder, tmp_path):
+    """diffusers' own line advised ignore_mismatched_sizes=True (random weights) and named no folder."""
+    broken = tmp_path / "flux"
+    shutil.copytree(flux_folder, broken)
+    config = json.loads((broken / "transformer" / "config.json").read_text())
+    config["joint_attention_dim"] *= 2
+    (broken / "transformer" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        load_adapter(str(broken))
+    msg = str(err.value)
+    assert "\n" not in msg and f"could not be loaded from {broken}: a component's config.json does not" in msg
+    assert "expected shape" in msg and "ignore_mismatched_sizes" not in msg and "restore that config.json" in msg
+
+
 class _Planted:
     """A pickle that would create ``path`` when unpickled without restriction."""
 

@@ -97,7 +97,8 @@ def _check_only(cfg: Config, ns: argparse.Namespace, processes: int | None) -> i
     """``flowrl train --check``: every check the command would make before it builds anything, then the report.
 
     The launch's split and slots (``--processes``), the machine (devices, threads, work, memory), the output
-    folder, the resume's checkpoint and config change; keys the Sol-RL mode does not read are warned of.
+    folder, the resume's checkpoint and config change; keys of a feature the run leaves off are warned of
+    (:func:`~flowrl.config.unread_key_lines`).
 
     Returns:
         0 (a failed check raises its one-line error).

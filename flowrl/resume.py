@@ -94,8 +94,10 @@ def latest_good_checkpoint(run_dir: str | Path) -> Resume:
     warnings: list[str] = []
     logged = [step for step, _ in read_metrics(Path(run_dir) / "metrics.jsonl")]
     last = max(logged) if logged else None  # every checkpoint's step is logged before the checkpoint is written
+    past = 0  # checkpoints skipped for being past the last logged step
     for folder in folders:
         if last is not None and int(folder.name.removeprefix("iter-")) > last:
+            past += 1
             warnings.append(
                 f"checkpoint {folder}: past the run's last logged step {last} (left by a resume from an earlier "
                 "checkpoint that stopped before it got there); trying the previous one"
@@ -105,7 +107,7 @@ def latest_good_checkpoint(run_dir: str | Path) -> Resume:
             return Resume(folder, load_checkpoint(folder), warnings)
         except CheckpointError as err:
             warnings.append(f"checkpoint {folder}: {err.reason}; trying the previous one")
-    if last is not None and all(int(f.name.removeprefix("iter-")) > last for f in folders):
+    if past == len(folders):
         raise ValueError(
             f"--resume {run_dir}: its metrics.jsonl ends at step {last}, before every checkpoint (newest "
             f"{folders[0].name}): rows were lost (truncated or edited); restore metrics.jsonl, or resume from one "
@@ -155,12 +157,12 @@ def find_resume(path: str | Path) -> Resume:
     run = resume_run_dir(path)
     warnings = []
     if run is not None:  # the resume rewrites its metrics: a bad row fails now, before the model loads
-        logged = [step for step, _ in read_metrics(run / "metrics.jsonl")]
-        step = int(path.name.removeprefix("iter-")) if path.name.removeprefix("iter-").isdecimal() else None
-        if logged and step is not None and max(logged) < step:
+        last = max((step for step, _ in read_metrics(run / "metrics.jsonl")), default=None)
+        step = int(named.group(1)) if (named := CHECKPOINT_NAME.fullmatch(path.name)) else None
+        if last is not None and step is not None and last < step:
             warnings.append(
-                f"{run / 'metrics.jsonl'} ends at step {max(logged)}, before this checkpoint's {step}: the run's "
-                f"metrics will have no rows from {max(logged) + 1} to {step}"
+                f"{run / 'metrics.jsonl'} ends at step {last}, before this checkpoint's {step}: the run's "
+                f"metrics will have no rows from {last + 1} to {step}"
             )
     return Resume(path, load_checkpoint(path), warnings)
 

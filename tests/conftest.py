@@ -185,3 +185,13 @@ def custom_code_folder(source, tmp_path, diffusers_class: str):
     for where in (folder, folder / "transformer"):
         (where / "my_transformer.py").write_text(code)
     return folder, index, marker
+
+
+class PlantedPickle:
+    """A pickle that would create ``path`` when unpickled without restriction (safe loaders must refuse it)."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

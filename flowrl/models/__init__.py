@@ -87,6 +87,7 @@ def load_adapter(
     folder = pipeline_folder(path)
     cls_name = read_model_index(folder).get("_class_name", "")
     model_id = EMBEDDED if path in (None, EMBEDDED) else str(path)
+    fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
     try:
         return load_pipeline_adapter(
             cls_name,
@@ -103,14 +104,12 @@ def load_adapter(
             raise ValueError(pickle_refusal(f"model {model_id!r}", folder, refused)) from None
         # diffusers / transformers raise errno-less OSErrors for a component's unreadable or missing config
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
         raise ValueError(f"model {model_id!r} could not be loaded from {folder} ({reason}); {fix}") from None
     except ValueError as err:
         if "expected shape" not in str(err):
             raise
         # diffusers' size check: a component's config.json no longer describes its weights (edited or swapped)
         shape = str(err).split(" because ", 1)[-1].split(". ", 1)[0]
-        fix = REBUILD_EMBEDDED if model_id == EMBEDDED else download_fix(model_id, KNOWN_REPOS.get(str(cls_name)))
         raise ValueError(
             f"model {model_id!r} could not be loaded from {folder}: a component's config.json does not describe its "
             f"weights ({shape}); restore that config.json, or {fix}"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import custom_code_folder
+from conftest import PlantedPickle, custom_code_folder
 from tiny_flow_pipelines import tiny_flux, tiny_flux_pipeline
 
 from flowrl.models import load_adapter
@@ -115,16 +115,6 @@ def test_a_config_json_that_no_longer_describes_its_weights_is_one_line_naming_t
     assert "expected shape" in msg and "ignore_mismatched_sizes" not in msg and "restore that config.json" in msg
 
 
-class _Planted:
-    """A pickle that would create ``path`` when unpickled without restriction."""
-
-    def __init__(self, path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 @pytest.mark.parametrize(
     "component, name", [("transformer", "diffusion_pytorch_model.bin"), ("text_encoder_2", "pytorch_model.bin")]
 )
@@ -137,7 +127,7 @@ def test_a_pickle_the_safe_loader_refuses_is_one_line_naming_the_file_and_never_
     for f in (broken / component).glob("*.safetensors"):
         f.unlink()
     marker = tmp_path / "PLANTED"
-    (broken / component / name).write_bytes(pickle.dumps(_Planted(marker), protocol=2))
+    (broken / component / name).write_bytes(pickle.dumps(PlantedPickle(marker), protocol=2))
     with pytest.raises(ValueError) as err:
         load_adapter(str(broken))
     msg = str(err.value)

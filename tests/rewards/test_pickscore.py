@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import PlantedPickle
 from tiny_reward_weights import IMAGE, clip_tokenizer, save_clip_folder, save_clip_processor, tiny_clip_model
 
 from flowrl.rewards.image_preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_pixels, normalize
@@ -56,21 +57,11 @@ def test_pickle_checkpoint_loads_with_weights_only(tmp_path, folders):
     torch.testing.assert_close(scores, _reference(images, PROMPTS[:2]), rtol=1e-5, atol=1e-5)
 
 
-class _Planted:
-    """A pickle that would create ``path`` when unpickled without restriction."""
-
-    def __init__(self, path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_a_pickle_the_safe_loader_refuses_is_one_line_naming_the_file_and_never_runs(tmp_path, folders):
     """transformers let torch's UnpicklingError through: a traceback naming no file, advising weights_only=False."""
     folder = save_clip_folder(tmp_path / "bin", pickle=True)
     marker = tmp_path / "PLANTED"
-    torch.save({"text_model.embeddings.position_ids": _Planted(marker)}, folder / "pytorch_model.bin")
+    torch.save({"text_model.embeddings.position_ids": PlantedPickle(marker)}, folder / "pytorch_model.bin")
     with pytest.raises(ValueError) as err:
         pickscore(model=str(folder), processor=str(folders[1]))
     msg = str(err.value)
